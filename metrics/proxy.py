@@ -1,0 +1,41 @@
+"""Request, queue and backend metrics of the proxy."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from prefixd.metrics import REGISTRY
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+REQUESTS = Counter("prefixd_requests_total", "Requests answered, by backend, model and HTTP status.",
+                   ["backend", "model", "status"], registry=REGISTRY)
+REQUEST_DURATION = Histogram("prefixd_request_duration_seconds",
+                             "Time from request arrival to the last byte sent.",
+                             ["backend", "model"], buckets=_LAT, registry=REGISTRY)
+QUEUE_WAIT = Histogram("prefixd_queue_wait_seconds", "Time a request waited for its backend slot.",
+                       ["backend"], buckets=(0.001,) + _LAT, registry=REGISTRY)
+TTFT = Histogram("prefixd_time_to_first_token_seconds",
+                 "Time from request arrival to the first streamed content chunk.",
+                 ["backend", "model"], buckets=_LAT, registry=REGISTRY)
+QUEUE_DEPTH = Gauge("prefixd_queue_depth", "Requests waiting for a backend slot.", ["backend"],
+                    registry=REGISTRY)
+IN_FLIGHT = Gauge("prefixd_in_flight", "Requests being served by a backend.", ["backend"],
+                  registry=REGISTRY)
+QUEUE_REJECTED = Counter("prefixd_queue_rejected_total",
+                         "Requests refused by a queue, by reason (full, timeout, disconnect, shutdown).",
+                         ["backend", "reason"], registry=REGISTRY)
+BACKEND_UP = Gauge("prefixd_backend_up", "1 if the backend answered its last health check.",
+                   ["backend"], registry=REGISTRY)
+BACKEND_STATE = Gauge("prefixd_backend_state",
+                      "Managed backend process state (1 for the current state).",
+                      ["backend", "state"], registry=REGISTRY)
+BACKEND_RESTARTS = Counter("prefixd_backend_restarts_total",
+                           "Managed worker restarts after a crash.", ["backend"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("prefixd_prompt_tokens_total", "Prompt tokens reported by backends.",
+                        ["backend", "model"], registry=REGISTRY)
+CACHED_TOKENS = Counter("prefixd_cached_prompt_tokens_total",
+                        "Prompt tokens the backend served from its cache "
+                        "(usage.prompt_tokens_details.cached_tokens).",
+                        ["backend", "model"], registry=REGISTRY)
+COMPLETION_TOKENS = Counter("prefixd_completion_tokens_total",
+                            "Completion tokens reported by backends.", ["backend", "model"],
+                            registry=REGISTRY)
