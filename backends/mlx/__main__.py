@@ -1,0 +1,142 @@
+"""`python -m prefixd.backends.mlx` / `prefixd worker`: run one mlx worker process.
+
+Owns: the worker's command line, its process lifecycle (BLAS re-exec, signals, following its
+parent's death, ordered shutdown) and the listening socket. Settings come from the environment
+(PREFIXD_*; the supervisor passes worker settings that way). The HTTP server starts first and
+answers /health with 503 until the model is loaded, so a supervisor can tell "loading" from
+"dead". SIGTERM/SIGINT, or the parent process going away, stop it within a couple of seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
+from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.worker import create_app
+from prefixd.proxy.settings import Settings
+
+log = logging.getLogger("prefixd.worker")
+# Set by the supervisor to its own pid: the worker exits when that process is gone.
+PARENT_PID_ENV = "PREFIXD_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 1.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixd worker",
+                                description="Serve one mlx-lm model with prefix checkpoints "
+                                "(OpenAI API). Settings: PREFIXD_* environment variables.")
+    p.add_argument("--model", help="model folder, Hub id or built-in name "
+                   "(default: PREFIXD_DEFAULT_MODEL)")
+    p.add_argument("--served-name", help="model id in /v1/models and responses "
+                   "(default: the folder name or the --model value)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8401)
+    p.add_argument("--unix-socket", type=Path, help="listen on this socket instead of a port")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = Settings()
+    # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
+    reexec_with_blas(enabled=settings.use_system_blas)
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = _follow_parent()
+    spec = args.model or settings.default_model
+    name = args.served_name or (Path(spec).name if "/" in spec else spec)
+    generator = Generator(settings)
+    rc, drained = asyncio.run(_serve(args, settings, generator, spec, name, parent))
+    if not drained:
+        # The generation thread is inside a call that cannot be interrupted (loading a model);
+        # interpreter exit would join it, so leave now.
+        logging.shutdown()
+        os._exit(rc)
+    return rc
+
+
+def _follow_parent() -> int | None:
+    """On Linux ask the kernel for SIGTERM when the parent dies; return the pid to poll."""
+    raw = os.environ.get(PARENT_PID_ENV)
+    if not raw:
+        return None
+    expected = int(raw)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            log.warning("worker: prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != expected:  # it died before prctl took effect
+        log.warning("worker: parent %d is already gone; exiting", expected)
+        raise SystemExit(0)
+    return expected
+
+
+async def _watch_parent(expected: int, stop: asyncio.Event) -> None:
+    # macOS has no PDEATHSIG: an orphan is re-parented, which getppid() shows.
+    while os.getppid() == expected:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("worker: parent %d is gone; shutting down", expected)
+    stop.set()
+
+
+async def _serve(args: argparse.Namespace, settings: Settings, generator: Generator,
+                 spec: str, name: str, parent: int | None) -> tuple[int, bool]:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch_parent(parent, stop)) if parent else None
+    runner = web.AppRunner(create_app(generator, name, settings), handler_cancellation=True,
+                           shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    if args.unix_socket:
+        site: web.BaseSite = web.UnixSite(runner, str(args.unix_socket))
+    else:
+        site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    log.info("worker: listening on %s; BLAS: %s", site.name, describe_blas())
+    rc = await _load_then_wait(generator, spec, name, stop)
+    log.info("worker: stopping")
+    generator.cancel_all()  # every in-flight generation ends within one decode step
+    await runner.cleanup()
+    drained = await generator.drain(timeout=2.0)
+    generator.close()
+    if watcher:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    return rc, drained
+
+
+async def _load_then_wait(generator: Generator, spec: str, name: str,
+                          stop: asyncio.Event) -> int:
+    """Load the model (unless told to stop first), then serve until told to stop."""
+    loading = asyncio.create_task(generator.load(spec))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        loading.cancel()  # the thread keeps loading; main() does not wait for it
+        return 0
+    if (error := loading.exception()) is not None:
+        stopping.cancel()
+        log.error("worker: cannot load model %s: %s", spec, error)
+        return 1
+    log.info("worker: serving %s as %r; BLAS: %s", spec, name, describe_blas())
+    await stopping
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

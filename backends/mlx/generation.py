@@ -1,0 +1,224 @@
+"""The worker's single generation thread: model loading, the Engine, and one job at a time.
+
+Owns: every mlx call of the worker process. Model loading, Engine construction, generation and
+`Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one worker), so the
+Engine and its checkpoint store need no locks, and the executor's FIFO is the request queue.
+A `Job` carries a prompt in and text deltas out (through an asyncio.Queue, thread-safely); its
+`cancel` flag is the Engine's `should_stop`, so a client that goes away stops generation within
+one decode step. The HTTP side lives in `worker.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixd.backends.mlx.chat import Prompt, Sampling
+from prefixd.backends.mlx.oai import StopMatcher
+from prefixd.proxy.errors import ApiError
+from prefixd.proxy.settings import Settings
+
+log = logging.getLogger("prefixd.worker")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a job. `finish_reason`: stop, length, or cancelled (client gone)."""
+
+    finish_reason: str
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = str | Finished | Failed  # str: a text delta
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    engine: Any
+    max_context: int | None
+
+
+@dataclass(eq=False)  # identity-hashed: pending jobs live in a set
+class Job:
+    prompt: Prompt
+    sampling: Sampling
+    max_tokens: int
+    _emit: Callable[[Event], None]
+    _queue: asyncio.Queue[Event]
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop generating (idempotent; harmless once the job has finished)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if not isinstance(event, str):
+                return
+
+
+def max_context(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    value = getattr(args, "max_position_embeddings", None)
+    text_config = getattr(args, "text_config", None)
+    if value is None and isinstance(text_config, dict):
+        value = text_config.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+class Generator:
+    """The model, its Engine and the one thread they live on."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.loaded: Loaded | None = None
+        self.cache_info: dict[str, Any] = {}
+        self.stats = {"requests": 0, "cancelled": 0, "completion_tokens": 0}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-gen")
+        self._current: Job | None = None
+        self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
+
+    async def load(self, spec: str) -> Loaded:
+        """Load the model and build the Engine on the generation thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._load, spec)
+
+    def _load(self, spec: str) -> Loaded:
+        from prefixd.backends.mlx.engine import Engine
+        from prefixd.backends.mlx.provision import load_model
+
+        model, tokenizer = load_model(spec, self.settings.cache_dir, progress=log.info)
+        engine = Engine(model, self.settings)
+        self.cache_info = engine.cache_info()
+        self.loaded = Loaded(model, tokenizer, engine, max_context(model))
+        log.info("worker: model %s loaded (%s, max context %s)", spec,
+                 type(model).__module__.rsplit(".", 1)[-1], self.loaded.max_context)
+        return self.loaded
+
+    def submit(self, prompt: Prompt, sampling: Sampling, max_tokens: int) -> Job:
+        """Queue a generation; its events arrive through `job.events()` in order."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                job.cancel()
+
+        job = Job(prompt, sampling, max_tokens, emit, queue)
+        self._pending.add(job)
+        try:
+            self._executor.submit(self._run, job)
+        except RuntimeError:
+            raise ApiError(503, "the worker is shutting down", type_="server_error") from None
+        return job
+
+    def cancel_all(self) -> None:
+        """Cancel the running job and every queued one (each still gets its last event)."""
+        for job in list(self._pending):
+            job.cancel()
+
+    def _run(self, job: Job) -> None:
+        """One job, on the generation thread. Never raises: failures become a `Failed` event."""
+        self._current = job
+        try:
+            result: Event = (Finished("cancelled", 0, 0) if job.cancelled
+                             else self._generate(job))
+        except Exception as e:
+            log.exception("worker: generation failed")
+            result = Failed(f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            self._current = None
+            self._pending.discard(job)
+        assert self.loaded is not None
+        self.cache_info = self.loaded.engine.cache_info()
+        if isinstance(result, Finished):
+            self.stats["requests"] += 1
+            self.stats["cancelled"] += result.finish_reason == "cancelled"
+            self.stats["completion_tokens"] += result.completion_tokens
+        job._emit(result)  # last, so a client that saw the end also sees fresh cache_info
+
+    def _generate(self, job: Job) -> Finished:
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        assert self.loaded is not None
+        engine, tokenizer = self.loaded.engine, self.loaded.tokenizer
+        s = job.sampling
+        if s.seed is not None:
+            mx.random.seed(s.seed)
+        sampler = make_sampler(s.temperature, s.top_p, s.min_p, top_k=s.top_k)
+        processors = make_logits_processors(
+            s.logit_bias, s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty)
+        detok = tokenizer.detokenizer
+        stops = StopMatcher(s.stop)
+        eos = tokenizer.eos_token_ids
+        n, finish = 0, "length"
+        tokens = engine.generate(job.prompt.tokens, sampler=sampler,
+                                 logits_processors=processors or None,
+                                 max_tokens=job.max_tokens, boundaries=job.prompt.boundaries,
+                                 should_stop=job._cancel.is_set)
+        try:
+            for token in tokens:
+                if token in eos:
+                    finish = "stop"
+                    break
+                n += 1
+                detok.add_token(token)
+                if text := stops.feed(detok.last_segment):
+                    job._emit(text)
+                if stops.hit:
+                    finish = "stop"
+                    break
+                if job.cancelled:
+                    break
+        finally:
+            tokens.close()  # the Engine commits what is in the KV state on any exit
+        if job.cancelled:
+            finish = "cancelled"
+        elif not stops.hit:
+            detok.finalize()
+            if text := stops.feed(detok.last_segment) + stops.flush():
+                job._emit(text)
+        # last_stats is set before the first token; a job cancelled during prefill may not have
+        # reached that point, and then reports nothing cached.
+        stats = getattr(engine, "last_stats", None)
+        same = stats is not None and stats.prompt_tokens == len(job.prompt.tokens)
+        cached = stats.cached_tokens if same else 0
+        return Finished(finish, n, cached)
+
+    async def drain(self, timeout: float) -> bool:
+        """Cancel every job and wait (at most `timeout` s) until the thread is idle. False if it
+        is stuck in a call that cannot be interrupted (loading a model)."""
+        self.cancel_all()
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._executor, lambda: None), timeout)
+        except (TimeoutError, RuntimeError):  # RuntimeError: already shut down
+            return False
+        return True
+
+    def close(self) -> None:
+        self.cancel_all()
+        self._executor.shutdown(wait=False)

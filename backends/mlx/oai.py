@@ -1,0 +1,155 @@
+"""OpenAI response shapes for the mlx worker: objects, stream chunks, SSE framing, usage, stop
+strings and tool calls found in generated text.
+
+Owns: the exact JSON the worker sends (`chat.completion`, `chat.completion.chunk`,
+`text_completion`) and the text-level rules applied to generated output (stop strings never leak,
+even when split across tokens). Pure; no mlx, no aiohttp.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DONE = b"data: [DONE]\n\n"
+Kind = Literal["chat", "completion"]
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass
+class Shapes:
+    """Builds every object of one response, sharing its id, creation time and model name."""
+
+    kind: Kind
+    model: str
+
+    def __post_init__(self) -> None:
+        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
+        self.id = prefix + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        obj = "text_completion" if self.kind == "completion" else (
+            "chat.completion.chunk" if chunk else "chat.completion")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def final(self, text: str, finish_reason: str, usage_: dict[str, Any],
+              tool_calls: list[dict[str, Any]] | None = None,
+              reasoning: str | None = None) -> dict[str, Any]:
+        """The whole non-streamed response."""
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                      "finish_reason": finish_reason}
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason}
+        return {**self._envelope(False), "choices": [choice], "usage": usage_}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
+              role: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+              ) -> dict[str, Any]:
+        """One stream chunk: a text delta, the opening role delta, or the closing finish_reason."""
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+                                      "finish_reason": finish_reason}
+        else:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            if text:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(tool_calls)]
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+        return {**self._envelope(True), "choices": [choice]}
+
+    def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
+        """The extra last chunk of `stream_options.include_usage`: empty choices, usage set."""
+        return {**self._envelope(True), "choices": [], "usage": usage_}
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, holding back any tail that could still
+    become one, so a stop string split across tokens never reaches the client."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.hit = False
+        self.held = ""  # once hit: the stop string and all text fed after it
+
+    def feed(self, text: str) -> str:
+        """Text safe to send now. After a stop string is seen (`hit`), nothing more."""
+        if self.hit:
+            self.held += text
+            return ""
+        if not self.stops:
+            return text
+        self._buf += text
+        cut = min((i for s in self.stops if (i := self._buf.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            out, self.held, self._buf, self.hit = self._buf[:cut], self._buf[cut:], "", True
+            return out
+        keep = self._partial_tail()
+        out = self._buf[: len(self._buf) - keep]
+        self._buf = self._buf[len(self._buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail, once generation has ended without completing a stop string."""
+        out, self._buf = ("" if self.hit else self._buf), ""
+        return out
+
+    def _partial_tail(self) -> int:
+        for k in range(min(self._hold, len(self._buf)), 0, -1):
+            tail = self._buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def extract_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Qwen/Hermes
+    convention) out of generated text. Blocks that are not valid calls stay in the text."""
+    calls: list[dict[str, Any]] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return match.group(0)
+        args = call.get("arguments", {})
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": args if isinstance(args, str)
+                                   else json.dumps(args, ensure_ascii=False)}})
+        return ""
+
+    rest = _TOOL_CALL.sub(take, text)
+    return (rest.strip() if calls else rest), calls

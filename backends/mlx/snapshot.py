@@ -1,0 +1,148 @@
+"""What each mlx-lm cache class allows, and how to copy, trim, snapshot and restore it.
+
+Owns: the table of cache classes prefixd has verified (`KINDS`), flattening `CacheList` into its
+leaf caches and rebuilding it, value copies of leaves, checkpoint snapshots and restores, byte
+sizes, and KV quantization of a fresh cache. Anything not in `KINDS` is reported by
+`unsupported()` so the engine falls back to a cold prefill instead of guessing.
+
+Kinds (checked against mlx-lm 0.32, see docs/CHECKPOINTS.md):
+- "kv": `KVCache`, `QuantizedKVCache`: trimmable to any shorter prefix, so an entry's own KV serves
+  every checkpoint of it; never snapshotted.
+- "window": `RotatingKVCache` (sliding window): trimmable only until the window wraps, so it is
+  snapshotted at every checkpoint (a snapshot at p restores exactly p).
+- "state": `ArraysCache` (Gated-DeltaNet, Mamba conv + recurrent state): never trimmable,
+  snapshotted at every checkpoint.
+
+Value semantics: `a[i] = x` updates the Python array object `a` in place, and caches do that to
+their buffers. Every leaf handed out or stored here is rebuilt from `mx.array(a)` copies, so no
+array object is ever shared between a stored entry/snapshot and a live cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+KINDS: dict[type, str] = {
+    KVCache: "kv",
+    QuantizedKVCache: "kv",
+    RotatingKVCache: "window",
+    ArraysCache: "state",
+}
+
+Cache = list[Any]
+Snapshot = dict[int, Any]  # leaf index -> leaf cache copy
+
+
+class RestoreError(RuntimeError):
+    """A restore was asked for a position the stored state cannot produce."""
+
+
+def leaves(cache: Cache) -> list[Any]:
+    """The leaf caches of a model cache, `CacheList`s expanded in order."""
+    out: list[Any] = []
+    for c in cache:
+        out.extend(leaves(list(c.caches)) if type(c) is CacheList else [c])
+    return out
+
+
+def rebuild(template: Cache, new_leaves: list[Any]) -> Cache:
+    """A cache shaped like `template` (same `CacheList` nesting) holding `new_leaves`."""
+    it = iter(new_leaves)
+
+    def build(items: list[Any]) -> list[Any]:
+        return [CacheList(*build(list(c.caches))) if type(c) is CacheList else next(it)
+                for c in items]
+
+    return build(template)
+
+
+def unsupported(cache: Cache) -> str | None:
+    """Why this cache cannot be checkpointed (an unverified class, batch state), else None."""
+    for leaf in leaves(cache):
+        if type(leaf) not in KINDS:
+            return f"unknown cache class {type(leaf).__name__}"
+        padded = type(leaf) is ArraysCache and any(
+            x is not None for x in (leaf.left_padding, leaf.lengths))
+        if padded:
+            return "ArraysCache with batch padding"
+    return None
+
+
+def snapshot_indices(cache: Cache) -> tuple[int, ...]:
+    """Leaves a checkpoint must hold (everything the entry's KV cannot serve by trimming)."""
+    return tuple(i for i, leaf in enumerate(leaves(cache)) if KINDS[type(leaf)] != "kv")
+
+
+def _copy_state(x: Any) -> Any:
+    if isinstance(x, mx.array):
+        return mx.array(x)
+    if isinstance(x, list | tuple):
+        return type(x)(_copy_state(v) for v in x)
+    return x
+
+
+def copy_leaf(leaf: Any) -> Any:
+    """A value copy of one leaf cache (new array objects, same contents)."""
+    return type(leaf).from_state(_copy_state(leaf.state))
+
+
+def nbytes(cache: Cache) -> int:
+    return sum(leaf.nbytes for leaf in leaves(cache))
+
+
+def evaluate(cache: Cache) -> None:
+    """Materialize the cache so stored copies hold data, not lazy graphs of the prefill."""
+    mx.eval([leaf.state for leaf in leaves(cache)])
+
+
+def trimmable(cache: Cache) -> bool:
+    """Whether every leaf can be trimmed back to any shorter prefix right now."""
+    return all(leaf.is_trimmable() for leaf in leaves(cache))
+
+
+def take(cache: Cache, indices: tuple[int, ...]) -> tuple[Snapshot, int]:
+    """Snapshot the given leaves of a live (evaluated) cache: (payload, bytes)."""
+    all_leaves = leaves(cache)
+    snap = {i: copy_leaf(all_leaves[i]) for i in indices}
+    return snap, sum(s.nbytes for s in snap.values())
+
+
+def restore(entry_cache: Cache, snap: Snapshot | None, pos: int) -> Cache:
+    """A fresh live cache at `pos`: snapshot leaves from `snap`, the rest trimmed from the entry.
+
+    Raises RestoreError if a leaf cannot be brought to `pos` (never returns a wrong state).
+    """
+    out = []
+    for i, leaf in enumerate(leaves(entry_cache)):
+        if snap is not None and i in snap:
+            c = copy_leaf(snap[i])
+        else:
+            c = copy_leaf(leaf)
+            extra = getattr(c, "offset", pos) - pos
+            if extra < 0 or (extra > 0 and not c.is_trimmable()):
+                raise RestoreError(f"leaf {i} ({type(c).__name__}) cannot go back to {pos}")
+            if extra and c.trim(extra) != extra:
+                raise RestoreError(f"leaf {i} ({type(c).__name__}) trimmed short")
+        if hasattr(c, "offset") and c.offset != pos:
+            raise RestoreError(f"leaf {i} ({type(c).__name__}) at {c.offset}, wanted {pos}")
+        out.append(c)
+    return rebuild(entry_cache, out)
+
+
+def quantize_kv(cache: Cache, bits: int, group_size: int) -> Cache:
+    """Replace the empty full-attention `KVCache` leaves by `QuantizedKVCache`s.
+
+    Sliding-window (`RotatingKVCache`) leaves stay full precision: mlx-lm cannot quantize them.
+    """
+    new = [QuantizedKVCache(group_size=group_size, bits=bits)
+           if type(leaf) is KVCache and leaf.empty() else leaf for leaf in leaves(cache)]
+    return rebuild(cache, new)

@@ -1,0 +1,275 @@
+"""The checkpoint store of the mlx worker: pure policy over token lists and byte sizes.
+
+Owns: sequence entries (tokens + the opaque live cache at their end), the checkpoints attached
+to them (opaque snapshots of the non-trimmable layers at a position), the longest-common-prefix
+lookup that picks the restore point, checkpoint placement, and the byte budget with its eviction.
+It never imports mlx: payloads are opaque and their sizes are passed in (`snapshot.py` makes them).
+
+Invariants:
+- `bytes_used <= budget` after every call; room is made *before* anything is stored, and an item
+  that cannot fit (without evicting something worth more) is not stored and evicts nothing.
+- A checkpoint at `pos` in an entry is valid for every entry sharing `tokens[:pos]`: trimmable
+  layers come from the owning entry's KV, the rest from the snapshot. So checkpoints move freely
+  between entries that share the prefix up to their position.
+- Worth of an item = prompt tokens it saves from recomputation / (1 + requests since its entry was
+  last used). An entry saves `len(tokens)`; a checkpoint saves the gap to the checkpoint below it.
+  Dense checkpoints (small gap) therefore go first, then stale or short sequences; a short new
+  request can never evict a long, recently used conversation (it is worth less than it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+_BLOCK = 256
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (block-wise, in C for long runs)."""
+    n = min(len(a), len(b))
+    lo = 0
+    while lo < n:
+        hi = min(lo + _BLOCK, n)
+        if a[lo:hi] != b[lo:hi]:
+            return next(i for i in range(lo, hi) if a[i] != b[i])
+        lo = hi
+    return n
+
+
+def placement(n: int, start: int, boundaries: Iterable[int], interval: int, tail: int) -> list[int]:
+    """Checkpoint positions in `(start, n]` for a prompt of `n` tokens restored at `start`.
+
+    Message boundaries, the prompt end, `tail` tokens before it, and every `interval` tokens after
+    each boundary (so positions depend on the prompt only, not on where this request restored).
+    """
+    marks = {b for b in boundaries if 0 < b <= n}
+    marks.add(n)
+    if tail > 0 and n - tail > 0:
+        marks.add(n - tail)
+    anchors = sorted({0, *marks})
+    for a, b in pairwise(anchors):
+        marks.update(range(a + interval, b, interval))
+    return sorted(p for p in marks if start < p <= n)
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    pos: int
+    payload: Any
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Entry:
+    """A token sequence and (once finished) the live cache at its end, plus its checkpoints."""
+
+    tokens: list[int]
+    payload: Any = None
+    nbytes: int = 0
+    trimmable: bool = False  # every layer of `payload` can be trimmed to any shorter prefix
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+    last_used: int = 0
+    in_progress: bool = True
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where to restore a prompt from: `entry` trimmed to `pos`, or `checkpoint` (at `pos`)."""
+
+    entry: Entry
+    pos: int
+    checkpoint: Checkpoint | None
+    lcp: int
+
+
+EndSnapshot = Callable[[Entry], tuple[Any, int] | None]
+
+
+class CheckpointStore:
+    """Entries and checkpoints under a byte budget. Single-threaded (the worker's one executor)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: list[Entry] = []
+        self.bytes_used = 0
+        self.tick = 0
+        self.evicted_entries = 0
+        self.evicted_checkpoints = 0
+        self.rejected = 0
+
+    # --- lookup ------------------------------------------------------------------------------
+    def lookup(self, prompt: Sequence[int]) -> Match | None:
+        """The restore point reusing the most tokens of `prompt` (at most `len(prompt) - 1`)."""
+        best: Match | None = None
+        for e in self.entries:
+            if e.in_progress:
+                continue
+            lcp = common_prefix(e.tokens, prompt)
+            m = self._usable(e, lcp, min(lcp, len(prompt) - 1))
+            if m is None:
+                continue
+            if best is None or (m.pos, e.last_used) > (best.pos, best.entry.last_used):
+                best = m
+        if best is not None:
+            best.entry.last_used = self.tick
+        return best
+
+    @staticmethod
+    def _usable(e: Entry, lcp: int, limit: int) -> Match | None:
+        if limit <= 0:
+            return None
+        if e.trimmable or len(e.tokens) <= limit:
+            return Match(e, min(limit, len(e.tokens)), None, lcp)
+        below = [p for p in e.checkpoints if p <= limit]
+        if not below:
+            return None
+        pos = max(below)
+        return Match(e, pos, e.checkpoints[pos], lcp)
+
+    # --- storing -----------------------------------------------------------------------------
+    def begin(self, tokens: Sequence[int]) -> Entry:
+        """Open the entry of a new request; its checkpoints are added as the prefill takes them."""
+        self.tick += 1
+        entry = Entry(tokens=list(tokens), last_used=self.tick)
+        self.entries.append(entry)
+        return entry
+
+    def add_checkpoint(self, entry: Entry, pos: int, payload: Any, nbytes: int) -> bool:
+        """Store a checkpoint of `entry` at `pos` if it fits; False if it was not stored."""
+        if pos in entry.checkpoints or entry not in self.entries:
+            return False
+        lower = [p for p in entry.checkpoints if p < pos]
+        worth = pos - max(lower, default=0)
+        if not self._make_room(nbytes, worth, keep=entry):
+            return False
+        entry.checkpoints[pos] = Checkpoint(pos, payload, nbytes)
+        self.bytes_used += nbytes
+        return True
+
+    def finish(self, entry: Entry, tokens: Sequence[int], payload: Any, nbytes: int,
+               trimmable: bool, end_snapshot: EndSnapshot) -> bool:
+        """Store the cache at the end of `tokens` (what the KV really holds) as `entry`'s payload.
+
+        Entries that are a prefix of `tokens` are absorbed (their end state becomes a checkpoint
+        made by `end_snapshot`, their KV is dropped); other entries hand over their checkpoints
+        below the shared prefix. False if the entry did not fit (it is then dropped entirely).
+        """
+        if entry not in self.entries:
+            return False
+        if not tokens:
+            self._remove(entry)
+            return False
+        entry.tokens, entry.trimmable = list(tokens), trimmable
+        for pos in [p for p in entry.checkpoints if p >= len(entry.tokens)]:
+            self._drop_checkpoint(entry, pos)
+        for other in [e for e in self.entries if e is not entry and not e.in_progress]:
+            self._merge_into(entry, other, end_snapshot)
+        entry.in_progress = False
+        if not self._make_room(nbytes, len(entry.tokens), keep=entry):
+            self._remove(entry)
+            return False
+        entry.payload, entry.nbytes = payload, nbytes
+        self.bytes_used += nbytes
+        return True
+
+    def discard(self, entry: Entry) -> None:
+        """Drop an entry (e.g. a request that failed with its cache in an unknown state)."""
+        if entry in self.entries:
+            self._remove(entry)
+
+    def _merge_into(self, entry: Entry, other: Entry, end_snapshot: EndSnapshot) -> None:
+        lcp = common_prefix(other.tokens, entry.tokens)
+        for pos in [p for p in other.checkpoints if p <= lcp]:
+            ckpt = other.checkpoints.pop(pos)
+            if pos in entry.checkpoints:
+                self.bytes_used -= ckpt.nbytes
+            else:
+                entry.checkpoints[pos] = ckpt
+        if lcp < len(other.tokens):
+            return
+        end = len(other.tokens)
+        self._remove(other)
+        if 0 < end < len(entry.tokens) and end not in entry.checkpoints and not entry.trimmable:
+            snap = end_snapshot(other)
+            if snap is not None:
+                self.add_checkpoint(entry, end, *snap)
+
+    # --- budget ------------------------------------------------------------------------------
+    def _worth(self, entry: Entry, tokens: int) -> float:
+        return tokens / (1 + self.tick - entry.last_used)
+
+    def _candidates(self, keep: Entry) -> list[tuple[float, Entry, int | None]]:
+        """(worth, entry, checkpoint position or None for the whole entry), cheapest first."""
+        out: list[tuple[float, Entry, int | None]] = []
+        for e in self.entries:
+            prev = 0
+            for pos in sorted(e.checkpoints):
+                out.append((self._worth(e, pos - prev), e, pos))
+                prev = pos
+            if e is not keep and not e.in_progress:
+                out.append((self._worth(e, len(e.tokens)), e, None))
+        out.sort(key=lambda c: c[0])
+        return out
+
+    def _make_room(self, nbytes: int, worth: float, keep: Entry) -> bool:
+        """Evict items worth less than `worth` until `nbytes` fit; evict nothing if they cannot."""
+        need = self.bytes_used + nbytes - self.budget
+        if need <= 0:
+            return True
+        if nbytes > self.budget:
+            self.rejected += 1
+            return False
+        plan: list[tuple[Entry, int | None]] = []
+        gone: set[int] = set()
+        planned: set[tuple[int, int]] = set()
+        for w, e, pos in self._candidates(keep):
+            if need <= 0 or w >= worth:
+                break
+            if id(e) in gone:
+                continue
+            if pos is None:
+                need -= e.nbytes + sum(c.nbytes for p, c in e.checkpoints.items()
+                                       if (id(e), p) not in planned)
+                gone.add(id(e))
+            else:
+                need -= e.checkpoints[pos].nbytes
+                planned.add((id(e), pos))
+            plan.append((e, pos))
+        if need > 0:
+            self.rejected += 1
+            return False
+        for e, pos in plan:
+            if pos is None:
+                self._remove(e)
+                self.evicted_entries += 1
+            elif e in self.entries and pos in e.checkpoints:
+                self._drop_checkpoint(e, pos)
+                self.evicted_checkpoints += 1
+        return True
+
+    def _drop_checkpoint(self, entry: Entry, pos: int) -> None:
+        self.bytes_used -= entry.checkpoints.pop(pos).nbytes
+
+    def _remove(self, entry: Entry) -> None:
+        self.entries.remove(entry)
+        self.bytes_used -= entry.nbytes + sum(c.nbytes for c in entry.checkpoints.values())
+
+    # --- reporting ---------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Counts and sizes for GET /v1/cache."""
+        done = [e for e in self.entries if not e.in_progress]
+        return {
+            "entries": [{"tokens": len(e.tokens), "bytes": e.nbytes, "trimmable": e.trimmable,
+                         "checkpoints": sorted(e.checkpoints),
+                         "checkpoint_bytes": sum(c.nbytes for c in e.checkpoints.values()),
+                         "idle_requests": self.tick - e.last_used} for e in done],
+            "checkpoints": sum(len(e.checkpoints) for e in done),
+            "bytes_used": self.bytes_used,
+            "bytes_budget": self.budget,
+            "evicted_entries": self.evicted_entries,
+            "evicted_checkpoints": self.evicted_checkpoints,
+            "rejected": self.rejected,
+        }

@@ -1,0 +1,122 @@
+"""Backend kind `openai`: any OpenAI-compatible upstream (llama-server, mlx_lm.server, vLLM,
+Ollama). Owns its HTTP session and a periodic health probe that sets its up/down state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+
+from prefixd.backends.base import BackendStatus, UpstreamRequest, UpstreamResponse
+from prefixd.backends.http import client_session, post_stream
+from prefixd.metrics.proxy import BACKEND_UP
+from prefixd.proxy.settings import BackendConfig
+
+log = logging.getLogger("prefixd.backend")
+
+PROBE_PATH = "/v1/models"  # every OpenAI-compatible server answers it
+
+
+class OpenAIBackend:
+    kind = "openai"
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.name = config.name
+        self.models = list(config.models)
+        self._config = config
+        self._base = (config.url or "").rstrip("/")
+        if self._base.endswith("/v1"):
+            self._base = self._base[: -len("/v1")]
+        self._session: aiohttp.ClientSession | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._up: bool | None = None       # None until the first probe answered
+        self._last_error: str | None = None
+        self._last_probe: float | None = None
+        key = config.api_key.get_secret_value() if config.api_key else None
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = client_session()
+        return self._session
+
+    async def ensure_ready(self) -> None:
+        # An external server is started by its owner; forward() reports it unreachable (502).
+        self._ensure_session()
+        if self._probe is None:
+            self._probe = asyncio.create_task(self._probe_loop(), name=f"probe:{self.name}")
+
+    @asynccontextmanager
+    async def forward(self, request: UpstreamRequest) -> AsyncIterator[UpstreamResponse]:
+        session = self._ensure_session()
+        async with post_stream(session, self._base + request.path, request, self.name,
+                               self._auth) as resp:
+            yield resp
+
+    async def tokenize(self, body: dict) -> list[int] | None:
+        """Exact token ids where the upstream can tell them (llama-server: /apply-template +
+        /tokenize). None elsewhere; callers then estimate."""
+        session = self._ensure_session()
+        try:
+            text = body.get("prompt") if "prompt" in body else None
+            if text is None:
+                async with session.post(self._base + "/apply-template", json=body,
+                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    if r.status != 200:
+                        return None
+                    text = (await r.json()).get("prompt")
+            if not isinstance(text, str):
+                return None
+            async with session.post(self._base + "/tokenize", json={"content": text},
+                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status != 200:
+                    return None
+                tokens = (await r.json()).get("tokens")
+                return tokens if isinstance(tokens, list) else None
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
+
+    async def probe_once(self) -> bool:
+        session = self._ensure_session()
+        try:
+            async with session.get(self._base + PROBE_PATH, headers=self._auth,
+                                   timeout=aiohttp.ClientTimeout(total=5)) as r:
+                up = r.status < 500
+                err = None if up else f"health probe: HTTP {r.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            up, err = False, f"health probe: {e or type(e).__name__}"
+        if up != self._up:
+            log.log(logging.INFO if up else logging.WARNING, "backend %s is %s%s", self.name,
+                    "up" if up else "down", "" if up else f" ({err})")
+        self._up, self._last_probe = up, time.time()
+        if err:
+            self._last_error = err
+        BACKEND_UP.labels(self.name).set(1 if up else 0)
+        return up
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self._config.health_interval_s)
+
+    def status(self) -> BackendStatus:
+        state = {None: "unknown", True: "ready", False: "down"}[self._up]
+        return BackendStatus(name=self.name, kind=self.kind, state=state,
+                             up=self._up is not False, models=self.models,
+                             last_error=self._last_error,
+                             detail={"url": self._base, "last_probe": self._last_probe})
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+            self._probe = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,184 @@
+"""One managed worker child process: how it is launched, heard and stopped.
+
+Owns: the worker command line and environment (built in one place each), spawning the
+child in its own process group, relaying its stdout/stderr line by line into the log
+(logger `prefixd.worker`, tagged with the backend name) while keeping the last stderr
+lines for error messages, and a stop that cannot hang (SIGTERM to the group, grace
+period, SIGKILL, always reaped). Knows nothing about states or restarts: `managed` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping
+
+from prefixd.proxy.settings import BackendConfig, Settings
+
+wlog = logging.getLogger("prefixd.worker")
+
+STDERR_TAIL_LINES = 20
+_LINE_LIMIT = 1 << 20  # a worker may print one long traceback line; don't choke on it
+
+# Worker-side settings the proxy may have read from its env file: handed over explicitly
+# so the worker sees the same configuration even though it does not read that file.
+_WORKER_FIELDS = ("cache_bytes", "checkpoint_interval", "checkpoint_tail", "prefill_chunk",
+                  "max_tokens_default", "kv_bits", "use_system_blas", "log_level",
+                  "log_format", "cache_dir")
+
+CommandBuilder = Callable[[int], list[str]]
+
+
+def worker_command(model: str, port: int) -> list[str]:
+    """The argv of a prefixd mlx worker serving `model` on 127.0.0.1:`port`."""
+    return [sys.executable, "-m", "prefixd.backends.mlx", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _env_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def worker_env(config: BackendConfig, settings: Settings,
+               base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: ours, plus the worker settings, the parent pid (so the worker
+    exits when we are gone, even after a SIGKILL) and the backend's own `worker_env`."""
+    env = dict(os.environ if base is None else base)
+    for field in _WORKER_FIELDS:
+        value = getattr(settings, field)
+        if value is not None:
+            env[f"PREFIXD_{field.upper()}"] = _env_value(value)
+    if config.cache_bytes is not None:
+        env["PREFIXD_CACHE_BYTES"] = str(config.cache_bytes)
+    if sys.platform.startswith("linux") and settings.use_system_blas:
+        env.update(_blas_env(env))
+    env.update(config.worker_env)
+    env["PREFIXD_PARENT_PID"] = str(os.getpid())
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach our log as they are printed
+    return env
+
+
+def _blas_env(env: Mapping[str, str]) -> dict[str, str]:
+    """LD_PRELOAD of the system OpenBLAS, if the worker package offers it (never imports mlx)."""
+    if importlib.util.find_spec("prefixd.backends.mlx.blas") is None:
+        return {}
+    from prefixd.backends.mlx import blas
+
+    fn = getattr(blas, "blas_env", None)
+    return dict(fn(env)) if callable(fn) else {}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now. The worker may lose a race for it; it then exits with
+    'address in use' and the supervisor retries on a new port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerProcess:
+    """A running child. `exited` is set once it is gone and its output is drained."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, tag: str,
+                 on_exit: Callable[[], None] | None = None) -> None:
+        self._proc = proc
+        self.tag = tag
+        self._on_exit = on_exit
+        self.pid = proc.pid
+        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.exited = asyncio.Event()
+        self._pumps = [asyncio.create_task(self._pump(proc.stdout, False), name=f"out:{tag}"),
+                       asyncio.create_task(self._pump(proc.stderr, True), name=f"err:{tag}")]
+        self._waiter = asyncio.create_task(self._wait(), name=f"wait:{tag}")
+
+    @classmethod
+    async def spawn(cls, argv: list[str], env: Mapping[str, str], tag: str,
+                    on_exit: Callable[[], None] | None = None) -> WorkerProcess:
+        """Start `argv` in a new session (own process group): a Ctrl-C aimed at prefixd's
+        terminal does not hit the worker too, and stop() can signal the whole group."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=dict(env), start_new_session=True,
+            limit=_LINE_LIMIT)
+        wlog.info("[%s] started pid %d: %s", tag, proc.pid, " ".join(argv))
+        return cls(proc, tag, on_exit)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self.exited.is_set() else None
+
+    def stderr_tail(self) -> list[str]:
+        return list(self._stderr)
+
+    def describe_exit(self) -> str:
+        """'exited with code 3' / 'killed by SIGKILL', plus the last stderr lines."""
+        rc = self._proc.returncode
+        if rc is None:
+            what = "is still running"
+        elif rc < 0:
+            what = f"was killed by {_signame(-rc)}"
+        else:
+            what = f"exited with code {rc}"
+        tail = self.stderr_tail()
+        return f"worker {what}" + (": " + " | ".join(tail[-5:]) if tail else "")
+
+    async def _pump(self, stream: asyncio.StreamReader | None, is_err: bool) -> None:
+        if stream is None:
+            return
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line longer than the limit: take what is buffered
+                raw = await stream.read(_LINE_LIMIT)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            if is_err:
+                self._stderr.append(line)
+            wlog.info("[%s] %s", self.tag, line)
+
+    async def _wait(self) -> None:
+        await self._proc.wait()
+        # The pipes end when the child (and anything it forked) closes them; a grandchild
+        # holding them open must not delay the exit notice for long.
+        await asyncio.wait(self._pumps, timeout=1.0)
+        for t in self._pumps:
+            t.cancel()
+        wlog.info("[%s] pid %d %s", self.tag, self.pid, self.describe_exit())
+        self.exited.set()
+        if self._on_exit is not None:
+            self._on_exit()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    async def terminate(self, grace_s: float) -> None:
+        """SIGTERM the group, wait `grace_s`, then SIGKILL; returns once the child is reaped."""
+        if not self.exited.is_set():
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self.exited.wait()), grace_s)
+            except TimeoutError:
+                wlog.warning("[%s] pid %d ignored SIGTERM for %gs; sending SIGKILL",
+                             self.tag, self.pid, grace_s)
+        self._signal_group(signal.SIGKILL)  # also any grandchild left in the group
+        await asyncio.shield(self._waiter)
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"

@@ -1,0 +1,33 @@
+"""Prompt-cache metrics of the mlx worker (checkpoint store, restores, fallbacks)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from prefixd.metrics import REGISTRY
+
+CACHED_TOKENS = Counter("prefixd_worker_cached_tokens_total",
+                        "Prompt tokens restored from the worker's cache (not recomputed).",
+                        registry=REGISTRY)
+RECOMPUTED_TOKENS = Counter("prefixd_worker_recomputed_tokens_total",
+                            "Prompt tokens the worker ran through the model.", registry=REGISTRY)
+RESTORE_SECONDS = Histogram("prefixd_worker_restore_seconds",
+                            "Time to find and rebuild the cached state for one prompt.",
+                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                     0.5, 1, 2.5), registry=REGISTRY)
+PREFILL_SECONDS = Histogram("prefixd_worker_prefill_seconds",
+                            "Time to run the not-cached prompt tokens through the model.",
+                            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                            registry=REGISTRY)
+CACHE_BYTES = Gauge("prefixd_worker_cache_bytes",
+                    "Bytes held by the prompt cache, by kind (kv: sequence entries, "
+                    "checkpoint: snapshots of non-trimmable layers).", ["kind"], registry=REGISTRY)
+CACHE_BUDGET = Gauge("prefixd_worker_cache_budget_bytes",
+                     "Byte budget of the prompt cache (PREFIXD_CACHE_BYTES).", registry=REGISTRY)
+CACHE_ENTRIES = Gauge("prefixd_worker_cache_entries",
+                      "Stored items, by kind (entry, checkpoint).", ["kind"], registry=REGISTRY)
+EVICTIONS = Counter("prefixd_worker_cache_evictions_total",
+                    "Items dropped to stay within the byte budget, by kind (entry, checkpoint, "
+                    "rejected: not stored because it did not fit).", ["kind"], registry=REGISTRY)
+FALLBACKS = Counter("prefixd_worker_cache_fallbacks_total",
+                    "Requests (or settings) that bypassed the cache, by reason "
+                    "(unsupported_cache, restore_error, kv_quant_unsupported).",
+                    ["reason"], registry=REGISTRY)

@@ -1,0 +1,175 @@
+"""The aiohttp application: routes, the error/auth middleware, and the informational
+endpoints (/v1/models, /health, /ready, /status, /metrics, /debug/prefix)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from prefixd import metrics
+from prefixd.proxy.errors import ApiError, error_response
+from prefixd.proxy.pipeline import Proxy
+from prefixd.proxy.request import CHAT_PATH, COMPLETIONS_PATH
+
+log = logging.getLogger("prefixd.app")
+
+PROXY_KEY = web.AppKey("proxy", Proxy)
+WARMUPS_KEY = web.AppKey("warmups", list)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+               400: "bad_request"}
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(413, f"request body larger than {e.max_size} bytes",
+                              code="request_too_large")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        msg = e.reason if e.status != 404 else f"no route for {request.method} {request.path}"
+        if e.status == 405:
+            msg = f"method {request.method} not allowed on {request.path}"
+        return error_response(e.status, msg, code=_HTTP_CODES.get(e.status))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal error in prefixd (see its log)",
+                              code="internal_error")
+
+
+def auth_middleware(api_key: str | None) -> Callable:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key and request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "")
+            token = got[7:] if got.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                               code="invalid_api_key")
+        return await handler(request)
+    return auth
+
+
+def body_limit_middleware(limit: int) -> Callable:
+    @web.middleware
+    async def body_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body of {request.content_length} bytes is larger "
+                           f"than max_body_bytes={limit}", code="request_too_large")
+        return await handler(request)
+    return body_limit
+
+
+async def _models(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY_KEY]
+    now = int(time.time())
+    data = [{"id": model, "object": "model", "created": now, "owned_by": "prefixd",
+             "backends": names} for model, names in proxy.index.items()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def _statuses(proxy: Proxy) -> list[dict]:
+    out = []
+    for name, backend in proxy.backends.items():
+        st = backend.status()
+        q = proxy.queues[name]
+        out.append({"name": name, "kind": st.kind, "state": st.state, "up": st.up,
+                    "models": st.models, "queue_depth": q.waiting, "in_flight": q.in_flight,
+                    "max_concurrency": q.max_concurrency, "last_error": st.last_error,
+                    **st.detail})
+    return out
+
+
+async def _ready(request: web.Request) -> web.Response:
+    statuses = _statuses(request.app[PROXY_KEY])
+    ready = [s["name"] for s in statuses if s["state"] == "ready"]
+    body = {"ready": bool(ready), "backends": {s["name"]: {"state": s["state"],
+                                                           "last_error": s["last_error"]}
+                                               for s in statuses}}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response({"backends": _statuses(request.app[PROXY_KEY])})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    resp = web.Response(body=metrics.render())
+    resp.headers["Content-Type"] = metrics.CONTENT_TYPE
+    return resp
+
+
+async def _debug_lanes(request: web.Request) -> web.Response:
+    stage = request.app[PROXY_KEY].stage
+    if stage is None:
+        raise ApiError(404, "prefix detection is off (PREFIXD_PREFIX_DETECT=false)")
+    return web.json_response({"lanes": stage.debug_lanes()})
+
+
+async def _debug_lane(request: web.Request) -> web.Response:
+    stage = request.app[PROXY_KEY].stage
+    history = stage.debug_lane(request.match_info["lane"]) if stage is not None else None
+    if history is None:
+        raise ApiError(404, f"no lane {request.match_info['lane']!r}", code="lane_not_found")
+    return web.json_response({"lane": request.match_info["lane"], "reports": history})
+
+
+async def _start_backends(app: web.Application) -> None:
+    proxy = app[PROXY_KEY]
+
+    async def warm(name: str) -> None:
+        try:
+            await proxy.backends[name].ensure_ready()
+        except Exception as e:  # reported through /status and to requests
+            log.warning("backend %s not ready at start-up: %s", name, e)
+
+    app[WARMUPS_KEY] = [asyncio.create_task(warm(n)) for n in proxy.backends]
+
+
+async def _stop_backends(app: web.Application) -> None:
+    for task in app.get(WARMUPS_KEY, []):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    for backend in app[PROXY_KEY].backends.values():
+        with contextlib.suppress(Exception):
+            await backend.stop()
+
+
+def build_app(proxy: Proxy) -> web.Application:
+    s = proxy.settings
+    key = s.api_key.get_secret_value() if s.api_key else None
+    app = web.Application(client_max_size=s.max_body_bytes,
+                          middlewares=[errors_middleware, auth_middleware(key),
+                                       body_limit_middleware(s.max_body_bytes)])
+    app[PROXY_KEY] = proxy
+    app.router.add_post(CHAT_PATH, proxy.handle)
+    app.router.add_post(COMPLETIONS_PATH, proxy.handle)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/status", _status)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/debug/prefix", _debug_lanes)
+    app.router.add_get("/debug/prefix/{lane}", _debug_lane)
+    app.on_startup.append(_start_backends)
+    app.on_cleanup.append(_stop_backends)
+    return app

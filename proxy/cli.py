@@ -1,0 +1,120 @@
+"""`prefixd` command line: serve, config, worker, tiny-model, demo.
+
+Settings are built here, once; a bad value exits with status 2 and names the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from prefixd.proxy.settings import BackendConfig, Settings, redacted
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _describe_errors(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = [str(x) for x in err["loc"]]
+        var = "PREFIXD_" + loc[0].upper() if loc else "PREFIXD_?"
+        where = f" (at {'.'.join(loc[1:])})" if len(loc) > 1 else ""
+        got = err.get("input")
+        shown = "" if isinstance(got, dict | list) else f"; got {got!r}"
+        lines.append(f"{var}{where}: {err['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load_settings(env_file: str | None, **overrides: Any) -> Settings:
+    """Build the one Settings object; ConfigError with a readable message on bad input."""
+    kwargs = {k: v for k, v in overrides.items() if v is not None}
+    if env_file is not None and not Path(env_file).is_file():
+        raise ConfigError(f"--env-file {env_file}: no such file")
+    try:
+        if env_file is not None:
+            return Settings(_env_file=env_file, **kwargs)
+        return Settings(**kwargs)
+    except ValidationError as e:
+        raise ConfigError("invalid configuration:\n" + _describe_errors(e)) from None
+
+
+def effective_backends(settings: Settings) -> Settings:
+    """With no backend configured: one managed mlx backend on the built-in default model."""
+    if settings.backends:
+        return settings
+    default = BackendConfig(name="default", kind="mlx", model=settings.default_model)
+    return settings.model_copy(update={"backends": [default]})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from prefixd.backends.registry import build_backends
+    from prefixd.proxy.logs import setup_logging
+    from prefixd.proxy.server import serve
+
+    settings = effective_backends(load_settings(args.env_file, host=args.host, port=args.port))
+    setup_logging(settings.log_level, settings.log_format)
+    backends = build_backends(settings)
+    return asyncio.run(serve(settings, backends))
+
+
+def _config(args: argparse.Namespace) -> int:
+    settings = load_settings(args.env_file)
+    print(json.dumps(redacted(settings), indent=2, default=str))
+    return 0
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixd", description="Prompt-prefix caching that works "
+                                "for local LLMs: a serializing, cache-aware OpenAI proxy.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the proxy (and its managed workers)")
+    s.add_argument("--env-file", help="settings file (default: ./prefixd.env if present)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    c = sub.add_parser("config", help="print the effective configuration, secrets redacted")
+    c.add_argument("--env-file")
+    sub.add_parser("worker", help="run one mlx worker (normally started by `serve`)",
+                   add_help=False)
+    sub.add_parser("tiny-model", help="write a tiny random-weight model folder", add_help=False)
+    sub.add_parser("demo", help="a one-minute multi-turn proof on tiny and default models",
+                   add_help=False)
+    return p
+
+
+_DELEGATED = {"worker": "prefixd.backends.mlx.__main__",
+              "tiny-model": "prefixd.backends.mlx.tinymodels",
+              "demo": "prefixd.proxy.demo"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        return _delegate(_DELEGATED[argv[0]], argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return _config(args)
+    except ConfigError as e:
+        print(f"prefixd: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Lanes: which conversation a request belongs to (docs/MUTATIONS.md §6), and the bounded
+store of per-lane state.
+
+Identity, most trusted first: explicit session headers, then body fields, then a content
+fingerprint (client family, model, first user message) that ignores volatile lines. Inside
+one session, a request whose system prompt is of another family (a title or summary side
+call, a sub-agent) gets its own lane `<session>~<hash>` instead of being reported as a
+mutation. Memory is bounded: idle lanes expire, and the least recently used go first when
+`lane_max` lanes or `lane_max_bytes` bytes are exceeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixd.proxy.prefix.canonicalize import CanonState
+from prefixd.proxy.prefix.patterns import strip_volatile_lines
+from prefixd.proxy.prefix.segments import Segment
+
+# (header, lane prefix), in the order they are trusted (router-for-me/CLIProxyAPI#4452).
+SESSION_HEADERS = (("x-claude-code-session-id", "cc"), ("session-id", "s"), ("session_id", "s"),
+                   ("x-session-id", "s"), ("x-session-affinity", "s"), ("x-opencode-session", "oc"),
+                   ("x-openwebui-chat-id", "owui"), ("x-grok-conv-id", "grok"),
+                   ("helicone-property-session", "hc"), ("x-smg-routing-key", "smg"))
+_SHORT = {"claude-cli": "cc", "opencode": "oc"}
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_RID_SUFFIX = re.compile(r"_t\d+(?:_r\d+)?$")
+_SESSION_IN_USER_ID = re.compile(r"session_([0-9a-fA-F-]{8,})")
+
+
+@dataclass(slots=True)
+class LaneState:
+    """Everything prefixd remembers about one conversation."""
+
+    id: str
+    family: str                                  # volatile-stripped system text
+    last_seen: float
+    turn: int = 0
+    raw: list[Segment] | None = None             # previous request as the client sent it
+    fwd: list[Segment] | None = None             # previous request as forwarded
+    shadow: list[Segment] | None = None          # previous request with dry-run rules applied
+    fwd_body: dict | None = None
+    fwd_tokens: list[int] | None = None          # exact tokens of fwd_body, when measured
+    resp: dict | None = None                     # the answer to the previous request
+    prompt_tokens: int | None = None             # usage.prompt_tokens of that answer
+    ratio: float = 4.0                           # learned rendered chars per token
+    ratio_learned: bool = False
+    canon: CanonState = field(default_factory=CanonState)
+    history: deque[dict] = field(default_factory=deque)
+    nbytes: int = 0
+
+
+def _clean(value: str) -> str:
+    return _SAFE.sub("_", value.strip())[:64]
+
+
+def session_id(headers: Mapping[str, str], body: dict) -> tuple[str, str] | None:
+    """(prefix, id) from explicit headers or body fields, None when the client sent none."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    for name, prefix in SESSION_HEADERS:
+        if lower.get(name):
+            return prefix, _clean(lower[name])
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
+        uid = meta["user_id"]
+        try:
+            parsed = json.loads(uid)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("session_id"):
+            return "cc", _clean(str(parsed["session_id"]))
+        m = _SESSION_IN_USER_ID.search(uid)
+        if m:
+            return "cc", _clean(m.group(1))
+    for key, prefix in (("prompt_cache_key", "pck"), ("conversation_id", "conv")):
+        if isinstance(body.get(key), str) and body[key]:
+            return prefix, _clean(body[key])
+    conv = body.get("conversation")
+    if isinstance(conv, dict):
+        conv = conv.get("id")
+    if isinstance(conv, str) and conv:
+        return "conv", _clean(conv)
+    if isinstance(body.get("rid"), str) and body["rid"]:
+        return "rid", _clean(_RID_SUFFIX.sub("", body["rid"]))
+    if isinstance(body.get("user"), str) and body["user"]:
+        return "user", _clean(body["user"])
+    return None
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(p.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def base_key(headers: Mapping[str, str], body: dict, segs: list[Segment], client: str) -> str:
+    """The session part of a lane id."""
+    sid = session_id(headers, body)
+    if sid is not None:
+        prefix, value = sid
+        if prefix == "s":
+            prefix = _SHORT.get(client, "s")
+        return f"{prefix}:{value}"
+    first_user = next((s.text for s in segs if s.role == "user" and s.kind in ("text", "prompt")),
+                      "")
+    if not first_user:
+        first_user = next((s.text for s in segs if s.kind == "prompt"), "")
+    return "fp:" + _digest(client, str(body.get("model", "")), first_user[:4096])[:12]
+
+
+def system_family(segs: list[Segment]) -> str:
+    text = "\n".join(s.text for s in segs if s.region == "system")
+    return strip_volatile_lines(text)[:4096]
+
+
+def same_family(a: str, b: str) -> bool:
+    """Two system prompts of one conversation, not a side call with its own prompt: they share
+    a real prefix or most of their lines."""
+    if a == b:
+        return True
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    if n >= min(64, min(len(a), len(b)) // 2) and n > 0:
+        return True
+    la, lb = set(a.splitlines()) - {""}, set(b.splitlines()) - {""}
+    return bool(la and lb) and len(la & lb) / len(la | lb) >= 0.5
+
+
+class LaneStore:
+    """Bounded per-lane state, least recently used first."""
+
+    def __init__(self, idle_s: float, max_lanes: int, max_bytes: int, history: int) -> None:
+        self.idle_s, self.max_lanes, self.max_bytes, self.history = (idle_s, max_lanes,
+                                                                      max_bytes, history)
+        self._lanes: OrderedDict[str, LaneState] = OrderedDict()
+        self._sessions: dict[str, list[str]] = {}
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def get(self, lane_id: str) -> LaneState | None:
+        return self._lanes.get(lane_id)
+
+    def lanes(self) -> list[LaneState]:
+        return list(self._lanes.values())
+
+    def resolve(self, base: str, family: str, now: float) -> LaneState:
+        """The lane for a request of session `base` with system family `family`."""
+        self.expire(now)
+        ids = self._sessions.setdefault(base, [])
+        for lane_id in ids:
+            lane = self._lanes[lane_id]
+            if same_family(lane.family, family):
+                self._lanes.move_to_end(lane_id)
+                lane.last_seen = now
+                return lane
+        lane_id = base if not ids else f"{base}~{_digest(family)[:6]}"
+        lane = LaneState(lane_id, family, now, history=deque(maxlen=self.history))
+        self._lanes[lane_id] = lane
+        ids.append(lane_id)
+        self.trim(keep=lane_id)
+        return lane
+
+    def set_bytes(self, lane: LaneState, nbytes: int) -> None:
+        if lane.id in self._lanes:
+            self.nbytes += nbytes - lane.nbytes
+        lane.nbytes = nbytes
+        self.trim(keep=lane.id)
+
+    def expire(self, now: float) -> None:
+        while self._lanes:
+            oldest = next(iter(self._lanes.values()))
+            if now - oldest.last_seen < self.idle_s:
+                break
+            self._drop(oldest.id)
+
+    def trim(self, keep: str) -> None:
+        while len(self._lanes) > self.max_lanes or self.nbytes > self.max_bytes:
+            victim = next((k for k in self._lanes if k != keep), None)
+            if victim is None:
+                break
+            self._drop(victim)
+
+    def _drop(self, lane_id: str) -> None:
+        lane = self._lanes.pop(lane_id)
+        self.nbytes -= lane.nbytes
+        base = lane_id.split("~", 1)[0]
+        ids = self._sessions.get(base, [])
+        if lane_id in ids:
+            ids.remove(lane_id)
+        if not ids:
+            self._sessions.pop(base, None)
+
+
+def state_bytes(lane: LaneState) -> int:
+    """Approximate memory held by a lane (texts dominate; shared strings counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for segs in (lane.raw, lane.fwd, lane.shadow):
+        for s in segs or ():
+            if id(s.text) not in seen:
+                seen.add(id(s.text))
+                total += len(s.text) + 100
+    total += 8 * len(lane.fwd_tokens or ())
+    total += sum(len(str(h)) for h in lane.history)
+    return total + _any_len(lane.canon.nbytes())
+
+
+def _any_len(n: Any) -> int:
+    return int(n)

@@ -1,0 +1,156 @@
+"""The catalogue of volatile patterns (docs/MUTATIONS.md §5, Appendix A) and the small
+fixed vocabularies reports use: cause labels, client families, client-issue hints.
+
+Principle: classify the delta, not the prompt. `span_labels` runs the catalogue only on the
+old and new text of a span that actually changed, widened to whole lines, so broad patterns
+(clock times, hex ids) label real changes and rarely fire on prose that stayed put.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+_MONTHS = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
+_P = {
+    "anthropic_billing_header": r"(?m)^x-anthropic-billing-header:[^\n]*\n?",
+    "iso_datetime": r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?"
+                    r"(?:Z|[+-]\d{2}:?\d{2})?\b",
+    "iso_date": r"\b(?:19|20)\d{2}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])\b",
+    "todays_date_line": r"(?im)^.*\b(?:today(?:'s)?\s+date(?:\s+is)?|today\s+is|current\s+date"
+                        r"(?:\s*(?:/|and)\s*time)?|the\s+current\s+date\s+is|date)\s*[:=]?\s*.+$",
+    "js_todatestring": rf"\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?:{_MONTHS}) \d{{2}} \d{{4}}\b",
+    "long_date": r"\b(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday),?\s+(?:January"
+                 r"|February|March|April|May|June|July|August|September|October|November"
+                 r"|December)\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4}\b",
+    "dmy_short": rf"\b\d{{1,2}} (?:{_MONTHS}) \d{{4}}\b",
+    "clock_time": r"\b(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d(?:\.\d+)?)?(?:\s?[AaPp]\.?[Mm]\.?)?\b",
+    "us_locale_datetime": r"\b\d{1,2}/\d{1,2}/\d{4},?\s+\d{1,2}:\d{2}:\d{2}\s?[AP]M\b",
+    "tz_offset": r"\b(?:UTC|GMT)\s?[+-]\d{1,2}(?::?\d{2})?\b",
+    "iana_tz": r"\b(?:Africa|America|Antarctica|Asia|Atlantic|Australia|Europe|Indian|Pacific"
+               r"|Etc)/[A-Za-z_]+(?:/[A-Za-z_]+)?\b",
+    "uuid": r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}"
+            r"-[0-9a-fA-F]{12}\b",
+    "prefixed_id": r"\b(?:ses|msg|req|run|call|toolu|chatcmpl|resp|task|conv|sess)_[A-Za-z0-9]{8,}\b",
+    "hex_id": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{12,64}\b",
+    "epoch": r"\b1[5-9]\d{8}(?:\d{3})?\b",
+    "cost_counter": r"(?i)(?:current\s+cost|total\s+cost|cost)\s*[:\n]\s*\$?\d+(?:\.\d+)?",
+    "token_counter": r"(?i)\b(?:\d[\d,]*\s*(?:/\s*\d[\d,]*\s*)?tokens?\s*(?:used|remaining|left)"
+                     r"|context\s+(?:window\s+)?usage\s*[:=]\s*\d+%?"
+                     r"|tokens?\s+(?:used|remaining)\s*[:=]\s*[\d,]+)",
+    "cwd_line": r"(?im)^\s*(?:working\s+directory|current\s+(?:workspace\s+)?(?:working\s+)?"
+                r"directory|cwd|primary\s+working\s+directory)\s*[:=]?\s*.*$",
+    "abs_path": r"(?:(?<=\s)|^)(?:/(?:Users|home|tmp|var|opt|mnt|workspace|private)/[^\s'\"<>]+"
+                r"|[A-Za-z]:\\[^\s'\"<>]+)",
+    "git_status_block": r"(?s)(?:gitStatus:|<context name=\"gitStatus\">|# Git Status|Status:\n)"
+                        r".*?(?:\n\n|</context>|$)",
+    "porcelain_line": r"(?m)^(?:[ MADRCU?!]{2}) \S.*$",
+    "os_platform": r"(?im)^\s*(?:platform|os\s+version|operating\s+system|shell|default\s+shell"
+                   r"|arch)\s*:\s*.+$",
+    "env_block": r"(?s)<env>.*?</env>|<environment_details>.*?</environment_details>"
+                 r"|<environment_context>.*?</environment_context>",
+    "recent_files": r"(?is)#\s*(?:VSCode Visible Files|VSCode Open Tabs|Visual Studio Code Visible"
+                    r" Files|Recently Modified Files|Actively Running Terminals)\b.*?(?=\n#\s|\Z)",
+    "system_reminder": r"(?s)<system-reminder>.*?</system-reminder>",
+}
+VOLATILE: dict[str, re.Pattern[str]] = {k: re.compile(v) for k, v in _P.items()}
+
+# Labels that say "this span changed because a value moved on", in the order reports list
+# them. git_sha is omitted: it fires on any short hex word; hex_id covers real ids.
+LABEL_ORDER = ("anthropic_billing_header", "iso_datetime", "iso_date", "js_todatestring",
+               "long_date", "dmy_short", "us_locale_datetime", "clock_time", "todays_date_line",
+               "tz_offset", "iana_tz", "uuid", "prefixed_id", "hex_id", "epoch", "cost_counter",
+               "token_counter", "cwd_line", "abs_path", "git_status_block", "porcelain_line",
+               "os_platform", "recent_files", "system_reminder")
+
+# What each value-pinning canonicalization rule may pin (docs/MUTATIONS.md §7.4 R6-R8).
+DATE_LABELS = ("iso_date", "js_todatestring", "long_date", "dmy_short")
+TIME_LABELS = ("iso_datetime", "clock_time", "us_locale_datetime", "epoch")
+ENV_LABELS = ("cwd_line", "abs_path", "os_platform")
+
+# Structural causes (not regexes); with the catalogue labels they form the fixed `cause` set.
+STRUCTURAL_CAUSES = ("model_changed", "params_changed", "tools_added", "tools_removed",
+                     "tools_reordered", "schema_key_order", "schema_whitespace", "schema_changed",
+                     "whitespace_only", "system_changed:unknown", "block_moved",
+                     "system_reminder_moved", "tool_output_pruned", "compacted",
+                     "history_truncated", "branch_edit", "messages_changed:unknown",
+                     "reasoning_dropped", "tool_args_reserialized", "whitespace_trimmed",
+                     "content_edited", "env_block")
+CAUSES = frozenset(LABEL_ORDER) | frozenset(STRUCTURAL_CAUSES)
+
+CLEARED_MARKERS = ("[Old tool result content cleared]", "content cleared", "[output truncated]",
+                   "[duplicate file read", "tool result pruned")
+SUMMARY_MARKER = re.compile(r"(?i)\b(?:summary|summari[sz]ed|compacted|conversation so far"
+                            r"|previous conversation)\b")
+THINK = re.compile(r"(?s)<think>.*?</think>\s*")
+
+HINTS = {
+    "system_reminder_moved": "client issue anomalyco/opencode#23595",
+    "reasoning_dropped": "the client strips reasoning from history; R10 restore_reasoning "
+                         "(future) or a template that drops it",
+    "anthropic_billing_header": "canon_strip_billing_header=on",
+    "tools_reordered": "canon_pin_tool_order=on",
+    "schema_key_order": "canon_pin_tool_order=on",
+    "whitespace_only": "canon_pin_whitespace=on",
+}
+
+_CLIENTS = (("claude-cli", "claude-cli"), ("claude-code", "claude-cli"), ("opencode", "opencode"),
+            ("roo", "roo"), ("cline", "cline"), ("aider", "aider"), ("continue", "continue"),
+            ("goose", "goose"), ("open-webui", "openwebui"), ("openwebui", "openwebui"),
+            ("librechat", "librechat"), ("sillytavern", "sillytavern"), ("codex", "codex"))
+CLIENT_FAMILIES = tuple(sorted({f for _, f in _CLIENTS})) + ("other",)
+
+
+def client_family(headers: Mapping[str, str]) -> str:
+    """A fixed, small label for the client from its User-Agent (metrics must not explode)."""
+    ua = ""
+    for k, v in headers.items():
+        if k.lower() == "user-agent":
+            ua = v.lower()
+            break
+    for needle, family in _CLIENTS:
+        if needle in ua:
+            return family
+    return "other"
+
+
+def widen_to_lines(text: str, start: int, end: int) -> str:
+    """text[start:end] grown to whole lines: patterns need their line context."""
+    a = text.rfind("\n", 0, start) + 1
+    b = text.find("\n", end)
+    return text[a:] if b < 0 else text[a:b]
+
+
+def span_labels(old: str, new: str) -> list[str]:
+    """Catalogue labels of a changed span: a pattern counts if it matches the old or the new
+    text and its matches differ between them (a date that stayed the same explains nothing)."""
+    found = []
+    for name in LABEL_ORDER:
+        rx = VOLATILE[name]
+        a, b = rx.findall(old), rx.findall(new)
+        if (a or b) and a != b:
+            found.append(name)
+    # A date/time line anchors the date labels; on its own it is too broad to be a cause.
+    if found == ["todays_date_line"]:
+        return []
+    return found
+
+
+def mask(text: str, labels: tuple[str, ...]) -> str:
+    """`text` with every match of `labels` replaced by a fixed placeholder, so two lines that
+    differ only in those values compare equal."""
+    for name in labels:
+        text = VOLATILE[name].sub("\x00", text)
+    return text
+
+
+def strip_volatile_lines(text: str) -> str:
+    """`text` without lines carrying volatile values; used for content fingerprints."""
+    keep = []
+    for line in text.splitlines():
+        if any(VOLATILE[n].search(line) for n in
+               ("anthropic_billing_header", *DATE_LABELS, *TIME_LABELS, "todays_date_line",
+                "uuid", "prefixed_id", "hex_id", "cwd_line")):
+            continue
+        keep.append(line)
+    return "\n".join(keep)

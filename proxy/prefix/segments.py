@@ -1,0 +1,184 @@
+"""Flatten a request body into segments in render order: model, template parameters, tools,
+system, messages (each message: a meta segment for role/name/ids, then reasoning, content
+parts, tool calls). Both OpenAI-shaped and Anthropic-shaped bodies are understood;
+`/v1/completions` bodies become one `prompt` segment.
+
+Owns: the path names reports show (`system[0]`, `tools[3]`, `messages[52].content[1]`) and
+`loc`, the key path of a text inside the body, so rules can write a text back
+(`replace_texts`) without mutating the client's dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Template-affecting parameters: they change the rendered prompt as surely as the text does.
+PARAM_KEYS = ("chat_template_kwargs", "reasoning_effort", "enable_thinking", "tool_choice",
+              "thinking", "parallel_tool_calls")
+RENDERED = ("tools", "system", "messages")
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    path: str          # as reports show it
+    region: str        # model | params | tools | system | messages
+    kind: str          # model, params, tool, text, meta, reasoning, tool_call, tool_result, prompt
+    text: str
+    role: str = ""
+    msg: int | None = None      # index in body["messages"]
+    loc: Loc | None = None      # key path of `text` inside the body, for string texts
+
+    @property
+    def rendered(self) -> bool:
+        return self.region in RENDERED
+
+    def digest(self) -> str:
+        return hashlib.sha1(self.text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def dumps(value: Any) -> str:
+    """JSON in the client's key order (json.loads keeps it), the bytes a client would send."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def without_cache_control(value: Any) -> Any:
+    """Rule R0: cache_control markers are transport hints, never compared."""
+    if isinstance(value, dict):
+        return {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [without_cache_control(v) for v in value]
+    return value
+
+
+def tool_name(tool: Any) -> str:
+    if isinstance(tool, dict):
+        fn = tool.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return fn["name"]
+        if isinstance(tool.get("name"), str):
+            return tool["name"]
+    return canonical(tool)[:40]
+
+
+def flatten(body: dict) -> list[Segment]:
+    """All segments of `body` in render order."""
+    segs = [Segment("model", "model", "model", str(body.get("model", "")))]
+    params = {k: body[k] for k in PARAM_KEYS if k in body}
+    if params:
+        segs.append(Segment("params", "params", "params", canonical(params)))
+    if "prompt" in body and "messages" not in body:
+        prompt = body["prompt"]
+        text = prompt if isinstance(prompt, str) else dumps(prompt)
+        segs.append(Segment("prompt", "messages", "prompt", text,
+                            loc=("prompt",) if isinstance(prompt, str) else None))
+        return segs
+    for i, tool in enumerate(body.get("tools") or []):
+        segs.append(Segment(f"tools[{i}]", "tools", "tool", dumps(without_cache_control(tool))))
+    segs.extend(_anthropic_system(body.get("system")))
+    messages = body.get("messages") or []
+    leading = True
+    n_sys = 0
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            segs.append(Segment(f"messages[{k}]", "messages", "meta", dumps(m), msg=k))
+            continue
+        role = str(m.get("role", ""))
+        if leading and role in ("system", "developer"):
+            segs.extend(_message(m, k, f"system[{n_sys}]", "system"))
+            n_sys += 1
+            continue
+        leading = False
+        segs.extend(_message(m, k, f"messages[{k}]", "messages"))
+    return segs
+
+
+def _anthropic_system(system: Any) -> list[Segment]:
+    if isinstance(system, str):
+        return [Segment("system[0]", "system", "text", system, "system", loc=("system",))]
+    out = []
+    if isinstance(system, list):
+        for j, block in enumerate(system):
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                out.append(Segment(f"system[{j}]", "system", "text", block["text"], "system",
+                                   loc=("system", j, "text")))
+            else:
+                out.append(Segment(f"system[{j}]", "system", "text",
+                                   dumps(without_cache_control(block)), "system"))
+    return out
+
+
+def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
+    role = str(m.get("role", ""))
+    meta = {key: m[key] for key in ("role", "name", "tool_call_id") if key in m}
+    segs = [Segment(path, region, "meta", canonical(meta), role, k)]
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        if isinstance(m.get(key), str) and m[key]:
+            segs.append(Segment(f"{path}.{key}", region, "reasoning", m[key], role, k,
+                                ("messages", k, key)))
+    content = m.get("content")
+    if isinstance(content, str):
+        segs.append(Segment(f"{path}.content", region, "text", content, role, k,
+                            ("messages", k, "content")))
+    elif isinstance(content, list):
+        for p, part in enumerate(content):
+            segs.append(_part(part, f"{path}.content[{p}]", region, role, k,
+                              ("messages", k, "content", p)))
+    elif content is not None:
+        segs.append(Segment(f"{path}.content", region, "text", dumps(content), role, k))
+    for t, call in enumerate(m.get("tool_calls") or []):
+        segs.append(Segment(f"{path}.tool_calls[{t}]", region, "tool_call",
+                            dumps(_call_without_id(call)), role, k))
+    return segs
+
+
+def _part(part: Any, path: str, region: str, role: str, k: int, loc: Loc) -> Segment:
+    if not isinstance(part, dict):
+        return Segment(path, region, "text", dumps(part), role, k)
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return Segment(path, region, "text", part["text"], role, k, (*loc, "text"))
+    if kind in ("thinking", "redacted_thinking"):
+        return Segment(path, region, "reasoning", str(part.get("thinking") or part.get("data")),
+                       role, k)
+    if kind == "tool_use":
+        return Segment(path, region, "tool_call",
+                       dumps({"name": part.get("name"), "input": part.get("input")}), role, k)
+    if kind == "tool_result":
+        inner = part.get("content")
+        text = inner if isinstance(inner, str) else dumps(without_cache_control(inner))
+        return Segment(path, region, "tool_result", text, role, k)
+    return Segment(path, region, "text", dumps(without_cache_control(part)), role, k)
+
+
+def _call_without_id(call: Any) -> Any:
+    # Call ids are minted per response by the server; templates rarely render them.
+    if isinstance(call, dict):
+        return {k: v for k, v in call.items() if k not in ("id", "index")}
+    return call
+
+
+def rendered_chars(segs: list[Segment]) -> int:
+    return sum(len(s.text) for s in segs if s.rendered)
+
+
+def replace_texts(body: dict, edits: dict[Loc, str]) -> dict:
+    """A copy of `body` with the string at each loc replaced; containers on the way are
+    copied, everything else is shared (the client's dict is never mutated)."""
+    out = dict(body)
+    for loc, text in edits.items():
+        node: Any = out
+        for key in loc[:-1]:
+            child = node[key]
+            child = dict(child) if isinstance(child, dict) else list(child)
+            node[key] = child
+            node = child
+        node[loc[-1]] = text
+    return out

@@ -1,0 +1,69 @@
+"""What one request did, gathered along the pipeline and emitted once at the end: the
+request metrics and exactly one log line (text or JSON)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from prefixd.metrics import proxy as m
+
+log = logging.getLogger("prefixd.request")
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    started: float = field(default_factory=time.monotonic)
+    backend: str | None = None
+    model: str | None = None
+    status: int | None = None
+    error: str | None = None
+    queue_wait: float | None = None
+    first_token_at: float | None = None
+    usage: dict[str, Any] | None = None
+    response: web.StreamResponse | None = None
+
+    def tokens(self) -> tuple[int | None, int | None, int | None]:
+        u = self.usage or {}
+        details = u.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return u.get("prompt_tokens"), cached, u.get("completion_tokens")
+
+    def fields(self) -> dict[str, Any]:
+        prompt, cached, completion = self.tokens()
+        ttft = (self.first_token_at - self.started) if self.first_token_at else None
+        return {
+            "request_id": self.request_id, "backend": self.backend, "model": self.model,
+            "status": self.status, "queue_wait_s": _r(self.queue_wait), "ttft_s": _r(ttft),
+            "duration_s": _r(time.monotonic() - self.started), "prompt_tokens": prompt,
+            "cached_tokens": cached, "completion_tokens": completion, "error": self.error,
+        }
+
+    def finish(self, log_format: str) -> None:
+        f = self.fields()
+        backend, model = self.backend or "-", self.model or "-"
+        m.REQUESTS.labels(backend, model, str(self.status or 0)).inc()
+        m.REQUEST_DURATION.labels(backend, model).observe(f["duration_s"])
+        if f["ttft_s"] is not None and self.status == 200:
+            m.TTFT.labels(backend, model).observe(f["ttft_s"])
+        prompt, cached, completion = self.tokens()
+        for counter, value in ((m.PROMPT_TOKENS, prompt), (m.CACHED_TOKENS, cached),
+                               (m.COMPLETION_TOKENS, completion)):
+            if isinstance(value, int) and value >= 0:
+                counter.labels(backend, model).inc(value)
+        level = logging.WARNING if (self.status or 0) >= 500 else logging.INFO
+        if log_format == "json":
+            log.log(level, json.dumps({"event": "request", **f}))
+        else:
+            log.log(level, "request %s", " ".join(f"{k}={v}" for k, v in f.items()
+                                                  if v is not None or k == "status"))
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)

@@ -1,0 +1,118 @@
+"""A stand-in for `prefixd worker` at the process boundary: same argv, same /health, an
+OpenAI-shaped slow SSE stream — and ways to misbehave, chosen by env FAKE_WORKER_MODE:
+
+  normal       serve (default)
+  crash        os._exit(1) in the middle of every stream
+  hang         never open the port (a model load that never ends)
+  exit         print an error on stderr and exit 3 at once
+  ignore_term  serve, but ignore SIGTERM
+
+FAKE_WORKER_CRASH_ONCE=<path>: crash in the middle of the first stream only (the file
+marks that it happened, so the restarted worker serves). Request header `x-fake-crash: 1`
+crashes that request's stream. FAKE_WORKER_CHUNKS / FAKE_WORKER_DELAY shape the stream.
+Like the real worker, it exits when PREFIXD_PARENT_PID is no longer its parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+from aiohttp import web
+
+MODE = os.environ.get("FAKE_WORKER_MODE", "normal")
+
+
+def _chunk(i: int, text: str) -> bytes:
+    data = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": "fake", "choices": [{"index": 0, "delta": {"content": text},
+                                          "finish_reason": None}]}
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def _should_crash(request: web.Request) -> bool:
+    if MODE == "crash" or request.headers.get("x-fake-crash") == "1":
+        return True
+    flag = os.environ.get("FAKE_WORKER_CRASH_ONCE")
+    if flag and not os.path.exists(flag):
+        with open(flag, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "pid": os.getpid()})
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    n = int(os.environ.get("FAKE_WORKER_CHUNKS", "5"))
+    delay = float(os.environ.get("FAKE_WORKER_DELAY", "0.02"))
+    words = [f"w{i} " for i in range(n)]
+    if not body.get("stream"):
+        return web.json_response({
+            "id": "chatcmpl-fake", "object": "chat.completion", "model": "fake",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n,
+                      "pid": os.getpid()}})
+    crash = _should_crash(request)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i, w in enumerate(words):
+        if crash and i == 2:
+            print("fake worker: crashing mid-stream", file=sys.stderr, flush=True)
+            os._exit(1)
+        await resp.write(_chunk(i, w))
+        await asyncio.sleep(delay)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(0.1)
+    print("fake worker: parent gone, exiting", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
+async def main(port: int) -> None:
+    print(f"fake worker {os.getpid()} mode={MODE} port={port}", flush=True)
+    parent = os.environ.get("PREFIXD_PARENT_PID")
+    watcher = asyncio.create_task(watch_parent(int(parent))) if parent else None
+    if MODE == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if MODE == "hang":
+        print("fake worker: loading forever", file=sys.stderr, flush=True)
+        await asyncio.Event().wait()
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    stop = asyncio.Event()
+    if MODE != "ignore_term":
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if watcher:
+        watcher.cancel()
+
+
+if __name__ == "__main__":
+    if MODE == "exit":
+        print("fake worker: cannot load model 'nope': no such file", file=sys.stderr, flush=True)
+        sys.exit(3)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=int(os.environ.get("FAKE_WORKER_PORT", "0")))
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--model", default="fake")
+    asyncio.run(main(ap.parse_args().port))

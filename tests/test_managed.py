@@ -1,0 +1,256 @@
+"""The managed `mlx` backend on real child processes (tests/fake_worker.py as the worker):
+start-up, deadlines, early exits, crashes mid-stream, restarts, idle unload, stop, orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from prefixd.backends.base import Backend, BackendError, BackendUnavailable, UpstreamRequest
+from prefixd.backends.managed import ManagedBackend, ProcState
+from prefixd.backends.process import worker_command, worker_env
+from prefixd.metrics import REGISTRY
+from prefixd.proxy.settings import BackendConfig, Settings
+
+FAKE = Path(__file__).with_name("fake_worker.py")
+SETTINGS = Settings(_env_file=None, use_system_blas=False)
+Make = Callable[..., ManagedBackend]
+
+
+def fake_command(port: int) -> list[str]:
+    return [sys.executable, str(FAKE), "--model", "fake", "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def chat(stream: bool = True, headers: dict[str, str] | None = None) -> UpstreamRequest:
+    body = {"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    return UpstreamRequest(path="/v1/chat/completions", body=json.dumps(body).encode(),
+                           stream=stream, request_id="r1", headers=headers or {})
+
+
+async def read_all(b: ManagedBackend, req: UpstreamRequest) -> bytes:
+    async with b.forward(req) as resp:
+        assert resp.status == 200
+        return b"".join([c async for c in resp.chunks])
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def metric(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[Make]:
+    made: list[ManagedBackend] = []
+
+    def _make(mode: str = "normal", *, grace: float = 2.0, env: dict[str, str] | None = None,
+              backoff: tuple[float, float] = (0.02, 0.1), **cfg: object) -> ManagedBackend:
+        config = BackendConfig(name=f"fake{len(made)}", kind="mlx", model="fake-model",
+                               worker_env={"FAKE_WORKER_MODE": mode, **(env or {})}, **cfg)
+        b = ManagedBackend(config, SETTINGS, command=fake_command, stop_grace_s=grace,
+                           backoff_s=backoff)
+        made.append(b)
+        return b
+
+    yield _make
+    for b in made:
+        await b.stop()
+    # No orphans: every worker this test started is reaped once its backend stopped.
+    assert psutil.Process().children(recursive=True) == []
+
+
+async def test_start_ready_answer_stop(make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    b = make()
+    assert isinstance(b, Backend)
+    assert b.status().state == "stopped"
+    with caplog.at_level("INFO", logger="prefixd.worker"):
+        await b.ensure_ready()
+    st = b.status()
+    assert (st.state, st.up, st.kind, st.models) == ("ready", True, "mlx", ["fake-model"])
+    pid = st.detail["pid"]
+    assert metric("prefixd_backend_state", backend=b.name, state="ready") == 1
+    assert metric("prefixd_backend_state", backend=b.name, state="starting") == 0
+    assert metric("prefixd_backend_up", backend=b.name) == 1
+    # Worker output reaches our log line by line, tagged with the backend name.
+    assert any(r.getMessage().startswith(f"[{b.name}] fake worker {pid}") for r in caplog.records)
+
+    body = await read_all(b, chat(stream=True))
+    assert body.count(b"data: ") == 6 and body.endswith(b"data: [DONE]\n\n")
+    answer = json.loads(await read_all(b, chat(stream=False)))
+    assert answer["usage"]["pid"] == pid
+
+    await b.stop()
+    assert b.status().state == "shutdown" and not b.status().up
+    assert gone(pid)
+    assert metric("prefixd_backend_state", backend=b.name, state="shutdown") == 1
+    with pytest.raises(BackendUnavailable, match="shut down"):
+        await b.ensure_ready()
+
+
+async def test_concurrent_callers_share_one_start(make: Make) -> None:
+    b = make()
+    await asyncio.gather(*(b.ensure_ready() for _ in range(5)))
+    assert b.status().detail["restarts"] == 0
+    assert len(psutil.Process().children()) == 1
+
+
+async def test_hang_at_startup_hits_the_deadline(make: Make) -> None:
+    b = make("hang", startup_timeout_s=1.0, max_restarts=0)
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=r"timed out after 1s.*loading forever"):
+        await b.ensure_ready()
+    assert time.monotonic() - t0 < 3.0
+    assert await b.wait_for(ProcState.FAILED, timeout=5) is ProcState.FAILED
+    assert psutil.Process().children() == []   # the hung child was killed
+    with pytest.raises(BackendUnavailable, match="failed: .*timed out"):
+        await b.ensure_ready()
+
+
+async def test_exit_at_once_reports_stderr_and_ends_failed(make: Make) -> None:
+    b = make("exit", max_restarts=2)
+    restarts0 = metric("prefixd_backend_restarts_total", backend=b.name) or 0.0
+    messages = []
+    while b.status().state != "failed":       # each call waits for one attempt's outcome
+        with pytest.raises(BackendUnavailable) as exc:
+            await b.ensure_ready()
+        messages.append(str(exc.value))
+        assert len(messages) <= 4
+    assert "exited with code 3" in messages[0]
+    assert all("cannot load model 'nope'" in m for m in messages)
+    st = b.status()
+    assert "gave up after 3 attempts" in (st.last_error or "")
+    assert st.detail["restarts"] == 2
+    assert metric("prefixd_backend_restarts_total", backend=b.name) == restarts0 + 2
+    assert metric("prefixd_backend_state", backend=b.name, state="failed") == 1
+
+
+async def test_crash_mid_stream_then_restart_serves_waiters(make: Make) -> None:
+    b = make()
+    await b.ensure_ready()
+    pid1 = b.status().detail["pid"]
+    seen: list[bytes] = []
+    with pytest.raises(BackendError):
+        async with b.forward(chat(headers={"x-fake-crash": "1"})) as resp:
+            async for chunk in resp.chunks:
+                seen.append(chunk)
+    assert seen, "the stream had started before the crash"
+
+    # What the proxy's queue does next: the waiting requests call ensure_ready(), in order.
+    async def next_request() -> bytes:
+        await b.ensure_ready()
+        return await read_all(b, chat())
+
+    bodies = await asyncio.gather(*(next_request() for _ in range(3)))
+    assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    st = b.status()
+    assert st.state == "ready" and st.detail["pid"] != pid1 and st.detail["restarts"] == 1
+    assert "killed" in (st.last_error or "") or "code 1" in (st.last_error or "")
+    assert gone(pid1)
+
+
+async def test_request_racing_a_dead_worker_is_retried_not_lost(make: Make) -> None:
+    b = make()
+    await b.ensure_ready()
+    pid = b.status().detail["pid"]
+    os.kill(pid, signal.SIGKILL)
+    # Without yielding to the loop (so the supervisor has not noticed), wait for the death.
+    deadline = time.monotonic() + 5
+    while not gone(pid) and time.monotonic() < deadline:
+        pass
+    body = await read_all(b, chat())          # refused at connect → restart → sent once
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert b.status().detail["pid"] != pid
+
+
+async def test_ignoring_sigterm_still_stops_within_grace(make: Make) -> None:
+    b = make("ignore_term", grace=1.0)
+    await b.ensure_ready()
+    pid = b.status().detail["pid"]
+    t0 = time.monotonic()
+    await b.stop()
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 2.0
+    assert gone(pid)
+
+
+async def test_idle_unload_then_start_again(make: Make) -> None:
+    b = make(idle_unload_s=0.3)
+    await b.ensure_ready()
+    pid1 = b.status().detail["pid"]
+    await read_all(b, chat())
+    assert await b.wait_for(ProcState.STOPPED, timeout=5) is ProcState.STOPPED
+    assert gone(pid1) and b.status().detail["pid"] is None
+    await b.ensure_ready()
+    assert b.status().detail["pid"] not in (None, pid1)
+
+
+def test_worker_command_and_env() -> None:
+    assert worker_command("some/model", 4321) == [
+        sys.executable, "-m", "prefixd.backends.mlx", "--model", "some/model",
+        "--host", "127.0.0.1", "--port", "4321"]
+    cfg = BackendConfig(name="w", kind="mlx", model="m", cache_bytes=12345,
+                        worker_env={"PREFIXD_PREFILL_CHUNK": "64", "X": "1"})
+    env = worker_env(cfg, Settings(_env_file=None, use_system_blas=False, checkpoint_tail=7),
+                     base={"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    assert env["PREFIXD_PARENT_PID"] == str(os.getpid())
+    assert env["PREFIXD_CACHE_BYTES"] == "12345"          # the backend's budget wins
+    assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly
+    assert env["PREFIXD_PREFILL_CHUNK"] == "64" and env["X"] == "1"
+    assert "LD_PRELOAD" not in env
+
+
+def test_proxy_side_never_imports_mlx() -> None:
+    code = ("import sys; from prefixd.backends.managed import ManagedBackend; "
+            "from prefixd.backends.process import worker_env; "
+            "from prefixd.proxy.settings import BackendConfig, Settings; "
+            "worker_env(BackendConfig(name='w', kind='mlx', model='m'), "
+            "Settings(_env_file=None, use_system_blas=True)); "
+            "assert 'mlx' not in sys.modules, sorted(m for m in sys.modules if 'mlx' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+_PARENT = textwrap.dedent("""
+    import asyncio, sys
+    from prefixd.backends.managed import ManagedBackend
+    from prefixd.proxy.settings import BackendConfig, Settings
+    async def main():
+        cfg = BackendConfig(name="orphan", kind="mlx", model="m")
+        b = ManagedBackend(cfg, Settings(_env_file=None, use_system_blas=False),
+                           command=lambda port: [sys.executable, sys.argv[1], "--port", str(port)])
+        await b.ensure_ready()
+        print(b.status().detail["pid"], flush=True)
+        await asyncio.Event().wait()
+    asyncio.run(main())
+""")
+
+
+def test_worker_exits_when_prefixd_is_killed() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(FAKE)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout is not None
+        worker = psutil.Process(int(parent.stdout.readline()))
+        assert worker.ppid() == parent.pid
+    finally:
+        parent.kill()                # SIGKILL: prefixd gets no chance to stop its worker
+        parent.wait()
+    gone_, alive = psutil.wait_procs([worker], timeout=5)
+    assert alive == [] or all(p.status() == psutil.STATUS_ZOMBIE for p in alive)

@@ -1,0 +1,132 @@
+"""The checkpoint store's pure policy: prefix lookup, placement, hand-over, budget and eviction."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixd.backends.mlx.store import CheckpointStore, Entry, common_prefix, placement
+
+
+def _no_end(_: Entry) -> None:
+    return None
+
+
+def _put(store: CheckpointStore, tokens: list[int], nbytes: int = 10, trimmable: bool = False,
+         checkpoints: dict[int, int] | None = None) -> Entry:
+    entry = store.begin(tokens)
+    for pos, size in (checkpoints or {}).items():
+        store.add_checkpoint(entry, pos, f"ckpt{pos}", size)
+    store.finish(entry, tokens, "kv", nbytes, trimmable, _no_end)
+    return entry
+
+
+def _accounted(store: CheckpointStore) -> int:
+    return sum(e.nbytes + sum(c.nbytes for c in e.checkpoints.values()) for e in store.entries)
+
+
+def test_common_prefix_across_blocks() -> None:
+    a = list(range(1000))
+    assert common_prefix(a, a) == 1000
+    assert common_prefix(a, a[:700]) == 700
+    assert common_prefix(a, [*a[:613], -1, *a[614:]]) == 613
+    assert common_prefix(a, []) == 0
+    assert common_prefix([5], [6]) == 0
+
+
+def test_placement_marks_boundaries_tail_end_and_interval() -> None:
+    got = placement(100, 0, boundaries=[10, 60], interval=16, tail=4)
+    assert got == [10, 26, 42, 58, 60, 76, 92, 96, 100]
+    # Positions depend on the prompt, not on the restore point; only later ones are returned.
+    assert placement(100, 60, [10, 60], 16, 4) == [76, 92, 96, 100]
+    assert placement(3, 0, [], 16, 4) == [3]
+
+
+def test_lookup_trimmable_entry_serves_any_prefix() -> None:
+    store = CheckpointStore(10_000)
+    _put(store, list(range(50)), trimmable=True)
+    m = store.lookup([*range(30), 99])
+    assert m is not None and m.pos == 30 and m.checkpoint is None
+    # An exact repeat keeps one token to recompute (its logits start the generation).
+    m = store.lookup(list(range(50)))
+    assert m is not None and m.pos == 49
+    assert store.lookup([7, 8]) is None
+
+
+def test_lookup_non_trimmable_uses_checkpoint_below_match_or_entry_end() -> None:
+    store = CheckpointStore(10_000)
+    _put(store, list(range(50)), checkpoints={10: 5, 20: 5, 40: 5})
+    m = store.lookup([*range(35), 99])
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos, m.lcp) == (20, 20, 35)
+    m = store.lookup(list(range(20)))  # checkpoint at 20 would leave nothing to recompute
+    assert m is not None and m.pos == 10
+    m = store.lookup([*range(50), 1, 2])  # a longer prompt continues from the entry's end
+    assert m is not None and m.pos == 50 and m.checkpoint is None
+    assert store.lookup([*range(9), 99]) is None
+
+
+def test_finish_absorbs_prefix_entries_and_takes_over_checkpoints() -> None:
+    store = CheckpointStore(10_000)
+    first = _put(store, list(range(40)), checkpoints={10: 5})
+    side = _put(store, [*range(30), 77, 78], checkpoints={20: 5, 31: 5})
+    entry = store.begin(list(range(60)))
+    store.finish(entry, list(range(60)), "kv", 10, False, lambda e: (f"end{len(e.tokens)}", 7))
+    assert first not in store.entries  # its KV is covered by the new entry's
+    assert sorted(entry.checkpoints) == [10, 20, 40]  # 20 came from `side`, 40 is first's end
+    assert entry.checkpoints[40].payload == "end40"
+    assert sorted(side.checkpoints) == [31]
+    assert store.bytes_used == _accounted(store)
+
+
+def test_budget_never_exceeded_and_oversized_item_rejected() -> None:
+    store = CheckpointStore(100)
+    e = _put(store, list(range(10)), nbytes=150)
+    assert e not in store.entries and store.bytes_used == 0 and store.rejected == 1
+
+
+def test_dense_checkpoints_go_before_sequences() -> None:
+    store = CheckpointStore(100)
+    conv = _put(store, list(range(500)), nbytes=40,
+                checkpoints={100: 10, 200: 10, 204: 10, 300: 10, 400: 10})
+    assert store.bytes_used == 90
+    _put(store, [1000 + i for i in range(300)], nbytes=20)
+    assert conv in store.entries
+    assert 204 not in conv.checkpoints  # the one 4 tokens from its neighbour
+    assert store.bytes_used <= 100
+
+
+def test_short_request_does_not_evict_long_conversation() -> None:
+    store = CheckpointStore(1000)
+    conv = _put(store, list(range(20_000)), nbytes=900, checkpoints={10_000: 50})
+    title = _put(store, [5000 + i for i in range(60)], nbytes=100)
+    assert conv in store.entries and 10_000 in conv.checkpoints
+    assert title not in store.entries
+    # Once the conversation has been idle for very many requests, it gives way.
+    for _ in range(1000):
+        store.discard(store.begin([1]))
+    newer = _put(store, [9000 + i for i in range(60)], nbytes=100)
+    assert newer in store.entries and store.bytes_used <= 1000
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(0, 400),
+                          st.lists(st.integers(1, 120), max_size=6)), min_size=1, max_size=40),
+       st.integers(50, 1500))
+def test_random_inserts_never_exceed_budget(ops: list[tuple[int, int, int, list[int]]],
+                                            budget: int) -> None:
+    store = CheckpointStore(budget)
+    for family, length, size, ckpt_sizes in ops:
+        # Four families of prompts sharing long prefixes, so hand-over and absorption happen.
+        tokens = [family * 10_000 + i for i in range(length)]
+        store.lookup(tokens)
+        entry = store.begin(tokens)
+        for k, csize in enumerate(ckpt_sizes):
+            pos = (k + 1) * max(1, length // (len(ckpt_sizes) + 1))
+            store.add_checkpoint(entry, pos, None, csize)
+            assert store.bytes_used <= budget
+        store.finish(entry, tokens, None, size, bool(size % 2),
+                     lambda e: (None, 3) if e.tokens else None)
+        assert store.bytes_used <= budget
+        assert store.bytes_used == _accounted(store)
+        for e in store.entries:
+            assert all(p < len(e.tokens) for p in e.checkpoints)
