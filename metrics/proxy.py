@@ -12,7 +12,7 @@ REQUEST_DURATION = Histogram("prefixd_request_duration_seconds",
                              "Time from request arrival to the last byte sent.",
                              ["backend", "model"], buckets=_LAT, registry=REGISTRY)
 QUEUE_WAIT = Histogram("prefixd_queue_wait_seconds", "Time a request waited for its backend slot.",
-                       ["backend"], buckets=(0.001,) + _LAT, registry=REGISTRY)
+                       ["backend"], buckets=(0.001, *_LAT), registry=REGISTRY)
 TTFT = Histogram("prefixd_time_to_first_token_seconds",
                  "Time from request arrival to the first streamed content chunk.",
                  ["backend", "model"], buckets=_LAT, registry=REGISTRY)

@@ -24,7 +24,8 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
                    type_: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-style JSON error. 5xx default to `server_error`/`upstream_error` types."""
     if type_ is None:
-        type_ = _TYPE_BY_STATUS.get(status, "upstream_error" if status in (502, 504) else "server_error")
+        fallback = "upstream_error" if status in (502, 504) else "server_error"
+        type_ = _TYPE_BY_STATUS.get(status, fallback)
     return web.Response(status=status, headers=headers, content_type="application/json",
                         text=json.dumps(error_body(message, type_, param=param, code=code)))
 

@@ -125,7 +125,8 @@ class Proxy:
                            headers={"Retry-After": "1"}) from None
         except QueueTimeout:
             raise ApiError(503, f"waited {queue.timeout_s:g}s in the queue of backend "
-                           f"{backend.name!r} without getting a slot", code="queue_timeout") from None
+                           f"{backend.name!r} without getting a slot",
+                           code="queue_timeout") from None
         except QueueClosed:
             raise ApiError(503, "prefixd is shutting down", code="shutting_down") from None
         except BackendUnavailable as e:

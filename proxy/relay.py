@@ -119,10 +119,11 @@ class SSERecorder:
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         for choice in obj.get("choices") or []:
-            if isinstance(choice, dict) and self.builder.add_delta(
-                    choice.get("delta") if isinstance(choice.get("delta"), dict) else choice):
-                if self.first_content_at is None:
-                    self.first_content_at = time.monotonic()
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice
+            if self.builder.add_delta(delta) and self.first_content_at is None:
+                self.first_content_at = time.monotonic()
         if self.strip_usage and "usage" in obj:
             if not obj.get("choices"):
                 return None

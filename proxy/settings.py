@@ -23,7 +23,8 @@ class BackendConfig(BaseModel):
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
     kind: Literal["openai", "mlx"] = "openai"
-    url: str | None = Field(None, description="openai: base URL of the upstream, e.g. http://127.0.0.1:8080")
+    url: str | None = Field(None, description="openai: base URL of the upstream, "
+                            "e.g. http://127.0.0.1:8080")
     model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
     models: list[str] = Field(default_factory=list, description="model names this backend serves")
     max_concurrency: Annotated[int, Field(ge=1)] = 1
@@ -46,7 +47,7 @@ class BackendConfig(BaseModel):
             if not self.url:
                 raise ValueError(f"backend {self.name!r}: kind 'openai' needs 'url'")
             if not self.url.startswith(("http://", "https://")):
-                raise ValueError(f"backend {self.name!r}: url must start with http:// or https://")
+                raise ValueError(f"backend {self.name!r}: url must start with http(s)://")
             if not self.models:
                 raise ValueError(f"backend {self.name!r}: list the model names it serves in 'models'")
         else:
@@ -58,7 +59,7 @@ class BackendConfig(BaseModel):
 
 
 class Settings(BaseSettings):
-    """prefixd configuration (env prefix `PREFIXD_`, env file `--env-file`, default `./prefixd.env`)."""
+    """prefixd configuration (env prefix `PREFIXD_`; env file `--env-file` or ./prefixd.env)."""
 
     model_config = SettingsConfigDict(env_prefix="PREFIXD_", env_file="prefixd.env",
                                       env_file_encoding="utf-8", extra="ignore",

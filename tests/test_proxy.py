@@ -79,7 +79,7 @@ async def test_never_more_than_max_concurrency_under_50_clients(upstream, start_
         proxy = await start_proxy(upstream.url, backend={"max_concurrency": limit})
         body = chat(fake={"delay": 0.005})
 
-        async def one(i: int) -> int:
+        async def one(i: int, proxy=proxy, body=body) -> int:
             async with http.post(url(proxy), json={**body, "i": i}) as r:
                 await r.read()
                 return r.status

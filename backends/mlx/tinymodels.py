@@ -160,6 +160,7 @@ def save_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Write a folder `mlx_lm.load(str(out_dir))` opens offline: config, weights, tokenizer."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+
     from prefixd.backends.mlx import tinytok
 
     out_dir = Path(out_dir)

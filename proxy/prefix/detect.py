@@ -209,7 +209,8 @@ def _classify_messages(d: Diff, prev: list[Segment], new: list[Segment], i: int)
     moved = _moved_block(a, b, new[i + 1:]) if same_slot else None
     if moved is not None:
         d.moved_from, d.moved_to, label = a.path, moved[0], moved[1]
-        d.causes = ["block_moved"] + (["system_reminder_moved"] if label == "system_reminder" else [])
+        reminder = ["system_reminder_moved"] if label == "system_reminder" else []
+        d.causes = ["block_moved", *reminder]
         d.spans = [Span(a.path, d.char_offset, a.text[:200], b.text[:200], list(d.causes))]
         return
     if same_slot and _pruned(a, b):

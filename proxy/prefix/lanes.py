@@ -52,7 +52,7 @@ class LaneState:
     ratio: float = 4.0                           # learned rendered chars per token
     ratio_learned: bool = False
     canon: CanonState = field(default_factory=CanonState)
-    history: deque[dict] = field(default_factory=deque)
+    history: deque[Any] = field(default_factory=deque)   # PrefixReport, newest last
     nbytes: int = 0
 
 
@@ -214,9 +214,5 @@ def state_bytes(lane: LaneState) -> int:
                 seen.add(id(s.text))
                 total += len(s.text) + 100
     total += 8 * len(lane.fwd_tokens or ())
-    total += sum(len(str(h)) for h in lane.history)
-    return total + _any_len(lane.canon.nbytes())
-
-
-def _any_len(n: Any) -> int:
-    return int(n)
+    total += 1024 * len(lane.history)
+    return total + lane.canon.nbytes()

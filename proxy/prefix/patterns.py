@@ -31,7 +31,8 @@ _P = {
                r"|Etc)/[A-Za-z_]+(?:/[A-Za-z_]+)?\b",
     "uuid": r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}"
             r"-[0-9a-fA-F]{12}\b",
-    "prefixed_id": r"\b(?:ses|msg|req|run|call|toolu|chatcmpl|resp|task|conv|sess)_[A-Za-z0-9]{8,}\b",
+    "prefixed_id": r"\b(?:ses|msg|req|run|call|toolu|chatcmpl|resp|task|conv|sess)"
+                   r"_[A-Za-z0-9]{8,}\b",
     "hex_id": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{12,64}\b",
     "epoch": r"\b1[5-9]\d{8}(?:\d{3})?\b",
     "cost_counter": r"(?i)(?:current\s+cost|total\s+cost|cost)\s*[:\n]\s*\$?\d+(?:\.\d+)?",
@@ -98,7 +99,7 @@ _CLIENTS = (("claude-cli", "claude-cli"), ("claude-code", "claude-cli"), ("openc
             ("roo", "roo"), ("cline", "cline"), ("aider", "aider"), ("continue", "continue"),
             ("goose", "goose"), ("open-webui", "openwebui"), ("openwebui", "openwebui"),
             ("librechat", "librechat"), ("sillytavern", "sillytavern"), ("codex", "codex"))
-CLIENT_FAMILIES = tuple(sorted({f for _, f in _CLIENTS})) + ("other",)
+CLIENT_FAMILIES = (*sorted({f for _, f in _CLIENTS}), "other")
 
 
 def client_family(headers: Mapping[str, str]) -> str:

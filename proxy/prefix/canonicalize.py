@@ -1,0 +1,276 @@
+"""Canonicalization rules (docs/MUTATIONS.md §7.4): opt-in rewrites that keep a lane's prompt
+prefix byte-stable while the model is still told every live value.
+
+Principles, enforced here: lazy (a rule acts only once its value changed within the lane;
+the first request only sets the baseline, apart from the always-safe billing-header strip);
+sticky (pin to the lane's first-seen bytes, never to "now"); semantics kept (a pinned value
+is restated in the newest user/tool message with "supersedes" wording, never as a second
+system message); replayable (each insertion is recorded with the fingerprint of the message
+it went into and re-applied byte-identically when that message is history); deterministic
+and idempotent. Pure: `canonicalize` reads `CanonState`, `commit` is the only writer.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixd.proxy.prefix import patterns as P
+from prefixd.proxy.prefix.segments import (
+    Segment,
+    canonical,
+    dumps,
+    flatten,
+    replace_texts,
+    tool_name,
+    without_cache_control,
+)
+
+STRIP, TOOLS, WS = "strip_billing_header", "pin_tool_order", "pin_whitespace"
+DATE, TIME, ENV = "freeze_date", "relocate_clock_time", "pin_env_block"
+RULES = (STRIP, TOOLS, WS, DATE, TIME, ENV)
+_PIN_LABELS = {DATE: P.DATE_LABELS, TIME: P.TIME_LABELS}
+_MAX_INJECTIONS = 512
+OPEN, CLOSE = '\n\n<context-update source="proxy">\n', "\n</context-update>"
+
+
+@dataclass(slots=True)
+class CanonState:
+    """A lane's canonicalization memory."""
+
+    system: dict[str, str] | None = None     # first-seen system texts by path, as sent
+    tools: list[Any] | None = None           # first-seen tools, first-seen order
+    injections: dict[str, str] = field(default_factory=dict)         # fingerprint -> text
+    shadow_injections: dict[str, str] = field(default_factory=dict)  # same, dry-run view
+
+    def nbytes(self) -> int:
+        texts = [*(self.system or {}).values(), *self.injections.values(),
+                 *self.shadow_injections.values()]
+        return sum(len(t) for t in texts) + sum(len(dumps(t)) for t in self.tools or ())
+
+
+@dataclass(slots=True)
+class CanonResult:
+    body: dict
+    applied: list[str] = field(default_factory=list)     # rules that changed bytes
+    restated: list[str] = field(default_factory=list)    # live lines restated in the tail
+    injection: tuple[str, str] | None = None             # (fingerprint, text) to record
+    new_tools: list[Any] = field(default_factory=list)   # tools seen for the first time
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.applied)
+
+
+def strip_billing(text: str) -> str:
+    return P.VOLATILE["anthropic_billing_header"].sub("", text)
+
+
+def fingerprint(index: int, message: Any) -> str:
+    return hashlib.sha1(f"{index}:{canonical(message)}".encode()).hexdigest()[:20]
+
+
+def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
+                 shadow: bool = False, backend_kind: str = "local") -> CanonResult:
+    """The body to forward under the `enabled` rules; `body` itself is never mutated."""
+    res = CanonResult(body)
+    strip = STRIP in enabled and backend_kind != "anthropic"
+    segs = flatten(body)
+    target = _target(body)
+    edits: dict[Any, str] = {}
+    for s in segs:
+        if s.region != "system" or s.loc is None:
+            continue
+        text = strip_billing(s.text) if strip else s.text
+        if text != s.text:
+            _note(res, STRIP)
+        base = (state.system or {}).get(s.path)
+        if base is not None and (base := strip_billing(base) if strip else base) != text:
+            text = _pin_system(res, base, text, enabled, pin_values=target is not None)
+        if text != s.text:
+            edits[s.loc] = text
+    out = replace_texts(body, edits) if edits else body
+    if strip and isinstance(out.get("system"), list):
+        blocks = [b for b in out["system"] if not (isinstance(b, dict) and b.get("type") == "text"
+                                                   and not str(b.get("text", "")).strip())]
+        if len(blocks) != len(out["system"]):
+            out = {**out, "system": blocks}
+    out = _pin_tools(res, out, state, enabled)
+    injections = state.shadow_injections if shadow else state.injections
+    out = _inject(res, out, injections, target)
+    res.body = out if res.applied else body
+    return res
+
+
+def _note(res: CanonResult, rule: str) -> None:
+    if rule not in res.applied:
+        res.applied.append(rule)
+
+
+def _target(body: dict) -> int | None:
+    """Index of the newest message if a restatement may go there (a user or tool turn)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if isinstance(last, dict) and last.get("role") in ("user", "tool") and isinstance(
+            last.get("content"), str | list):
+        return len(messages) - 1
+    return None
+
+
+def _pin_system(res: CanonResult, base: str, text: str, enabled: frozenset[str],
+                pin_values: bool) -> str:
+    """`text` with whitespace-only or value-only changes pinned back to `base`."""
+    if WS in enabled and base.split() == text.split():
+        _note(res, WS)
+        return base
+    if not pin_values or not enabled & {DATE, TIME, ENV}:
+        return text
+    lb, ln = base.splitlines(keepends=True), text.splitlines(keepends=True)
+    out = list(ln)
+    env_lines = _env_line_set(ln)
+    sm = difflib.SequenceMatcher(None, lb, ln, autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag != "replace" or i2 - i1 != j2 - j1:
+            continue
+        for bi, nj in zip(range(i1, i2), range(j1, j2), strict=True):
+            rules = pin_rules(lb[bi], ln[nj], enabled, in_env=nj in env_lines)
+            if rules:
+                out[nj] = lb[bi]
+                for r in rules:
+                    _note(res, r)
+                res.restated.append(ln[nj].strip())
+    return "".join(out)
+
+
+def pin_rules(old: str, new: str, enabled: frozenset[str], in_env: bool = False) -> list[str]:
+    """The enabled rules that together explain the change from line `old` to `new`."""
+    labels = tuple(lab for r in (DATE, TIME) if r in enabled for lab in _PIN_LABELS[r])
+    if labels and P.mask(old, labels) == P.mask(new, labels):
+        return [r for r in (TIME, DATE) if r in enabled
+                and P.mask(old, _PIN_LABELS[r]) != old
+                and any(x.findall(old) != x.findall(new)
+                        for x in (P.VOLATILE[lab] for lab in _PIN_LABELS[r]))]
+    if ENV in enabled and (in_env or any(P.VOLATILE[lab].search(old) for lab in P.ENV_LABELS)):
+        return [ENV]
+    return []
+
+
+def _env_line_set(lines: list[str]) -> set[int]:
+    """Indices of lines that lie inside an <env>-style block."""
+    text = "".join(lines)
+    blocks = [(m.start(), m.end()) for m in P.VOLATILE["env_block"].finditer(text)]
+    out, pos = set(), 0
+    for i, line in enumerate(lines):
+        if any(a <= pos < b for a, b in blocks):
+            out.add(i)
+        pos += len(line)
+    return out
+
+
+def _pin_tools(res: CanonResult, body: dict, state: CanonState,
+               enabled: frozenset[str]) -> dict:
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return body
+    base = state.tools or []
+    by_name = {tool_name(t): (i, t) for i, t in enumerate(base)}
+    res.new_tools = [t for t in tools if tool_name(t) not in by_name]
+    if state.tools is None or not enabled & {TOOLS, WS}:
+        return body
+    chosen = []
+    for t in tools:
+        _, b = by_name.get(tool_name(t), (None, None))
+        if b is not None and dumps(b) != dumps(t):
+            x, y = without_cache_control(b), without_cache_control(t)
+            if TOOLS in enabled and canonical(x) == canonical(y):
+                _note(res, TOOLS)
+                t = b
+            elif WS in enabled and canonical(_ws(x)) == canonical(_ws(y)):
+                _note(res, WS)
+                t = b
+        chosen.append(t)
+    if TOOLS in enabled:
+        order = {id(t): by_name.get(tool_name(t), (len(base) + k, None))[0]
+                 for k, t in enumerate(chosen)}
+        ordered = sorted(chosen, key=lambda t: order[id(t)])
+        if [id(t) for t in ordered] != [id(t) for t in chosen]:
+            _note(res, TOOLS)
+        chosen = ordered
+    if [id(t) for t in chosen] == [id(t) for t in tools]:
+        return body
+    return {**body, "tools": chosen}
+
+
+def _ws(value: Any) -> Any:
+    if isinstance(value, str):
+        return " ".join(value.split())
+    if isinstance(value, dict):
+        return {k: _ws(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ws(v) for v in value]
+    return value
+
+
+def _inject(res: CanonResult, body: dict, injections: dict[str, str],
+            target: int | None) -> dict:
+    """Replay recorded insertions into history, then restate live values in the newest turn."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    edited: dict[int, Any] = {}
+    for k, m in enumerate(messages):
+        text = injections.get(fingerprint(k, m))
+        if text is not None:
+            edited[k] = _append(m, text)
+    if res.restated and target is not None and target not in edited:
+        text = OPEN + "\n".join(f"Update: {line} (this supersedes the earlier value in the "
+                                "system prompt above)." for line in res.restated) + CLOSE
+        m = messages[target]
+        if not _ends_with(m, text):
+            edited[target] = _append(m, text)
+            res.injection = (fingerprint(target, m), text)
+    if not edited:
+        return body
+    if any(edited[k] is not messages[k] for k in edited) and not res.applied:
+        res.applied.append("replay")
+    return {**body, "messages": [edited.get(k, m) for k, m in enumerate(messages)]}
+
+
+def _append(message: dict, text: str) -> dict:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + text}
+    return {**message, "content": [*content, {"type": "text", "text": text.lstrip("\n")}]}
+
+
+def _ends_with(message: dict, text: str) -> bool:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content.endswith(text)
+    last = content[-1] if content else None
+    return isinstance(last, dict) and last.get("text") == text.lstrip("\n")
+
+
+def commit(state: CanonState, body: dict, res: CanonResult, *, shadow: bool = False) -> None:
+    """Record what this request taught the lane: first-seen baselines and the insertion."""
+    if not shadow:
+        if state.system is None:
+            state.system = {s.path: s.text for s in flatten(body) if _is_system_text(s)}
+        if state.tools is None:
+            tools = body.get("tools")
+            state.tools = list(tools) if isinstance(tools, list) else []
+        else:
+            state.tools.extend(res.new_tools)
+    if res.injection is not None:
+        book = state.shadow_injections if shadow else state.injections
+        book[res.injection[0]] = res.injection[1]
+        while len(book) > _MAX_INJECTIONS:
+            book.pop(next(iter(book)))
+
+
+def _is_system_text(s: Segment) -> bool:
+    return s.region == "system" and s.loc is not None

@@ -1,0 +1,255 @@
+"""The proxy's prefix stage: resolve the lane, canonicalize, diff against the lane's previous
+request, report; later refine token offsets (`measure`) and reconcile with the backend's
+`cached_tokens` (`record_response`).
+
+Two views are compared: the client's bytes against the client's previous bytes (what the
+client changed) and the forwarded bytes against the previous forwarded bytes (what the
+backend sees: the verdict). Dry-run rules run on a third, shadow view, so `would_fix` says
+what enabling them would keep. Owns the `LaneStore`; the proxy owns I/O and the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from prefixd.metrics import prefix as M
+from prefixd.proxy.prefix import canonicalize as C
+from prefixd.proxy.prefix.detect import BOUNDARY_TOKENS, REUSING, Diff, Verdict, diff
+from prefixd.proxy.prefix.lanes import LaneState, LaneStore, base_key, state_bytes, system_family
+from prefixd.proxy.prefix.patterns import THINK, client_family
+from prefixd.proxy.prefix.report import PrefixReport, header, hint_for, log_text, span_report
+from prefixd.proxy.prefix.segments import Segment, flatten, rendered_chars
+from prefixd.proxy.settings import Settings
+
+log = logging.getLogger("prefixd.prefix")
+
+# rule -> Settings field
+RULE_SETTINGS = {C.STRIP: "canon_strip_billing_header", C.TOOLS: "canon_pin_tool_order",
+                 C.WS: "canon_pin_whitespace", C.DATE: "canon_freeze_date",
+                 C.TIME: "canon_relocate_clock_time", C.ENV: "canon_pin_env_block"}
+Tokenize = Callable[[dict], Awaitable[list[int] | None]]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request's passage through the stage; the proxy reads lane, body, changed, header."""
+
+    lane: str
+    body: dict
+    changed: bool
+    report: PrefixReport | None
+    header: str | None
+    turn: int = 0
+    segments: list[Segment] = field(default_factory=list)   # forwarded, in render order
+    prev_body: dict | None = None
+    prev_tokens: list[int] | None = None
+    prev_had_reasoning: bool = False
+
+
+class PrefixStage:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.store = LaneStore(settings.lane_idle_s, settings.lane_max, settings.lane_max_bytes,
+                               settings.prefix_history)
+        self.ratio = 4.0            # chars per token, learned across lanes for new ones
+        modes = {rule: getattr(settings, name) for rule, name in RULE_SETTINGS.items()}
+        self.live = frozenset(r for r, m in modes.items() if m == "on")
+        self.dry = frozenset(r for r, m in modes.items() if m == "dry_run")
+
+    # --- before forwarding ------------------------------------------------------------------
+    def prepare(self, body: dict, headers: Mapping[str, str], *, model: str, path: str,
+                backend_kind: str) -> Prepared:
+        client = client_family(headers)
+        raw = flatten(body)
+        lane = self.store.resolve(base_key(headers, body, raw, client), system_family(raw),
+                                  self.clock())
+        if lane.turn == 0:
+            lane.ratio = self.ratio
+        lane.turn += 1
+        res = C.canonicalize(body, lane.canon, self.live, backend_kind=backend_kind)
+        fwd = flatten(res.body) if res.changed else raw
+        shadow_res, shadow = None, None
+        if self.dry:
+            shadow_res = C.canonicalize(body, lane.canon, self.live | self.dry, shadow=True,
+                                        backend_kind=backend_kind)
+            shadow = flatten(shadow_res.body) if shadow_res.changed else raw
+        report = None
+        if self.settings.prefix_detect:
+            report = self._report(lane, client, raw, fwd, shadow, res, shadow_res)
+        C.commit(lane.canon, body, res)
+        if shadow_res is not None:
+            C.commit(lane.canon, body, shadow_res, shadow=True)
+        prepared = Prepared(lane.id, res.body, res.changed, report,
+                            header(report) if report else None, lane.turn, fwd,
+                            lane.fwd_body, lane.fwd_tokens, _had_reasoning(lane.resp))
+        lane.raw, lane.fwd, lane.shadow, lane.fwd_body = raw, fwd, shadow, res.body
+        lane.fwd_tokens, lane.resp, lane.prompt_tokens = None, None, None
+        if report is not None:
+            lane.history.append(report)
+        self.store.set_bytes(lane, state_bytes(lane))
+        M.LANES.set(len(self.store))
+        M.LANE_BYTES.set(self.store.nbytes)
+        return prepared
+
+    def _report(self, lane: LaneState, client: str, raw: list[Segment], fwd: list[Segment],
+                shadow: list[Segment] | None, res: C.CanonResult,
+                shadow_res: C.CanonResult | None) -> PrefixReport:
+        d = diff(lane.fwd, fwd, lane.resp, lane.ratio)
+        r = PrefixReport(lane.id, lane.turn, client, d.verdict, d.region, d.path, d.char_offset,
+                         causes=d.causes, moved_from=d.moved_from, moved_to=d.moved_to,
+                         tools_added=d.tools_added, tools_removed=d.tools_removed)
+        excerpts = self.settings.prefix_excerpts
+        r.spans = [span_report(s.path, s.char_offset, s.old, s.new, s.causes, excerpts)
+                   for s in d.spans]
+        self._quantify(r, d, lane)
+        r.hint = hint_for(r.causes)
+        if res.changed:
+            r.canonicalized = list(res.applied)
+            if lane.raw is not None:
+                cd = diff(lane.raw, raw, lane.resp, lane.ratio)
+                r.client_causes = [] if cd.verdict in REUSING else cd.causes
+                r.saved_tokens = max(0, r.reusable_tokens - self._reusable(cd, lane))
+        if shadow_res is not None and shadow_res.changed and lane.shadow is not None:
+            sd = diff(lane.shadow, shadow, lane.resp, lane.ratio)
+            gain = max(0, self._reusable(sd, lane) - r.reusable_tokens)
+            rules = [x for x in shadow_res.applied if x in self.dry]
+            r.would_fix = [{"rule": x, "saved_tokens": gain} for x in rules]
+        return r
+
+    def _prev_tokens(self, d: Diff, lane: LaneState) -> int:
+        if lane.prompt_tokens:
+            return lane.prompt_tokens
+        return round(d.prev_chars / lane.ratio)
+
+    def _reusable(self, d: Diff, lane: LaneState) -> int:
+        prev = self._prev_tokens(d, lane)
+        if d.verdict in REUSING or d.verdict is Verdict.NEW:
+            return prev
+        return min(prev, round(d.reusable_chars / lane.ratio))
+
+    def _quantify(self, r: PrefixReport, d: Diff, lane: LaneState) -> None:
+        if d.verdict is Verdict.NEW:
+            return
+        r.prev_prompt_tokens = self._prev_tokens(d, lane)
+        r.reusable_tokens = self._reusable(d, lane)
+        r.lost_tokens = r.prev_prompt_tokens - r.reusable_tokens
+        if d.verdict is Verdict.APPEND_ECHO_DRIFT:
+            r.lost_tokens += round(d.echo_lost_chars / lane.ratio)
+        if r.path:
+            r.token_offset = (r.reusable_tokens if d.verdict not in REUSING
+                              else r.prev_prompt_tokens)
+
+    # --- exact token offsets ----------------------------------------------------------------
+    async def measure(self, prepared: Prepared, tokenize: Tokenize | None) -> None:
+        """Replace estimates by exact counts: the token LCP of the lane's previous forwarded
+        body and this one, both rendered by the backend. Only for mutations (cheap to skip)."""
+        r = prepared.report
+        if tokenize is None or r is None or not r.mutated or prepared.prev_body is None:
+            return
+        prev = prepared.prev_tokens or await tokenize(prepared.prev_body)
+        cur = await tokenize(prepared.body)
+        if not prev or cur is None:
+            return
+        n = min(len(prev), len(cur))
+        lcp = next((i for i in range(n) if prev[i] != cur[i]), n)
+        r.prev_prompt_tokens, r.reusable_tokens, r.token_offset = len(prev), lcp, lcp
+        r.lost_tokens, r.token_offset_exact = len(prev) - lcp, True
+        prepared.header = header(r)
+        lane = self.store.get(prepared.lane)
+        if lane is not None and lane.turn == prepared.turn:
+            lane.fwd_tokens = cur
+
+    # --- after the answer -------------------------------------------------------------------
+    def record_response(self, prepared: Prepared, message: dict | None,
+                        usage: dict | None) -> None:
+        usage = usage or {}
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        lane = self.store.get(prepared.lane)
+        if lane is not None and lane.turn == prepared.turn:
+            lane.resp, lane.prompt_tokens = message, prompt if isinstance(prompt, int) else None
+            self._learn_ratio(lane, prepared.segments, prompt)
+        r = prepared.report
+        if r is None:
+            return
+        if isinstance(cached, int):
+            self._reconcile(r, cached, prompt, prepared.prev_had_reasoning)
+        self._observe(r)
+
+    def _learn_ratio(self, lane: LaneState, segs: list[Segment], prompt: object) -> None:
+        if not isinstance(prompt, int) or prompt <= 0:
+            return
+        chars = rendered_chars(segs)
+        if chars <= 0:
+            return
+        seen = min(8.0, max(0.5, chars / prompt))
+        lane.ratio = seen if not lane.ratio_learned else 0.7 * lane.ratio + 0.3 * seen
+        lane.ratio_learned = True
+        self.ratio = 0.9 * self.ratio + 0.1 * seen
+
+    def _reconcile(self, r: PrefixReport, cached: int, prompt: object,
+                   prev_had_reasoning: bool) -> None:
+        r.backend_cached_tokens = cached
+        r.backend_prompt_tokens = prompt if isinstance(prompt, int) else None
+        expected = r.reusable_tokens
+        slack = BOUNDARY_TOKENS if r.token_offset_exact else max(BOUNDARY_TOKENS,
+                                                                 int(0.1 * expected))
+        if r.verdict is Verdict.NEW or cached + slack >= expected:
+            r.miss = "agrees"
+            return
+        r.miss = "unexplained"
+        suspects = ["template"] if prev_had_reasoning and r.verdict in REUSING else []
+        suspects += ["eviction", "restart"] if cached == 0 else ["checkpoint_granularity",
+                                                                 "eviction"]
+        r.suspects = suspects
+
+    def _observe(self, r: PrefixReport) -> None:
+        level = logging.INFO if r.mutated or r.miss == "unexplained" else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "%s", log_text(r))
+        M.REQUESTS.labels(r.client, r.verdict.value).inc()
+        if r.mutated or r.verdict is Verdict.APPEND_ECHO_DRIFT:
+            for cause in r.causes:
+                M.MUTATIONS.labels(r.client, r.region or "messages", cause).inc()
+            if r.causes and r.lost_tokens > 0:
+                M.LOST_TOKENS.labels(r.client, r.causes[0]).inc(r.lost_tokens)
+        if r.verdict is not Verdict.NEW and r.prev_prompt_tokens:
+            M.REUSE_RATIO.labels(r.client).observe(min(1.0, r.reusable_tokens
+                                                       / r.prev_prompt_tokens))
+        if r.suspects:
+            M.UNEXPLAINED_MISS.labels(r.suspects[0]).inc()
+        share = r.saved_tokens // max(1, len(r.canonicalized))
+        for rule in r.canonicalized:
+            M.CANON_APPLIED.labels(rule, "on").inc()
+            M.CANON_SAVED.labels(rule, "on").inc(share)
+        for w in r.would_fix:
+            M.CANON_APPLIED.labels(w["rule"], "dry_run").inc()
+            M.CANON_SAVED.labels(w["rule"], "dry_run").inc(w["saved_tokens"])
+
+    # --- debug endpoints --------------------------------------------------------------------
+    def debug_lanes(self) -> list[dict]:
+        now = self.clock()
+        return [{"lane": lane.id, "turn": lane.turn, "idle_s": round(now - lane.last_seen, 3),
+                 "last_verdict": lane.history[-1].verdict.value if lane.history else None,
+                 "prompt_tokens": lane.prompt_tokens, "chars_per_token": round(lane.ratio, 3),
+                 "ratio_learned": lane.ratio_learned, "bytes": lane.nbytes,
+                 "reports": len(lane.history)} for lane in self.store.lanes()]
+
+    def debug_lane(self, lane: str) -> list[dict] | None:
+        state = self.store.get(lane)
+        if state is None:
+            return None
+        return [r.as_dict() for r in state.history]
+
+
+def _had_reasoning(resp: dict | None) -> bool:
+    if not resp:
+        return False
+    content = resp.get("content")
+    return bool(resp.get("reasoning_content") or resp.get("reasoning")
+                or (isinstance(content, str) and THINK.search(content)))

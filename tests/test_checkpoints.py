@@ -1,0 +1,221 @@
+"""Warm == cold: restoring a cached prefix and replaying gives what a cold prefill gives.
+
+For every tiny architecture (full attention, sliding window, Gated-DeltaNet, Mamba) the engine's
+greedy tokens must be identical and its log-probabilities within LOGPROB_ATOL of a cold run of
+the whole prompt (cold runs use a different prefill chunking, so float rounding differs), and
+`cached_tokens` must equal the prompt tokens the model did not see (counted at its __call__).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from prefixd.backends.mlx.engine import Engine, PromptStats
+from prefixd.backends.mlx.store import common_prefix, placement
+from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
+from prefixd.proxy.settings import Settings
+
+LOGPROB_ATOL = 1e-3  # float32 tiny models; observed differences are ~1e-6
+MAX_TOKENS = 4
+BOUNDS = (60, 150, 220)
+
+
+class CountingModel:
+    """The real model, with a count of the tokens each forward pass runs (an observer)."""
+
+    def __init__(self, model: Any, make_cache: Any = None) -> None:
+        self.model = model
+        self.tokens = 0
+        if make_cache is not None:
+            self.make_cache = make_cache
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.tokens += inputs.shape[1]
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _settings(**kw: Any) -> Settings:
+    base = {"checkpoint_interval": 16, "prefill_chunk": 16, "checkpoint_tail": 2}
+    return Settings(_env_file=None, **{**base, **kw})
+
+
+def _run(engine: Engine, prompt: list[int], bounds: Sequence[int] = (),
+         max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[np.ndarray], PromptStats]:
+    logprobs: list[np.ndarray] = []
+
+    def greedy(lp: mx.array) -> mx.array:
+        logprobs.append(np.array(lp.astype(mx.float32)))
+        return mx.argmax(lp, axis=-1)
+
+    tokens = list(engine.generate(prompt, sampler=greedy, max_tokens=max_tokens,
+                                  boundaries=bounds))
+    assert engine.last_stats is not None
+    return tokens, logprobs, engine.last_stats
+
+
+def _assert_same(warm: tuple, cold: tuple) -> None:
+    assert warm[0] == cold[0]
+    for w, c in zip(warm[1], cold[1], strict=True):
+        np.testing.assert_allclose(w, c, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request: pytest.FixtureRequest) -> CountingModel:
+    return CountingModel(build_model(request.param, seed=3))
+
+
+def _cold(model: Any, prompt: list[int], **kw: Any) -> tuple:
+    return _run(Engine(model, _settings(cache_bytes=0, prefill_chunk=512, **kw)), prompt)
+
+
+def _words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def _expected_restore(entry_tokens: list[int], prompt: list[int], trimmable: bool) -> int:
+    """The spec: the largest checkpoint <= min(LCP, len(prompt) - 1) (any position if trimmable,
+    the entry's end if the prompt extends it)."""
+    limit = min(common_prefix(entry_tokens, prompt), len(prompt) - 1)
+    if trimmable or len(entry_tokens) <= limit:
+        return min(limit, len(entry_tokens))
+    marks = placement(300, 0, BOUNDS, 16, 2)
+    return max([p for p in marks if p <= limit], default=0)
+
+
+@pytest.mark.parametrize("diverge", [5, 16, 17, 59, 60, 61, 150, 151, 230, 298, 299, 300, "gen"])
+def test_warm_equals_cold_around_checkpoints(model: CountingModel, diverge: int | str) -> None:
+    rng = random.Random(7)
+    base = _words(rng, 300)  # > the 128-token sliding window: gemma3 wraps
+    engine = Engine(model, _settings())
+    _run(engine, base, BOUNDS)
+    (entry,) = engine.store.entries
+    cut = len(entry.tokens) if diverge == "gen" else int(diverge)
+    prompt = entry.tokens[:cut] + [t for t in _words(rng, 41) if t not in entry.tokens[cut:cut + 1]]
+    model.tokens = 0
+    warm = _run(engine, prompt)
+    stats = warm[2]
+    assert stats.cached_tokens == _expected_restore(entry.tokens, prompt, entry.trimmable)
+    assert stats.cached_tokens + stats.recomputed_tokens == len(prompt)
+    assert model.tokens == len(prompt) - stats.cached_tokens + MAX_TOKENS - 1
+    _assert_same(warm, _cold(model, prompt))
+
+
+def test_exact_repeat_and_shorter_prompt(model: CountingModel) -> None:
+    rng = random.Random(8)
+    base = _words(rng, 300)
+    engine = Engine(model, _settings())
+    first = _run(engine, base, BOUNDS)
+    for prompt in (base, base[:200], base[:61], base):
+        warm = _run(engine, prompt, BOUNDS)
+        assert 0 < warm[2].cached_tokens < len(prompt)
+        _assert_same(warm, _cold(model, prompt))
+    _assert_same(_run(engine, base), first)
+
+
+def test_snapshot_restored_twice_matches_cold_both_times(model: CountingModel) -> None:
+    rng = random.Random(9)
+    base = _words(rng, 300)
+    engine = Engine(model, _settings())
+    _run(engine, base, BOUNDS)
+    prompts = [base[:150] + _words(rng, 30) for _ in range(2)]
+    for prompt in [*prompts, *prompts]:
+        warm = _run(engine, prompt)
+        assert warm[2].cached_tokens >= 144
+        _assert_same(warm, _cold(model, prompt))
+
+
+def test_multi_turn_with_edit_in_earlier_message(model: CountingModel) -> None:
+    rng = random.Random(10)
+    system, user1 = _words(rng, 70), _words(rng, 90)
+    engine = Engine(model, _settings())
+    turn1 = system + user1
+    reply, _, _ = _run(engine, turn1, (70,), max_tokens=8)
+    turn2 = turn1 + reply + _words(rng, 60)
+    warm = _run(engine, turn2, (70, 160, 168))
+    assert warm[2].cached_tokens >= 160 + 7  # everything the KV held after turn 1
+    _assert_same(warm, _cold(model, turn2))
+    edited = [*turn2[:110], 999, *turn2[111:]]  # a typo fixed inside the first user message
+    warm = _run(engine, edited, (70, 160, 168))
+    assert 70 <= warm[2].cached_tokens <= 110
+    _assert_same(warm, _cold(model, edited))
+
+
+def test_stopped_or_closed_generation_commits_what_the_kv_holds(model: CountingModel) -> None:
+    rng = random.Random(11)
+    prompt = _words(rng, 200)
+    engine = Engine(model, _settings())
+    chunks = iter(range(3))
+    assert list(engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=4,
+                                should_stop=lambda: next(chunks, None) is None)) == []
+    assert [len(e.tokens) for e in engine.store.entries] == [48]
+    gen = engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50)
+    assert engine.store.entries[0].tokens == prompt[:48]
+    got = [next(gen), next(gen)]
+    gen.close()  # e.g. a stop string: the first token was fed back, the second was not
+    assert [len(e.tokens) for e in engine.store.entries] == [201]
+    warm = _run(engine, prompt + got)
+    assert warm[2].cached_tokens == 201
+    _assert_same(warm, _cold(model, prompt + got))
+
+
+def test_unknown_cache_class_falls_back_to_cold() -> None:
+    class OddKVCache(KVCache):
+        """A KV cache class prefixd has not verified."""
+
+    base = build_model("qwen3", seed=3)
+    odd = CountingModel(base, make_cache=lambda: [OddKVCache() for _ in base.layers])
+    engine = Engine(odd, _settings())
+    prompt = _words(random.Random(12), 80)
+    _run(engine, prompt)
+    warm = _run(engine, prompt)
+    assert (warm[2].fallback, warm[2].cached_tokens) == ("unsupported_cache", 0)
+    assert engine.cache_info()["fallbacks"] == {"unsupported_cache": 2}
+    _assert_same(warm, _cold(CountingModel(base), prompt))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_kv_quantization_warm_equals_cold(arch: str) -> None:
+    # head_dim 64 so mx.quantize's group size fits; gemma3's sliding layers stay unquantized.
+    model = model_from_config({**tiny_config(arch), "head_dim": 64, "query_pre_attn_scalar": 64}
+                              if arch == "gemma3_text" else {**tiny_config(arch), "head_dim": 64},
+                              seed=3)
+    engine = Engine(model, _settings(kv_bits=8))
+    assert engine.cache_info()["kv_bits"] == 8
+    rng = random.Random(13)
+    base = _words(rng, 260)
+    _run(engine, base, BOUNDS)
+    prompt = base[:150] + _words(rng, 40)
+    warm = _run(engine, prompt)
+    assert warm[2].cached_tokens >= 148
+    _assert_same(warm, _run(Engine(model, _settings(kv_bits=8, cache_bytes=0)), prompt))
+
+
+def test_kv_quantization_unsupported_head_dim_keeps_full_precision() -> None:
+    engine = Engine(build_model("gemma3_text", seed=3), _settings(kv_bits=4))
+    info = engine.cache_info()
+    assert info["kv_bits"] is None and info["fallbacks"] == {"kv_quant_unsupported": 1}
+
+
+def test_small_budget_is_never_exceeded_and_answers_stay_exact(model: CountingModel) -> None:
+    rng = random.Random(14)
+    budget = 120_000
+    engine = Engine(model, _settings(cache_bytes=budget))
+    convs = [_words(rng, 120) for _ in range(3)]
+    for turn in range(3):
+        for c in convs:
+            prompt = c + [7 + turn] * 5
+            warm = _run(engine, prompt, (120,))
+            assert engine.store.bytes_used <= budget
+            if turn == 2:
+                _assert_same(warm, _cold(model, prompt))
+    assert engine.cache_info()["bytes_used"] <= budget
