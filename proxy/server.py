@@ -13,6 +13,7 @@ from aiohttp import web
 from prefixd.backends.base import Backend
 from prefixd.proxy.app import build_app
 from prefixd.proxy.pipeline import Proxy
+from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.server")

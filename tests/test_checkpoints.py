@@ -22,7 +22,7 @@ from prefixd.backends.mlx.store import common_prefix, placement
 from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
 from prefixd.proxy.settings import Settings
 
-LOGPROB_ATOL = 1e-3  # float32 tiny models; observed differences are ~1e-6
+LOGPROB_ATOL = 1e-4  # float32 tiny models; observed up to 2.3e-5 (gemma3_text), ~2e-6 others
 MAX_TOKENS = 4
 BOUNDS = (60, 150, 220)
 
@@ -219,3 +219,21 @@ def test_small_budget_is_never_exceeded_and_answers_stay_exact(model: CountingMo
             if turn == 2:
                 _assert_same(warm, _cold(model, prompt))
     assert engine.cache_info()["bytes_used"] <= budget
+
+
+def test_metrics_and_cache_info_report_hits() -> None:
+    from prefixd.metrics import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    cached0 = sample("prefixd_worker_cached_tokens_total")
+    engine = Engine(build_model("qwen3_next", seed=3), _settings())
+    prompt = _words(random.Random(15), 100)
+    _run(engine, prompt, (40,))
+    _run(engine, [*prompt[:90], 5, 6, 7])
+    info = engine.cache_info()
+    assert info["hit_tokens_total"] == engine.last_stats.cached_tokens > 0
+    assert sample("prefixd_worker_cached_tokens_total") - cached0 == info["hit_tokens_total"]
+    assert sample("prefixd_worker_cache_bytes", kind="checkpoint") > 0
+    assert info["bytes_used"] <= info["bytes_budget"] and info["checkpoints"] > 0

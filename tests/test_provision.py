@@ -13,6 +13,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,9 @@ from prefixd.backends.mlx.provision import (
     BUILTIN_MODELS,
     ProvisionError,
     check_model_spec,
+    dequantize_model,
     ensure_builtin,
+    load_model,
     resolve_model,
 )
 
@@ -79,8 +82,8 @@ def test_unreachable_hub_id_fails_with_an_actionable_message(tmp_path: Path) -> 
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode != 0
-    assert "ProvisionError: could not fetch model 'prefixd-test/no-such-model' from the " \
-           "Hugging Face Hub" in proc.stderr
+    assert "ProvisionError: model 'prefixd-test/no-such-model' is no local folder, and " \
+           "fetching it from the Hugging Face Hub failed" in proc.stderr
     assert f"give a local model folder, or the built-in model ({NAME})" in proc.stderr
 
 
@@ -149,6 +152,24 @@ def test_builtin_model_converts_and_answers_greedily(builtin_dir: tuple[Path, li
     prompt = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
     assert tokenizer.decode(prompt).endswith(
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    answer = mlx_lm.generate(model, tokenizer, prompt, max_tokens=20,
+                             sampler=make_sampler(temp=0.0))
+    assert answer == "The capital of France is Paris."
+
+
+@pytest.mark.network
+def test_dequantized_builtin_model_gives_the_same_answer(builtin_dir: tuple[Path, list[str]]
+                                                         ) -> None:
+    import mlx.nn as nn
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load_model(NAME, CACHE, dequantize=True)
+    quantized = [p for p, m in model.named_modules()
+                 if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+    assert quantized == []
+    assert dequantize_model(model) == 0  # nothing left to replace
+    prompt = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
     answer = mlx_lm.generate(model, tokenizer, prompt, max_tokens=20,
                              sampler=make_sampler(temp=0.0))
     assert answer == "The capital of France is Paris."
@@ -241,3 +262,73 @@ def test_outdated_conversion_is_redone(builtin_dir: tuple[Path, list[str]],
     assert (folder / "config.json").read_bytes() == \
         (builtin_dir[0] / "config.json").read_bytes()
     assert sorted(p.name for p in folder.parent.iterdir()) == [f".{NAME}.lock", NAME]
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the 256 one-character tokens of a byte-level BPE vocab."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _write_tiny_gguf(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """A 2-layer llama GGUF: float tensors, an untied `output`, plain GPT-2 pre-tokenizer."""
+    import mlx.core as mx
+
+    tokens = ["<|endoftext|>", *_bytes_to_unicode(), "he", "hel", "Ġw"]
+    mx.random.seed(0)
+    shapes = {"token_embd": (len(tokens), 64), "output": (len(tokens), 64)}
+    for i in range(2):
+        shapes |= {f"blk.{i}.attn_q": (64, 64), f"blk.{i}.attn_k": (32, 64),
+                   f"blk.{i}.attn_v": (32, 64), f"blk.{i}.attn_output": (64, 64),
+                   f"blk.{i}.ffn_gate": (128, 64), f"blk.{i}.ffn_up": (128, 64),
+                   f"blk.{i}.ffn_down": (64, 128)}
+    tensors = {f"{name}.weight": mx.random.normal(shape) * 0.02 for name, shape in shapes.items()}
+    norms = ["output_norm", *(f"blk.{i}.{n}" for i in range(2) for n in ["attn_norm", "ffn_norm"])]
+    tensors |= {f"{name}.weight": mx.ones((64,)) for name in norms}
+
+    def u32(v: int) -> mx.array:
+        return mx.array(v, dtype=mx.uint32)
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": u32(64),
+            "llama.block_count": u32(2), "llama.feed_forward_length": u32(128),
+            "llama.attention.head_count": u32(4), "llama.attention.head_count_kv": u32(2),
+            "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5),
+            "llama.context_length": u32(256), "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": ["h e", "he l", "Ġ w"],
+            "tokenizer.ggml.token_type": mx.array([3] + [1] * (len(tokens) - 1), dtype=mx.int32),
+            "tokenizer.ggml.bos_token_id": u32(0), "tokenizer.ggml.eos_token_id": u32(0)}
+    mx.save_gguf(str(path), tensors, meta)
+    return tensors, tokens
+
+
+def test_float_gguf_with_its_own_output_layer_converts(tmp_path: Path) -> None:
+    import mlx.core as mx
+    import mlx_lm
+
+    from prefixd.backends.mlx.gguf import convert_gguf
+
+    tensors, tokens = _write_tiny_gguf(tmp_path / "tiny.gguf")
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization" not in config and config["tie_word_embeddings"] is False
+    assert (config["rms_norm_eps"], config["rope_theta"], config["vocab_size"]) == \
+        (1e-05, 10000.0, len(tokens))
+    model, tokenizer = mlx_lm.load(str(tmp_path / "out"))
+    assert mx.array_equal(model.lm_head.weight, tensors["output.weight"]).item()
+    assert mx.array_equal(model.model.layers[1].mlp.down_proj.weight,
+                          tensors["blk.1.ffn_down.weight"]).item()
+    ids = tokenizer.encode("hel hello w12<|endoftext|>", add_special_tokens=False)
+    assert [tokens[i] for i in ids] == ["hel", "Ġ", "hel", "l", "o", "Ġw", "1", "2",
+                                        "<|endoftext|>"]
+    assert tokenizer.decode(ids) == "hel hello w12<|endoftext|>"
+    assert model(mx.array([ids])).shape == (1, len(ids), len(tokens))

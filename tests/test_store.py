@@ -130,3 +130,30 @@ def test_random_inserts_never_exceed_budget(ops: list[tuple[int, int, int, list[
         assert store.bytes_used == _accounted(store)
         for e in store.entries:
             assert all(p < len(e.tokens) for p in e.checkpoints)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), max_size=12),
+       st.integers(1000, 5000), st.lists(st.integers(0, 60), max_size=8),
+       st.integers(1, 200), st.integers(0, 2000))
+def test_short_request_costs_a_recent_conversation_at_most_its_own_length(
+        history: list[tuple[int, int]], conv_len: int, ckpt_sizes: list[int], short_len: int,
+        short_bytes: int) -> None:
+    budget = 2000
+    store = CheckpointStore(budget)
+    for k, (length, size) in enumerate(history):
+        _put(store, [(k + 1) * 100_000 + i for i in range(length)], nbytes=size)
+    conv_tokens = list(range(conv_len))
+    step = conv_len // (len(ckpt_sizes) + 1)
+    conv = _put(store, conv_tokens, nbytes=600,
+                checkpoints={(k + 1) * step: s for k, s in enumerate(ckpt_sizes)})
+    assert conv in store.entries  # worth more than any shorter, older entry
+    # The next turn continues the conversation; an edit re-uses a checkpoint inside it.
+    turns = ([*conv_tokens, -1], [*conv_tokens[:conv_len - 10], -1])
+    before = [store.lookup(t) for t in turns]
+    _put(store, [-(i + 2) for i in range(short_len)], nbytes=short_bytes)
+    assert store.bytes_used <= budget
+    assert conv in store.entries
+    for turn, old in zip(turns, before, strict=True):
+        new = store.lookup(turn)
+        assert (new.pos if new else 0) >= (old.pos if old else 0) - short_len

@@ -190,6 +190,7 @@ class _Run:
     def __init__(self, engine: Engine, cache: list[Any], prompt: list[int], start: int,
                  entry: Entry | None) -> None:
         self.engine, self.cache, self.prompt, self.entry = engine, cache, prompt, entry
+        self.start = start
         self.pos = start  # prompt tokens in the KV state
         self.fed: list[int] = []  # generated tokens in the KV state
         self.broken = False  # an exception hit mid-forward: the cache state is unknown
@@ -213,7 +214,9 @@ class _Run:
         """Run prompt[pos:] through the model; the last token's logits, None if stopped."""
         s = self.engine.settings
         n = len(self.prompt)
-        marks = set(placement(n, self.pos, boundaries, s.checkpoint_interval, s.checkpoint_tail))
+        # All-KV models need no checkpoints (the entry's KV trims to any prefix): no extra cuts.
+        marks = set(placement(n, self.pos, boundaries, s.checkpoint_interval, s.checkpoint_tail)
+                    if self.engine._snap_idx else ())
         cuts = sorted(p for p in marks if p < n - 1)
         while self.pos < n - 1:
             if should_stop():
@@ -251,7 +254,8 @@ class _Run:
         e = self.engine
         if self.entry is None:
             return
-        if self.broken:
+        if self.broken or (self.pos == self.start and not self.fed):
+            # Unknown state, or nothing the store does not already hold.
             e.store.discard(self.entry)
             return
         tokens = self.prompt[:self.pos] + self.fed

@@ -102,6 +102,10 @@ class Generator:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._load, spec)
 
+    def load_blocking(self, spec: str) -> Loaded:
+        """`load` for callers without an event loop (tests, benchmarks)."""
+        return self._executor.submit(self._load, spec).result()
+
     def _load(self, spec: str) -> Loaded:
         from prefixd.backends.mlx.engine import Engine
         from prefixd.backends.mlx.provision import load_model

@@ -166,7 +166,8 @@ class CheckpointStore:
         for pos in [p for p in entry.checkpoints if p >= len(entry.tokens)]:
             self._drop_checkpoint(entry, pos)
         for other in [e for e in self.entries if e is not entry and not e.in_progress]:
-            self._merge_into(entry, other, end_snapshot)
+            if other in self.entries:  # an earlier merge may have evicted it to make room
+                self._merge_into(entry, other, end_snapshot)
         entry.in_progress = False
         if not self._make_room(nbytes, len(entry.tokens), keep=entry):
             self._remove(entry)

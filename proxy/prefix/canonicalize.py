@@ -227,8 +227,8 @@ def _inject(res: CanonResult, body: dict, injections: dict[str, str],
         if text is not None:
             edited[k] = _append(m, text)
     if res.restated and target is not None and target not in edited:
-        text = OPEN + "\n".join(f"Update: {line} (this supersedes the earlier value in the "
-                                "system prompt above)." for line in res.restated) + CLOSE
+        text = OPEN + "\n".join(f"{line} (supersedes the value in the system prompt)"
+                                for line in res.restated) + CLOSE
         m = messages[target]
         if not _ends_with(m, text):
             edited[target] = _append(m, text)

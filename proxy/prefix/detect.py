@@ -111,7 +111,9 @@ def diff(prev: list[Segment] | None, new: list[Segment], prev_resp: dict | None 
         _classify_tools(d, prev, new)
     elif region == "system":
         d.spans = text_spans(a, b) if a.path == b.path else [Span(d.path, 0, a.text, b.text, [])]
-        d.causes = _merge([c for s in d.spans for c in s.causes]) or ["system_changed:unknown"]
+        for s in d.spans:      # retrieved context (RAG) and edits carry no catalogue label
+            s.causes = s.causes or ["system_changed:unknown"]
+        d.causes = _merge([c for s in d.spans for c in s.causes])
     else:
         _classify_messages(d, prev, new, i)
     lost = prev_chars - d.reusable_chars

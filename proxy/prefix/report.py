@@ -130,12 +130,11 @@ def log_text(r: PrefixReport, est_prefill_s: float | None = None) -> str:
     if r.tools_added or r.tools_removed:
         lines.append(f"  tools added={r.tools_added} removed={r.tools_removed}")
     for s in r.spans:
+        lines.append(f"  span {s.path}+{s.char_offset}ch {','.join(s.causes) or '?'} "
+                     f"old#{s.old_hash} new#{s.new_hash}")
         if s.old_excerpt is not None:
-            lines.append(f"  - old: {s.old_excerpt!r}")
-            lines.append(f"  + new: {s.new_excerpt!r}")
-        else:
-            lines.append(f"  span {s.path}+{s.char_offset}ch {','.join(s.causes) or '?'} "
-                         f"old#{s.old_hash} new#{s.new_hash}")
+            lines.append(f"    - old: {s.old_excerpt!r}")
+            lines.append(f"    + new: {s.new_excerpt!r}")
     if r.canonicalized:
         lines.append(f"  canonicalized: {', '.join(r.canonicalized)} (client changed: "
                      f"{', '.join(r.client_causes) or 'nothing'}; kept {r.saved_tokens} tok)")

@@ -125,8 +125,7 @@ def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
                                 ("messages", k, key)))
     content = m.get("content")
     if isinstance(content, str):
-        segs.append(Segment(f"{path}.content", region, "text", content, role, k,
-                            ("messages", k, "content")))
+        segs.append(Segment(path, region, "text", content, role, k, ("messages", k, "content")))
     elif isinstance(content, list):
         for p, part in enumerate(content):
             segs.append(_part(part, f"{path}.content[{p}]", region, role, k,

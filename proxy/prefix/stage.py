@@ -63,6 +63,15 @@ class PrefixStage:
     # --- before forwarding ------------------------------------------------------------------
     def prepare(self, body: dict, headers: Mapping[str, str], *, model: str, path: str,
                 backend_kind: str) -> Prepared:
+        """Lane, canonicalized body and report for one request. Never raises: reports are
+        advice, so a body this stage cannot read is forwarded untouched."""
+        try:
+            return self._prepare(body, headers, backend_kind)
+        except Exception:
+            log.warning("prefix stage skipped a request it could not read", exc_info=True)
+            return Prepared("-", body, False, None, None)
+
+    def _prepare(self, body: dict, headers: Mapping[str, str], backend_kind: str) -> Prepared:
         client = client_family(headers)
         raw = flatten(body)
         lane = self.store.resolve(base_key(headers, body, raw, client), system_family(raw),
@@ -170,7 +179,7 @@ class PrefixStage:
         prompt = usage.get("prompt_tokens")
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        lane = self.store.get(prepared.lane)
+        lane = self.store.get(prepared.lane) if prepared.turn else None
         if lane is not None and lane.turn == prepared.turn:
             lane.resp, lane.prompt_tokens = message, prompt if isinstance(prompt, int) else None
             self._learn_ratio(lane, prepared.segments, prompt)
@@ -203,7 +212,12 @@ class PrefixStage:
             r.miss = "agrees"
             return
         r.miss = "unexplained"
-        suspects = ["template"] if prev_had_reasoning and r.verdict in REUSING else []
+        if r.verdict not in REUSING:
+            # Reuse needs a rewind to mid-prompt: recurrent/windowed state without a
+            # checkpoint there cannot be trimmed back (stock mlx-lm on hybrid models).
+            r.suspects = ["checkpoint_granularity", "eviction"]
+            return
+        suspects = ["template"] if prev_had_reasoning else []
         suspects += ["eviction", "restart"] if cached == 0 else ["checkpoint_granularity",
                                                                  "eviction"]
         r.suspects = suspects

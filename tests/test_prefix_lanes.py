@@ -1,0 +1,134 @@
+"""Lane identity and the bounds on lane memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from prometheus_client import generate_latest
+
+from prefixd.metrics import REGISTRY
+from prefixd.proxy.prefix.lanes import LaneStore, session_id
+from prefixd.proxy.prefix.stage import PrefixStage
+from prefixd.proxy.settings import Settings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def body(system: str, first: str = "hi", **extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": system},
+                                       {"role": "user", "content": first}], **extra}
+
+
+def lane_of(st: PrefixStage, b: dict, headers: dict | None = None) -> str:
+    p = st.prepare(b, headers or {}, model="m", path="/v1/chat/completions", backend_kind="local")
+    st.record_response(p, {"role": "assistant", "content": "ok"}, None)
+    return p.lane
+
+
+@pytest.mark.parametrize(("headers", "extra", "want"), [
+    ({"X-Claude-Code-Session-Id": "abc", "X-Session-Id": "zzz"}, {}, ("cc", "abc")),
+    ({"session_id": "pi-1"}, {"prompt_cache_key": "k"}, ("s", "pi-1")),
+    ({"x-session-affinity": "ses_1"}, {}, ("s", "ses_1")),
+    ({}, {"metadata": {"user_id": "user_ab12_account_7_session_57a121ec-f78c-48c3"}},
+     ("cc", "57a121ec-f78c-48c3")),
+    ({}, {"metadata": {"user_id": json.dumps({"session_id": "s-9"})}}, ("cc", "s-9")),
+    ({}, {"prompt_cache_key": "pk", "user": "u"}, ("pck", "pk")),
+    ({}, {"conversation": {"id": "c1"}}, ("conv", "c1")),
+    ({}, {"rid": "conv7_t3_r1"}, ("rid", "conv7")),
+    ({}, {"user": "bob"}, ("user", "bob")),
+    ({}, {}, None),
+])
+def test_session_id_priority(headers: dict, extra: dict, want: tuple | None) -> None:
+    assert session_id(headers, body("s", **extra)) == want
+
+
+def test_fingerprint_ignores_volatile_lines_and_separates_clients() -> None:
+    st = PrefixStage(Settings(_env_file=None), clock=Clock())
+    a = lane_of(st, body("Agent.\nToday's date: 2025-01-01 10:00:00\n" + "Rules. " * 20))
+    b = lane_of(st, body("Agent.\nToday's date: 2025-01-02 11:00:00\n" + "Rules. " * 20))
+    c = lane_of(st, body("Agent.\n" + "Rules. " * 20), {"User-Agent": "aider/0.8"})
+    d = lane_of(st, body("Agent.\n" + "Rules. " * 20, first="another task"))
+    assert a == b and a.startswith("fp:") and len({a, c, d}) == 3
+
+
+def test_idle_lanes_expire() -> None:
+    clock = Clock()
+    st = PrefixStage(Settings(_env_file=None, lane_idle_s=60), clock=clock)
+    lane_of(st, body("s"), {"X-Session-Id": "one"})
+    clock.t = 30
+    lane_of(st, body("s"), {"X-Session-Id": "two"})
+    clock.t = 70
+    lane_of(st, body("s"), {"X-Session-Id": "three"})
+    assert [x["lane"] for x in st.debug_lanes()] == ["s:two", "s:three"]
+    p = st.prepare(body("s"), {"X-Session-Id": "one"}, model="m", path="/v1/chat/completions",
+                   backend_kind="local")
+    assert p.report.verdict == "NEW"      # forgotten, so compared with nothing
+
+
+def test_lane_count_and_bytes_are_capped() -> None:
+    st = PrefixStage(Settings(_env_file=None, lane_max=3), clock=Clock())
+    for i in range(5):
+        lane_of(st, body("s"), {"X-Session-Id": f"l{i}"})
+    assert [x["lane"] for x in st.debug_lanes()] == ["s:l2", "s:l3", "s:l4"]
+    st = PrefixStage(Settings(_env_file=None, lane_max_bytes=60_000), clock=Clock())
+    for i in range(6):
+        lane_of(st, body("x" * 10_000), {"X-Session-Id": f"b{i}"})
+    assert st.store.nbytes <= 60_000 and len(st.store) < 6
+    assert st.debug_lanes()[-1]["lane"] == "s:b5"
+
+
+def test_history_is_bounded() -> None:
+    st = PrefixStage(Settings(_env_file=None, prefix_history=3), clock=Clock())
+    for _ in range(5):
+        lane = lane_of(st, body("s"), {"X-Session-Id": "h"})
+    assert [h["turn"] for h in st.debug_lane(lane)] == [3, 4, 5]
+
+
+def test_store_never_drops_the_lane_in_use() -> None:
+    store = LaneStore(idle_s=100, max_lanes=1, max_bytes=1024, history=2)
+    lane = store.resolve("a", "", 0.0)
+    store.set_bytes(lane, 10_000)
+    assert store.get("a") is lane
+
+
+def test_log_line_and_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    st = PrefixStage(Settings(_env_file=None), clock=Clock())
+    hdr = {"User-Agent": "goose/1.0", "X-Session-Id": "g"}
+    lane_of(st, body("Time 10:00:00\n" + "r " * 100), hdr)
+    with caplog.at_level(logging.INFO, logger="prefixd.prefix"):
+        lane_of(st, body("Time 10:00:09\n" + "r " * 100), hdr)
+    rec = [r for r in caplog.records if r.name == "prefixd.prefix"]
+    assert len(rec) == 1 and rec[0].levelno == logging.INFO
+    text = rec[0].getMessage()
+    assert text.startswith("prefix lane=s:g turn=2 client=goose verdict=MUTATED")
+    assert "\n  reusable=" in text and "10:00:09" not in text       # no excerpts by default
+    metrics = generate_latest(REGISTRY).decode()
+    assert 'prefixd_prefix_mutations_total{cause="clock_time",client="goose",region="system"}' \
+        in metrics
+    assert "s:g" not in metrics and "prefixd_prefix_lanes " in metrics
+
+
+def test_completions_prompt_and_unreadable_bodies() -> None:
+    st = PrefixStage(Settings(_env_file=None), clock=Clock())
+
+    def send(b: dict) -> object:
+        p = st.prepare(b, {"X-Session-Id": "c"}, model="m", path="/v1/completions",
+                       backend_kind="local")
+        st.record_response(p, None, {"prompt_tokens": 10})
+        return p
+
+    assert send({"model": "m", "prompt": "Once upon a time"}).report.verdict == "NEW"
+    assert send({"model": "m", "prompt": "Once upon a time, a fox"}).report.verdict == "APPEND"
+    r = send({"model": "m", "prompt": "Twice upon a time, a fox"}).report
+    assert r.verdict == "MUTATED" and r.path == "prompt" and r.char_offset == 0
+    weird = {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}
+    p = send(weird)
+    assert p.body is weird and not p.changed and p.report is None

@@ -1,0 +1,342 @@
+"""The mlx worker app in-process on a tiny real model (real Engine, real loopback server):
+OpenAI shapes, streaming, usage, stop strings, sampling, bad input, /tokenize, /v1/cache,
+one generation at a time, and a client that disconnects mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from prefixd.backends.mlx.chat import GenRequest, Sampling, build_prompt, parse_request
+from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.oai import StopMatcher, extract_tool_calls
+from prefixd.backends.mlx.worker import create_app
+from prefixd.proxy.settings import Settings
+
+SETTINGS = Settings(_env_file=None, max_tokens_default=6, use_system_blas=False)
+NAME = "tiny-qwen3"
+HELLO = [{"role": "system", "content": "You are a cache."},
+         {"role": "user", "content": "Tell me about the river."}]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[Generator]:
+    gen = Generator(SETTINGS)
+    gen.load_blocking(str(tiny_model_dir("qwen3")))
+    yield gen
+    gen.close()
+
+
+@pytest.fixture
+async def client(generator: Generator) -> AsyncIterator[TestClient]:
+    async with TestClient(TestServer(create_app(generator, NAME, SETTINGS))) as c:
+        yield c
+
+
+def chat(messages: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"model": NAME, "messages": messages or HELLO, "temperature": 0, **extra}
+
+
+async def post(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/completions"
+               ) -> dict[str, Any]:
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def stream(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/completions"
+                 ) -> list[Any]:
+    """Every SSE `data:` payload, parsed (`[DONE]` stays a string)."""
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            events.append(data.decode() if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def streamed_text(events: list[Any]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1] if e["choices"])
+
+
+async def test_chat_non_stream_shape(client: TestClient) -> None:
+    out = await post(client, chat(max_tokens=5))
+    assert out["object"] == "chat.completion" and out["model"] == NAME
+    assert out["id"].startswith("chatcmpl-")
+    (choice,) = out["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
+    assert choice["finish_reason"] == "length"
+    tokens = (await post(client, {"messages": HELLO}, "/tokenize"))["tokens"]
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == len(tokens) and usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == len(tokens) + 5
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < len(tokens)
+
+
+async def test_chat_stream_matches_non_stream(client: TestClient) -> None:
+    whole = await post(client, chat(max_tokens=6))
+    events = await stream(client, chat(max_tokens=6, stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]"
+    first, finish, last = events[0], events[-3], events[-2]
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert last["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    assert all("usage" not in e for e in events[:-2])
+    assert streamed_text(events) == whole["choices"][0]["message"]["content"]
+    # A warm repeat of the same prompt reports the reuse.
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_stream_without_include_usage_has_no_usage(client: TestClient) -> None:
+    events = await stream(client, chat(max_tokens=3))
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_completions_shapes(client: TestClient) -> None:
+    body = {"prompt": "The river and the sea", "max_tokens": 4, "temperature": 0}
+    out = await post(client, body, "/v1/completions")
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 4
+    events = await stream(client, body, "/v1/completions")
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == out["choices"][0]["text"]
+
+
+async def test_max_tokens_default_and_explicit(client: TestClient) -> None:
+    out = await post(client, chat())
+    assert out["usage"]["completion_tokens"] == SETTINGS.max_tokens_default
+    out = await post(client, chat(max_completion_tokens=2))
+    assert out["usage"]["completion_tokens"] == 2
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stop_strings_never_leak(client: TestClient) -> None:
+    full = (await post(client, chat(max_tokens=12)))["choices"][0]["message"]["content"]
+    words = full.split(" ")  # the tiny model only emits " word" tokens
+    # A stop string spanning the end of one token and the start of the next.
+    stop = words[3][-2:] + " " + words[4][:2]
+    expected = full[: full.index(stop)]
+    out = await post(client, chat(max_tokens=12, stop=[stop, "never-generated"]))
+    assert out["choices"][0]["message"]["content"] == expected
+    assert out["choices"][0]["finish_reason"] == "stop"
+    events = await stream(client, chat(max_tokens=12, stop=stop))
+    assert streamed_text(events) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    out = await post(client, chat(max_tokens=12, stop="never-generated"))
+    assert out["choices"][0]["message"]["content"] == full
+
+
+async def test_seed_makes_sampling_reproducible(client: TestClient) -> None:
+    async def sample(seed: int) -> str:
+        body = chat(max_tokens=8, temperature=1.0, seed=seed)
+        return (await post(client, body))["choices"][0]["message"]["content"]
+
+    first = await sample(7)
+    assert await sample(7) == first
+    assert len({first, await sample(8), await sample(9)}) > 1
+
+
+BAD_BODIES: list[tuple[bytes | dict[str, Any], str | None]] = [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    ({"model": NAME}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content"),
+    ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": "5"}, "max_tokens"),
+    ({"messages": HELLO, "temperature": 9}, "temperature"),
+    ({"messages": HELLO, "temperature": True}, "temperature"),
+    ({"messages": HELLO, "stop": 3}, "stop"),
+    ({"messages": HELLO, "n": 2}, "n"),
+    ({"messages": HELLO, "tools": {"a": 1}}, "tools"),
+    ({"messages": HELLO, "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {}}]}]},
+     "messages[0].tool_calls[0]"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_BODIES)
+async def test_bad_input_is_400(client: TestClient, body: bytes | dict[str, Any],
+                                param: str | None) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = await client.post("/v1/chat/completions", data=data,
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+
+
+async def test_other_bad_requests(client: TestClient) -> None:
+    resp = await client.post("/v1/completions", json={"prompt": ""})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+    long_text = " river" * 5000  # past the tiny model's 4096-token context
+    resp = await client.post("/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": long_text}]})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "context_length_exceeded"
+    resp = await client.get("/v1/nothing-here")
+    assert resp.status == 404 and (await resp.json())["error"]["type"] == "not_found_error"
+    resp = await client.post("/tokenize", json={"content": 5})
+    assert resp.status == 400
+
+
+async def test_tokenize(client: TestClient, generator: Generator) -> None:
+    messages = [*HELLO, {"role": "assistant", "content": "The river is long."},
+                {"role": "user", "content": "And the sea?"}]
+    out = await post(client, {"messages": messages}, "/tokenize")
+    done = await post(client, chat(messages, max_tokens=1))
+    assert len(out["tokens"]) == done["usage"]["prompt_tokens"]
+    # Each message end is a boundary: system, user, assistant (the last one ends the prompt).
+    assert len(out["boundaries"]) == 3 and out["boundaries"] == sorted(out["boundaries"])
+    assert out["boundaries"][0] > 0 and out["boundaries"][-1] < len(out["tokens"])
+    tok = generator.loaded.tokenizer
+    system_end = tok.decode(out["tokens"][: out["boundaries"][0]])
+    assert system_end.endswith("You are a cache.<|im_end|>\n")
+    text = await post(client, {"content": " the river"}, "/tokenize")
+    assert text["tokens"] == tok.encode(" the river", add_special_tokens=False)
+
+
+def test_tool_calls_reach_the_template_as_dicts(generator: Generator) -> None:
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    req = parse_request({"messages": messages, "tools": tools}, "chat")
+    prompt = build_prompt(generator.loaded.tokenizer, req)
+    text = generator.loaded.tokenizer.decode(prompt.tokens)
+    assert '"arguments": {"city": "Oslo"}' in text and "<tool_response>\nsunny" in text
+    assert len(prompt.boundaries) == 2
+
+
+def test_extract_tool_calls_and_stop_matcher() -> None:
+    text, calls = extract_tool_calls(
+        'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert text == "Checking."
+    assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert extract_tool_calls("<tool_call>nope</tool_call>") == ("<tool_call>nope</tool_call>", [])
+    m = StopMatcher(["END"])
+    assert [m.feed(t) for t in ("abc E", "N", "Dxyz")] == ["abc ", "", ""]
+    assert m.hit and m.held == "ENDxyz"
+    m = StopMatcher(["END"])
+    assert m.feed("abc EN") == "abc " and m.flush() == "EN"
+
+
+async def test_health_models_metrics(client: TestClient) -> None:
+    assert await post_get(client, "/health") == {"status": "ok"}
+    models = await post_get(client, "/v1/models")
+    assert [m["id"] for m in models["data"]] == [NAME]
+    resp = await client.get("/metrics")
+    assert resp.status == 200 and "prefixd_" in await resp.text()
+
+
+async def test_loading_worker_says_so() -> None:
+    gen = Generator(SETTINGS)
+    try:
+        async with TestClient(TestServer(create_app(gen, NAME, SETTINGS))) as c:
+            resp = await c.get("/health")
+            assert resp.status == 503 and (await resp.json())["status"] == "loading"
+            resp = await c.post("/v1/chat/completions", json=chat())
+            assert resp.status == 503 and "loading" in (await resp.json())["error"]["message"]
+    finally:
+        gen.close()
+
+
+async def post_get(client: TestClient, path: str) -> Any:
+    resp = await client.get(path)
+    assert resp.status == 200
+    return await resp.json()
+
+
+async def test_cache_endpoint_counts_hits(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "Cache test: the state of the window layer."}]
+    before = await post_get(client, "/v1/cache")
+    await post(client, chat(messages, max_tokens=2))
+    warm = await post(client, chat(messages, max_tokens=2))
+    after = await post_get(client, "/v1/cache")
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert after["hit_tokens_total"] - before["hit_tokens_total"] >= cached
+    assert after["worker"]["requests"] - before["worker"]["requests"] == 2
+    assert after["bytes_used"] <= after["bytes_budget"]
+
+
+async def test_concurrent_requests_take_turns(client: TestClient) -> None:
+    bodies = [chat([{"role": "user", "content": f"Question {i}: the city river?"}],
+                   max_tokens=24) for i in range(2)]
+    solo = [(await post(client, b))["choices"][0]["message"]["content"] for b in bodies]
+
+    async def timed(body: dict[str, Any]) -> tuple[str, list[float]]:
+        resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        text, stamps = [], []
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if delta:
+                    text.append(delta)
+                    stamps.append(time.monotonic())
+        return "".join(text), stamps
+
+    (a, ta), (b, tb) = await asyncio.gather(timed(bodies[0]), timed(bodies[1]))
+    assert [a, b] == solo  # both answered, neither corrupted by the other
+    assert ta[-1] <= tb[0] or tb[-1] <= ta[0]  # one ran entirely before the other
+
+
+async def test_client_disconnect_stops_generation(client: TestClient) -> None:
+    before = await post_get(client, "/v1/cache")
+    # Nearly the whole context, so running to completion would take many seconds.
+    body = chat([{"role": "user", "content": "Go on forever."}], max_tokens=4000, stream=True)
+    resp = await client.post("/v1/chat/completions", json=body)
+    seen = 0
+    async for line in resp.content:
+        seen += line.startswith(b"data: {") and b'"content": " ' in line
+        if seen == 3:
+            break
+    resp.close()  # drop the connection mid-stream
+    t0 = time.monotonic()
+    out = await post(client, chat(max_tokens=1))  # queued behind the abandoned generation
+    waited = time.monotonic() - t0
+    after = await post_get(client, "/v1/cache")
+    assert out["usage"]["completion_tokens"] == 1
+    assert after["worker"]["cancelled"] - before["worker"]["cancelled"] == 1
+    generated = after["worker"]["completion_tokens"] - before["worker"]["completion_tokens"]
+    assert generated < 200, generated  # stopped a few decode steps after the disconnect
+    assert waited < 10.0
+
+
+def test_parse_request_defaults() -> None:
+    req = parse_request({"messages": HELLO}, "chat")
+    assert isinstance(req, GenRequest) and not req.stream and not req.include_usage
+    assert req.sampling == Sampling(temperature=1.0, top_p=1.0)
+    req = parse_request({"messages": [{"role": "developer", "content": "x"},
+                                      {"role": "assistant", "content": None,
+                                       "reasoning": "hmm"}]}, "chat")
+    assert req.messages[0]["role"] == "system"
+    assert req.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
