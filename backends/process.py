@@ -4,7 +4,7 @@ Owns: the worker command line and environment (built in one place each), spawnin
 child in its own process group, relaying its stdout/stderr line by line into the log
 (logger `prefixd.worker`, tagged with the backend name) while keeping the last stderr
 lines for error messages, and a stop that cannot hang (SIGTERM to the group, grace
-period, SIGKILL, always reaped). Knows nothing about states or restarts: `managed` does.
+period, SIGKILL, always reaped). Knows nothing about states or restarts: `supervisor` does.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ _WORKER_FIELDS = ("cache_bytes", "checkpoint_interval", "checkpoint_tail", "pref
 CommandBuilder = Callable[[int], list[str]]
 
 
-def worker_command(model: str, port: int) -> list[str]:
-    """The argv of a prefixd mlx worker serving `model` on 127.0.0.1:`port`."""
-    return [sys.executable, "-m", "prefixd.backends.mlx", "--model", model,
+def worker_command(model: str, port: int, served_name: str | None = None) -> list[str]:
+    """The argv of a prefixd mlx worker serving `model` on 127.0.0.1:`port` (answering as
+    `served_name`, the model name the proxy routes by)."""
+    argv = [sys.executable, "-m", "prefixd.backends.mlx", "--model", model,
             "--host", "127.0.0.1", "--port", str(port)]
+    return argv + (["--served-name", served_name] if served_name else [])
 
 
 def _env_value(value: object) -> str:
@@ -59,22 +61,32 @@ def worker_env(config: BackendConfig, settings: Settings,
             env[f"PREFIXD_{field.upper()}"] = _env_value(value)
     if config.cache_bytes is not None:
         env["PREFIXD_CACHE_BYTES"] = str(config.cache_bytes)
-    if sys.platform.startswith("linux") and settings.use_system_blas:
-        env.update(_blas_env(env))
+    env = _with_blas(settings.use_system_blas, env)
     env.update(config.worker_env)
     env["PREFIXD_PARENT_PID"] = str(os.getpid())
     env["PYTHONUNBUFFERED"] = "1"  # lines reach our log as they are printed
     return env
 
 
-def _blas_env(env: Mapping[str, str]) -> dict[str, str]:
-    """LD_PRELOAD of the system OpenBLAS, if the worker package offers it (never imports mlx)."""
+def _with_blas(enabled: bool, env: dict[str, str]) -> dict[str, str]:
+    """Preload the system OpenBLAS in the worker (Linux), or keep our own preload out of it
+    when disabled. `blas` never imports mlx, so the proxy stays free of it."""
     if importlib.util.find_spec("prefixd.backends.mlx.blas") is None:
-        return {}
-    from prefixd.backends.mlx import blas
+        return env
+    from prefixd.backends.mlx.blas import blas_env
 
-    fn = getattr(blas, "blas_env", None)
-    return dict(fn(env)) if callable(fn) else {}
+    return blas_env(enabled, env)
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` for `event`; False on timeout. Not `asyncio.wait_for`: on 3.11 it
+    swallows a cancellation that arrives as the event fires, which made stop() hang."""
+    try:
+        async with asyncio.timeout(max(timeout, 0.0)):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -112,10 +124,6 @@ class WorkerProcess:
         wlog.info("[%s] started pid %d: %s", tag, proc.pid, " ".join(argv))
         return cls(proc, tag, on_exit)
 
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode if self.exited.is_set() else None
-
     def stderr_tail(self) -> list[str]:
         return list(self._stderr)
 
@@ -128,7 +136,7 @@ class WorkerProcess:
             what = f"was killed by {_signame(-rc)}"
         else:
             what = f"exited with code {rc}"
-        tail = self.stderr_tail()
+        tail = self.stderr_tail() if rc != 0 else []   # a clean exit needs no explaining
         return f"worker {what}" + (": " + " | ".join(tail[-5:]) if tail else "")
 
     async def _pump(self, stream: asyncio.StreamReader | None, is_err: bool) -> None:
@@ -137,8 +145,10 @@ class WorkerProcess:
         while True:
             try:
                 raw = await stream.readline()
-            except ValueError:  # a line longer than the limit: take what is buffered
-                raw = await stream.read(_LINE_LIMIT)
+            except ValueError:  # longer than the limit: asyncio dropped it; say so, go on
+                wlog.info("[%s] (an output line over %d bytes was dropped)", self.tag,
+                          _LINE_LIMIT)
+                continue
             if not raw:
                 return
             line = raw.decode("utf-8", "replace").rstrip()
@@ -169,10 +179,12 @@ class WorkerProcess:
         if not self.exited.is_set():
             self._signal_group(signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.shield(self.exited.wait()), grace_s)
-            except TimeoutError:
-                wlog.warning("[%s] pid %d ignored SIGTERM for %gs; sending SIGKILL",
-                             self.tag, self.pid, grace_s)
+                if not await wait_event(self.exited, grace_s):
+                    wlog.warning("[%s] pid %d ignored SIGTERM for %gs; sending SIGKILL",
+                                 self.tag, self.pid, grace_s)
+            except asyncio.CancelledError:   # no time left to be polite
+                self._signal_group(signal.SIGKILL)
+                raise
         self._signal_group(signal.SIGKILL)  # also any grandchild left in the group
         await asyncio.shield(self._waiter)
 

@@ -117,7 +117,7 @@ def ensure_model(arch: str, models_dir: Path) -> Path:
     return path
 
 
-def start_server(kind: str, model_dir: Path, logs: Path, extra_env: dict[str, str]) -> Server:
+def start_server(kind: str, model_dir: Path, args: argparse.Namespace) -> Server:
     port = free_port()
     module = "mlx_lm.server" if kind == "stock" else "prefixd.backends.mlx"
     cmd = [sys.executable, "-m", module, "--model", str(model_dir),
@@ -126,7 +126,11 @@ def start_server(kind: str, model_dir: Path, logs: Path, extra_env: dict[str, st
     if Path(BLAS).exists():  # the same BLAS for both servers (the worker would add it itself)
         env["LD_PRELOAD"] = BLAS
     if kind == "prefixd":
-        env.update(extra_env)
+        env.update(args.prefixd_env)
+    if args.kv_bits:
+        cmd += ["--kv-bits", str(args.kv_bits)] if kind == "stock" else []
+        env["PREFIXD_KV_BITS"] = str(args.kv_bits)
+    logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with (logs / f"{model_dir.name}-{kind}.log").open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -186,6 +190,8 @@ def stream_chat(port: int, body: dict[str, Any]) -> tuple[str, dict[str, Any], f
                 text.append(delta.get("content") or "")
     total = time.perf_counter() - t0
     conn.close()
+    if not usage:  # stock mlx-lm drops the connection when generation raises
+        raise RuntimeError("the stream ended without usage (the server failed; see its log)")
     return "".join(text), usage, total if ttft is None else ttft, total
 
 
@@ -215,15 +221,15 @@ def prompt_tokens(tokenizer: Any, body: dict[str, Any]) -> list[int]:
 
 
 def run_scenario(server: Server, spec: ScenarioSpec, tokenizer: Any, scale: float,
-                 max_tokens: int) -> list[Record]:
-    records: list[Record] = []
+                 max_tokens: int, records: list[Record]) -> None:
+    """Send the scenario's requests in order, appending one Record per answered request."""
     steps = spec.make(scale, random.Random(f"{spec.key}-{server.model}"))
     reply: Reply | None = None
     while True:
         try:
             step: Step = steps.send(reply) if reply is not None else next(steps)
         except StopIteration:
-            return records
+            return
         body = {**step.body, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         mine = prompt_tokens(tokenizer, body)
@@ -240,8 +246,28 @@ def run_scenario(server: Server, spec: ScenarioSpec, tokenizer: Any, scale: floa
 def warm_up(server: Server, max_tokens: int) -> None:
     """One short request first, so lazy MLX compilation is not billed to scenario (a)."""
     body = {"messages": [{"role": "user", "content": "warm up the server please"}],
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+            "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     stream_chat(server.port, body)
+
+
+def run_side_by_side(servers: list[Server], spec: ScenarioSpec, tokenizer: Any,
+                     args: argparse.Namespace) -> tuple[list[Record], list[dict[str, str]]]:
+    """One scenario on every server in turn; a failed request ends that server's scenario."""
+    records: list[Record] = []
+    failures: list[dict[str, str]] = []
+    for server in servers:
+        t0, got, status = time.monotonic(), [], ""
+        try:
+            run_scenario(server, spec, tokenizer, args.scale, args.max_tokens, got)
+        except Exception as e:  # a server that fails a request is a result too
+            failures.append({"model": server.model, "server": server.kind,
+                             "scenario": spec.key, "request": str(len(got)), "error": str(e)})
+            status = f"  FAILED at request {len(got)}: {e}"
+        records += got
+        print(f"  {server.model:12} {server.kind:8} ({spec.key}) {len(got):3} requests "
+              f"{time.monotonic() - t0:6.1f} s{status}", flush=True)
+    return records, failures
 
 
 def bench_model(arch: str, args: argparse.Namespace) -> tuple[list[Record], dict[str, Any]]:
@@ -249,34 +275,28 @@ def bench_model(arch: str, args: argparse.Namespace) -> tuple[list[Record], dict
     tokenizer = load_tokenizer(model_dir)
     servers: list[Server] = []
     records: list[Record] = []
+    failures: list[dict[str, str]] = []
     try:
-        servers = [start_server(kind, model_dir, args.out / "logs", args.prefixd_env)
-                   for kind in args.servers]
+        servers = [start_server(kind, model_dir, args) for kind in args.servers]
         for server in servers:
             wait_ready(server)
             warm_up(server, args.max_tokens)
             server.ready_rss = server.read_rss()
         for spec in SCENARIOS:
-            if spec.key not in args.scenarios or (spec.models and arch not in spec.models):
-                continue
-            for server in servers:  # side by side: both servers, one scenario at a time
-                t0 = time.monotonic()
-                try:
-                    got = run_scenario(server, spec, tokenizer, args.scale, args.max_tokens)
-                except Exception as e:  # a server that crashes is a result, not the end
-                    print(f"  {arch} {server.kind} ({spec.key}) FAILED: {e}", flush=True)
-                    got = []
-                records += got
-                print(f"  {arch:12} {server.kind:8} ({spec.key}) {len(got):3} requests "
-                      f"{time.monotonic() - t0:6.1f} s", flush=True)
+            if spec.key in args.scenarios and (not spec.models or arch in spec.models):
+                got, failed = run_side_by_side(servers, spec, tokenizer, args)
+                records, failures = records + got, failures + failed
         for server in servers:
             if server.kind == "prefixd":
-                server.cache_info = get_json(server.port, "/v1/cache")
+                info = get_json(server.port, "/v1/cache")
+                info["entries"] = len(info.get("entries", []))  # the count, not the listing
+                server.cache_info = info
     finally:
         for server in servers:
             stop_server(server)
-    return records, {s.kind: {"peak_rss": s.peak_rss, "ready_rss": s.ready_rss,
-                              "cache": s.cache_info} for s in servers}
+    info: dict[str, Any] = {s.kind: {"peak_rss": s.peak_rss, "ready_rss": s.ready_rss,
+                                     "cache": s.cache_info} for s in servers}
+    return records, info | {"failures": failures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", default="stock,prefixd")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--models-dir", type=Path, default=OUT / "models")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8),
+                   help="quantize the KV cache on both servers (stock: --kv-bits)")
     p.add_argument("--prefixd-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the prefixd worker, e.g. "
                    "PREFIXD_CHECKPOINT_INTERVAL=256 (repeatable)")

@@ -97,7 +97,7 @@ def _verdict(targets: dict[str, Verdict] | None) -> str:
                      for name, (ok, why) in targets.items())
 
 
-def table(summary: list[Row]) -> str:
+def table(summary: list[Row], failures: list[dict[str, str]]) -> str:
     head = ("| scenario | model | server | requests | prompt | ideal | recomputed | "
             "max excess | median TTFT (s) | peak RSS (MiB) | RSS growth (MiB) | targets |")
     lines = [head, "|" + "---|" * 12]
@@ -112,11 +112,52 @@ def table(summary: list[Row]) -> str:
     fails = [f"{s['scenario']}/{s['model']}: {name}" for s in summary
              for name, (ok, _) in (s.get("targets") or {}).items() if not ok]
     lines.append("")
+    for f in failures:
+        lines.append(f"- {f['server']} failed request {f['request']} of ({f['scenario']}) on "
+                     f"{f['model']}: {f['error']}")
     lines.append("All targets hold." if not fails else "Missed: " + "; ".join(fails))
     mismatched = sum(s["template_mismatch"] for s in summary)
     if mismatched:
         lines.append(f"Warning: {mismatched} requests where our tokenization of the prompt "
                      "differs in length from the server's (the ideal may be off there).")
+    return "\n".join(lines)
+
+
+def side_by_side(summary: list[Row]) -> str:
+    """The same results, one row per scenario and model: stock / prefixd in each cell."""
+    lines = ["| scenario | model | req | prompt | must recompute | recomputed stock / prefixd "
+             "| max excess stock / prefixd | median TTFT s stock / prefixd | targets |",
+             "|" + "---|" * 9]
+    pairs: dict[tuple[str, str], dict[str, Row]] = defaultdict(dict)
+    for s in summary:
+        pairs[(s["scenario"], s["model"])][s["server"]] = s
+    for (scenario, model), by in pairs.items():
+        st, ours = by.get("stock"), by.get("prefixd")
+        if st is None or ours is None:
+            continue
+        lines.append(
+            f"| ({scenario}) | {model} | {ours['requests']} | {ours['prompt']} "
+            f"| {ours['prompt'] - ours['ideal']} | {st['recomputed']} / {ours['recomputed']} "
+            f"| {st['max_excess']} / {ours['max_excess']} "
+            f"| {st['median_ttft']:.3f} / {ours['median_ttft']:.3f} "
+            f"| {_verdict(ours.get('targets'))} |")
+    return "\n".join(lines)
+
+
+def memory_table(peaks: dict[str, Any]) -> str:
+    lines = ["| model | peak RSS MiB stock / prefixd | growth after warm-up MiB stock / prefixd "
+             "| prefixd cache: entries, checkpoints, MiB |", "|---|---|---|---|"]
+    for model, info in peaks.items():
+        st, ours = info.get("stock"), info.get("prefixd")
+        if not st or not ours:
+            continue
+        cache = ours.get("cache") or {}
+        lines.append(
+            f"| {model} | {st['peak_rss'] / 2**20:.0f} / {ours['peak_rss'] / 2**20:.0f} "
+            f"| {(st['peak_rss'] - st['ready_rss']) / 2**20:.0f} / "
+            f"{(ours['peak_rss'] - ours['ready_rss']) / 2**20:.0f} "
+            f"| {cache.get('entries', '?')}, {cache.get('checkpoints', '?')}, "
+            f"{cache.get('bytes_used', 0) / 2**20:.1f} |")
     return "\n".join(lines)
 
 
@@ -134,7 +175,10 @@ def plot(rows: list[Row], path: Path) -> None:
     for i, model in enumerate(models):
         for j, scenario in enumerate(scenarios):
             ax = axes[i][j]
-            for server, got in groups.get((scenario, model), {}).items():
+            if (scenario, model) not in groups:
+                ax.set_axis_off()  # e.g. (g) runs on the sliding-window model only
+                continue
+            for server, got in groups[(scenario, model)].items():
                 ax.plot(range(1, len(got) + 1), [r["ttft"] for r in got], marker=".",
                         label=server, color="tab:red" if server == "stock" else "tab:blue")
             ax.set_yscale("log")
@@ -156,9 +200,11 @@ def write_outputs(out: Path, rows: list[Row], peaks: dict[str, Any],
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in meta.items()}
     (out / "multiturn.json").write_text(json.dumps(
         {"meta": meta, "peaks": peaks, "summary": summary, "rows": rows}, indent=1))
-    text = table(summary)
-    (out / "multiturn.md").write_text(text + "\n")
+    failures = [f for info in peaks.values() for f in info.get("failures", [])]
+    text = table(summary, failures)
     print(text)
+    compact = side_by_side(summary) + "\n\n" + memory_table(peaks)
+    (out / "multiturn.md").write_text(text + "\n\n" + compact + "\n")
     if rows:
         plot(rows, out / "multiturn_ttft.png")
         print(f"wrote {out / 'multiturn.json'}, multiturn.md, multiturn_ttft.png")

@@ -237,7 +237,8 @@ async def main_async(turns: int, keep: Path | None) -> int:
     finally:
         await rec.session.close()
         await runner.cleanup()
-    print()
+    last = (runs["relocate"].last_forwarded or {}).get("messages", [{}])[-1]
+    print(f"\nrelocate, newest forwarded message:\n{last.get('content')}\n")
     results = check(runs)
     for line in results:
         print(line)

@@ -9,7 +9,8 @@ OpenAI-shaped slow SSE stream — and ways to misbehave, chosen by env FAKE_WORK
 
 FAKE_WORKER_CRASH_ONCE=<path>: crash in the middle of the first stream only (the file
 marks that it happened, so the restarted worker serves). Request header `x-fake-crash: 1`
-crashes that request's stream. FAKE_WORKER_CHUNKS / FAKE_WORKER_DELAY shape the stream.
+crashes that request's stream. FAKE_WORKER_CHUNKS / FAKE_WORKER_DELAY shape the stream,
+a body field `"fake": {"chunks": N, "delay": s}` one request's. GET /stats counts requests.
 Like the real worker, it exits when PREFIXD_PARENT_PID is no longer its parent.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +28,23 @@ import time
 from aiohttp import web
 
 MODE = os.environ.get("FAKE_WORKER_MODE", "normal")
+STATS = {"requests": 0}     # chat requests received, for "none lost, none duplicated"
+
+
+def fake_command(port: int) -> list[str]:
+    """For tests: the argv that runs this script as a managed backend's worker."""
+    return [sys.executable, __file__, "--model", "fake", "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def gone(pid: int) -> bool:
+    """For tests: the process has exited (a zombie nobody reaped yet counts as gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _chunk(i: int, text: str) -> bytes:
@@ -50,10 +69,16 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response({**STATS, "pid": os.getpid()})
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
-    n = int(os.environ.get("FAKE_WORKER_CHUNKS", "5"))
-    delay = float(os.environ.get("FAKE_WORKER_DELAY", "0.02"))
+    STATS["requests"] += 1
+    shape = body.get("fake") or {}
+    n = int(shape.get("chunks", os.environ.get("FAKE_WORKER_CHUNKS", "5")))
+    delay = float(shape.get("delay", os.environ.get("FAKE_WORKER_DELAY", "0.02")))
     words = [f"w{i} " for i in range(n)]
     if not body.get("stream"):
         return web.json_response({
@@ -79,7 +104,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         await asyncio.sleep(0.1)
-    print("fake worker: parent gone, exiting", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):   # our stderr pipe died with the parent
+        print("fake worker: parent gone, exiting", file=sys.stderr, flush=True)
     os._exit(0)
 
 
@@ -94,6 +120,7 @@ async def main(port: int) -> None:
         await asyncio.Event().wait()
     app = web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
     app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from fake_worker import fake_command, gone
 
 from prefixd.backends.base import Backend, BackendError, BackendUnavailable, UpstreamRequest
 from prefixd.backends.managed import ManagedBackend, ProcState
@@ -28,11 +29,6 @@ SETTINGS = Settings(_env_file=None, use_system_blas=False)
 Make = Callable[..., ManagedBackend]
 
 
-def fake_command(port: int) -> list[str]:
-    return [sys.executable, str(FAKE), "--model", "fake", "--host", "127.0.0.1",
-            "--port", str(port)]
-
-
 def chat(stream: bool = True, headers: dict[str, str] | None = None) -> UpstreamRequest:
     body = {"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
     return UpstreamRequest(path="/v1/chat/completions", body=json.dumps(body).encode(),
@@ -43,13 +39,6 @@ async def read_all(b: ManagedBackend, req: UpstreamRequest) -> bytes:
     async with b.forward(req) as resp:
         assert resp.status == 200
         return b"".join([c async for c in resp.chunks])
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def metric(name: str, **labels: str) -> float | None:
@@ -119,7 +108,7 @@ async def test_hang_at_startup_hits_the_deadline(make: Make) -> None:
     assert time.monotonic() - t0 < 3.0
     assert await b.wait_for(ProcState.FAILED, timeout=5) is ProcState.FAILED
     assert psutil.Process().children() == []   # the hung child was killed
-    with pytest.raises(BackendUnavailable, match="failed: .*timed out"):
+    with pytest.raises(BackendUnavailable, match=r"failed: .*timed out"):
         await b.ensure_ready()
 
 
@@ -201,10 +190,30 @@ async def test_idle_unload_then_start_again(make: Make) -> None:
     assert b.status().detail["pid"] not in (None, pid1)
 
 
+async def test_real_worker_on_a_tiny_model(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The default command: `python -m prefixd.backends.mlx` serving a tiny random model."""
+    cfg = BackendConfig(name="real", kind="mlx", model=str(tiny_model_dir("qwen3")),
+                        models=["tiny"], worker_env={"PREFIXD_MAX_TOKENS_DEFAULT": "4"})
+    b = ManagedBackend(cfg, SETTINGS)
+    try:
+        await b.ensure_ready()
+        pid = b.status().detail["pid"]
+        body = json.dumps({"model": "tiny", "stream": True,
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        req = UpstreamRequest(path="/v1/chat/completions", body=body, stream=True,
+                              request_id="real")
+        out = await read_all(b, req)
+        assert b'"model": "tiny"' in out and out.endswith(b"data: [DONE]\n\n")
+    finally:
+        await b.stop()
+    assert gone(pid) and psutil.Process().children() == []
+
+
 def test_worker_command_and_env() -> None:
     assert worker_command("some/model", 4321) == [
         sys.executable, "-m", "prefixd.backends.mlx", "--model", "some/model",
         "--host", "127.0.0.1", "--port", "4321"]
+    assert worker_command("m", 1, "alias")[-2:] == ["--served-name", "alias"]
     cfg = BackendConfig(name="w", kind="mlx", model="m", cache_bytes=12345,
                         worker_env={"PREFIXD_PREFILL_CHUNK": "64", "X": "1"})
     env = worker_env(cfg, Settings(_env_file=None, use_system_blas=False, checkpoint_tail=7),
@@ -215,6 +224,11 @@ def test_worker_command_and_env() -> None:
     assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly
     assert env["PREFIXD_PREFILL_CHUNK"] == "64" and env["X"] == "1"
     assert "LD_PRELOAD" not in env
+    # Every worker setting reaches the worker, including ones added later.
+    worker_fields = [name for name, f in Settings.model_fields.items()
+                     if (f.description or "").startswith("Worker")]
+    assert worker_fields and all(f"PREFIXD_{n.upper()}" in env for n in worker_fields
+                                 if getattr(SETTINGS, n) is not None)
 
 
 def test_proxy_side_never_imports_mlx() -> None:
@@ -243,14 +257,13 @@ _PARENT = textwrap.dedent("""
 
 
 def test_worker_exits_when_prefixd_is_killed() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(FAKE)], stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        assert parent.stdout is not None
-        worker = psutil.Process(int(parent.stdout.readline()))
-        assert worker.ppid() == parent.pid
-    finally:
-        parent.kill()                # SIGKILL: prefixd gets no chance to stop its worker
-        parent.wait()
-    gone_, alive = psutil.wait_procs([worker], timeout=5)
+    with subprocess.Popen([sys.executable, "-c", _PARENT, str(FAKE)], stdout=subprocess.PIPE,
+                          text=True) as parent:
+        try:
+            assert parent.stdout is not None
+            worker = psutil.Process(int(parent.stdout.readline()))
+            assert worker.ppid() == parent.pid
+        finally:
+            parent.kill()            # SIGKILL: prefixd gets no chance to stop its worker
+    _, alive = psutil.wait_procs([worker], timeout=5)
     assert alive == [] or all(p.status() == psutil.STATUS_ZOMBIE for p in alive)

@@ -132,3 +132,12 @@ def test_completions_prompt_and_unreadable_bodies() -> None:
     weird = {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}
     p = send(weird)
     assert p.body is weird and not p.changed and p.report is None
+
+
+def test_detection_off_still_canonicalizes() -> None:
+    st = PrefixStage(Settings(_env_file=None, prefix_detect=False), clock=Clock())
+    b = {"model": "m", "system": "x-anthropic-billing-header: cch=1;\nYou are Claude.",
+         "messages": [{"role": "user", "content": "hi"}]}
+    p = st.prepare(b, {}, model="m", path="/v1/chat/completions", backend_kind="local")
+    assert p.report is None and p.header is None
+    assert p.changed and p.body["system"] == "You are Claude."

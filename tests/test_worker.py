@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from mlx_lm.tool_parsers import mistral as mistral_tools
 
 from prefixd.backends.mlx.chat import GenRequest, Sampling, build_prompt, parse_request
 from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.oai import StopMatcher, extract_tool_calls
+from prefixd.backends.mlx.oai import StopMatcher, ToolFormat, extract_tool_calls
 from prefixd.backends.mlx.worker import create_app
 from prefixd.proxy.settings import Settings
 
@@ -242,11 +243,31 @@ def test_extract_tool_calls_and_stop_matcher() -> None:
     assert text == "Checking."
     assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
     assert extract_tool_calls("<tool_call>nope</tool_call>") == ("<tool_call>nope</tool_call>", [])
+    # A model format without an end marker, parsed by mlx-lm's own parser for it.
+    mistral = ToolFormat("[TOOL_CALLS]", "", mistral_tools.parse_tool_call)
+    text, calls = extract_tool_calls('Hi [TOOL_CALLS]weather[ARGS]{"city": "Oslo"}', mistral)
+    assert text == "Hi" and calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
     m = StopMatcher(["END"])
     assert [m.feed(t) for t in ("abc E", "N", "Dxyz")] == ["abc ", "", ""]
     assert m.hit and m.held == "ENDxyz"
     m = StopMatcher(["END"])
     assert m.feed("abc EN") == "abc " and m.flush() == "EN"
+
+
+async def test_text_after_a_tool_call_marker_is_held_to_the_end(client: TestClient,
+                                                                 generator: Generator) -> None:
+    # The tiny model never writes JSON, but a logit bias makes it emit the marker token; with
+    # tools given, what follows the marker is held back, and being no valid call, sent as text.
+    marker = generator.loaded.tokenizer.convert_tokens_to_ids("<tool_call>")
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    body = chat(max_tokens=3, tools=tools, logit_bias={str(marker): 100})
+    out = await post(client, body)
+    assert out["choices"][0]["message"]["content"] == "<tool_call>" * 3
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert "tool_calls" not in out["choices"][0]["message"]
+    events = await stream(client, body)
+    deltas = [e["choices"][0]["delta"].get("content") for e in events[1:-1]]
+    assert deltas == ["<tool_call>" * 3, None]  # one held-back delta, then the finish chunk
 
 
 async def test_health_models_metrics(client: TestClient) -> None:

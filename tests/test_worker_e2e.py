@@ -179,6 +179,15 @@ async def test_sigterm_mid_stream_exits_promptly(tiny_model_dir: Callable[[str],
         w.stop()
 
 
+def test_unloadable_model_exits_1(tmp_path: Path) -> None:
+    w = start_worker(tmp_path / "missing", PREFIXD_USE_SYSTEM_BLAS="false")
+    try:
+        w.log.wait_for("cannot load model", START_TIMEOUT_S)
+        assert w.proc.wait(timeout=10) == 1
+    finally:
+        w.stop()
+
+
 PARENT = """
 import os, subprocess, sys
 env = {**os.environ, "PREFIXD_PARENT_PID": str(os.getpid())}

@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT or the parent's death, then end the process with the exit
+    code (0; 1 if the model cannot be loaded; 2 if the address cannot be bound) via os._exit:
+    see the comment at the end."""
     args = _parser().parse_args(argv)
     settings = Settings()
     # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
@@ -60,11 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     generator = Generator(settings)
     rc, drained = asyncio.run(_serve(args, settings, generator, spec, name, parent))
     if not drained:
-        # The generation thread is inside a call that cannot be interrupted (loading a model);
-        # interpreter exit would join it, so leave now.
-        logging.shutdown()
-        os._exit(rc)
-    return rc
+        log.warning("worker: generation thread still busy (loading?); not waiting for it")
+    # Leave without interpreter finalization: it would join a thread stuck in a model load,
+    # and MLX used from a non-main thread can abort in its C++ static destructors at exit
+    # ("terminate called without an active exception", ml-explore/mlx#3126). Everything worth
+    # keeping is done: the server is closed and generation stopped; flush what was printed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _follow_parent() -> int | None:
@@ -105,12 +112,19 @@ async def _serve(args: argparse.Namespace, settings: Settings, generator: Genera
         site: web.BaseSite = web.UnixSite(runner, str(args.unix_socket))
     else:
         site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    log.info("worker: listening on %s; BLAS: %s", site.name, describe_blas())
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("worker: cannot listen on %s: %s", site.name, e)
+        await runner.cleanup()
+        return 2, True
+    log.info("worker: listening on %s; loading %s", site.name, spec)
     rc = await _load_then_wait(generator, spec, name, stop)
     log.info("worker: stopping")
     generator.cancel_all()  # every in-flight generation ends within one decode step
     await runner.cleanup()
+    if args.unix_socket:
+        args.unix_socket.unlink(missing_ok=True)
     drained = await generator.drain(timeout=2.0)
     generator.close()
     if watcher:

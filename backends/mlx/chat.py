@@ -21,7 +21,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Rendering every message prefix costs O(messages x prompt). Past this many messages only the
 # system prompt end and the newest boundaries are computed: older ones were placed (as
 # checkpoints) by earlier turns of the same conversation already.
-MAX_BOUNDARY_RENDERS = 48
+MAX_BOUNDARY_RENDERS = 24
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -94,7 +95,6 @@ class Generator:
         self.cache_info: dict[str, Any] = {}
         self.stats = {"requests": 0, "cancelled": 0, "completion_tokens": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-gen")
-        self._current: Job | None = None
         self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
 
     async def load(self, spec: str) -> Loaded:
@@ -143,24 +143,29 @@ class Generator:
             job.cancel()
 
     def _run(self, job: Job) -> None:
-        """One job, on the generation thread. Never raises: failures become a `Failed` event."""
-        self._current = job
+        """One job, on the generation thread. Never raises, and always ends the job's events
+        (with `Finished` or `Failed`), so no handler waits forever."""
+        result: Event = Failed("generation failed")
         try:
-            result: Event = (Finished("cancelled", 0, 0) if job.cancelled
-                             else self._generate(job))
+            result = Finished("cancelled", 0, 0) if job.cancelled else self._generate(job)
         except Exception as e:
             log.exception("worker: generation failed")
             result = Failed(f"generation failed: {type(e).__name__}: {e}")
         finally:
-            self._current = None
             self._pending.discard(job)
-        assert self.loaded is not None
-        self.cache_info = self.loaded.engine.cache_info()
+            self._after(result)
+            job._emit(result)  # last, so a client that saw the end also sees fresh cache_info
+
+    def _after(self, result: Event) -> None:
         if isinstance(result, Finished):
             self.stats["requests"] += 1
             self.stats["cancelled"] += result.finish_reason == "cancelled"
             self.stats["completion_tokens"] += result.completion_tokens
-        job._emit(result)  # last, so a client that saw the end also sees fresh cache_info
+        try:
+            if self.loaded is not None:
+                self.cache_info = self.loaded.engine.cache_info()
+        except Exception:
+            log.exception("worker: Engine.cache_info() failed")
 
     def _generate(self, job: Job) -> Finished:
         import mlx.core as mx
@@ -178,7 +183,7 @@ class Generator:
         detok = tokenizer.detokenizer
         stops = StopMatcher(s.stop)
         eos = tokenizer.eos_token_ids
-        n, finish = 0, "length"
+        n, finish, t0 = 0, "length", time.perf_counter()
         tokens = engine.generate(job.prompt.tokens, sampler=sampler,
                                  logits_processors=processors or None,
                                  max_tokens=job.max_tokens, boundaries=job.prompt.boundaries,
@@ -210,6 +215,11 @@ class Generator:
         stats = getattr(engine, "last_stats", None)
         same = stats is not None and stats.prompt_tokens == len(job.prompt.tokens)
         cached = stats.cached_tokens if same else 0
+        prefill_s = stats.restore_s + stats.prefill_s if same else 0.0
+        decode_s = time.perf_counter() - t0 - prefill_s
+        log.info("worker: prompt %d tokens (%d cached) in %.3fs; %d generated in %.3fs (%.1f/s); "
+                 "finish %s", len(job.prompt.tokens), cached, prefill_s, n, decode_s,
+                 n / decode_s if decode_s > 0 else 0.0, finish)
         return Finished(finish, n, cached)
 
     async def drain(self, timeout: float) -> bool:

@@ -12,6 +12,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,27 +130,54 @@ class StopMatcher:
         return 0
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+def _json_call(text: str, tools: Any = None) -> Any:
+    return json.loads(text.strip())
 
 
-def extract_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Qwen/Hermes
-    convention) out of generated text. Blocks that are not valid calls stay in the text."""
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes tool calls: the markers around a call and the parser of the text
+    between them (mlx-lm's per-model `tool_parsers`); default: Qwen/Hermes `<tool_call>` JSON."""
+
+    start: str = "<tool_call>"
+    end: str = "</tool_call>"
+    parse: Callable[[str, Any], Any] = _json_call
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolFormat:
+        if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
+            return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "",
+                       tokenizer.tool_parser)
+        return cls()
+
+
+def _openai_call(call: Any) -> dict[str, Any] | None:
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    args = call.get("arguments", {})
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": call["name"], "arguments": args if isinstance(args, str)
+                         else json.dumps(args, ensure_ascii=False)}}
+
+
+def extract_tool_calls(text: str, fmt: ToolFormat = ToolFormat(), tools: Any = None,
+                       ) -> tuple[str, list[dict[str, Any]]]:
+    """Split the tool calls out of generated text, as OpenAI `tool_calls`. A block that does
+    not parse (e.g. cut by max_tokens) stays in the text."""
     calls: list[dict[str, Any]] = []
+    tail = re.escape(fmt.end) if fmt.end else r"\Z"  # no end marker: the call runs to the end
+    pattern = re.compile(re.escape(fmt.start) + r"(.*?)" + tail, re.DOTALL)
 
     def take(match: re.Match[str]) -> str:
         try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            parsed = fmt.parse(match.group(1), tools)
+        except Exception:  # model output: any parser error means "not a call"
             return match.group(0)
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        found = [_openai_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
+        if not found or None in found:
             return match.group(0)
-        args = call.get("arguments", {})
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": args if isinstance(args, str)
-                                   else json.dumps(args, ensure_ascii=False)}})
+        calls.extend(c for c in found if c is not None)
         return ""
 
-    rest = _TOOL_CALL.sub(take, text)
+    rest = pattern.sub(take, text)
     return (rest.strip() if calls else rest), calls

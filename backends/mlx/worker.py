@@ -18,7 +18,15 @@ from aiohttp import web
 
 from prefixd.backends.mlx.chat import GenRequest, Prompt, build_prompt, encode, parse_request
 from prefixd.backends.mlx.generation import Failed, Finished, Generator, Job, Loaded
-from prefixd.backends.mlx.oai import DONE, Shapes, StopMatcher, extract_tool_calls, sse, usage
+from prefixd.backends.mlx.oai import (
+    DONE,
+    Shapes,
+    StopMatcher,
+    ToolFormat,
+    extract_tool_calls,
+    sse,
+    usage,
+)
 from prefixd.metrics import CONTENT_TYPE, render
 from prefixd.proxy.errors import ApiError, error_response
 from prefixd.proxy.settings import Settings
@@ -26,7 +34,6 @@ from prefixd.proxy.settings import Settings
 log = logging.getLogger("prefixd.worker")
 GENERATOR = web.AppKey("generator", Generator)
 MODEL_NAME = web.AppKey("model_name", str)
-TOOL_CALL_START = "<tool_call>"
 
 
 def create_app(generator: Generator, model_name: str, settings: Settings) -> web.Application:
@@ -107,11 +114,12 @@ async def _generate(request: web.Request, kind: Literal["chat", "completion"]
     max_tokens = _max_tokens(loaded, prompt, req.sampling.max_tokens,
                              generator.settings.max_tokens_default)
     shapes = Shapes(kind, request.app[MODEL_NAME])
+    tools = ToolFormat.of(loaded.tokenizer) if req.tools else None
     job = generator.submit(prompt, req.sampling, max_tokens)
     try:
         if req.stream:
-            return await _stream(request, req, shapes, job)
-        return await _collect(req, shapes, job)
+            return await _stream(request, req, shapes, job, tools)
+        return await _collect(req, shapes, job, tools)
     finally:
         job.cancel()  # no-op after the end; stops generation if the client left (cancellation)
 
@@ -120,7 +128,8 @@ def _usage(job: Job, end: Finished) -> dict[str, Any]:
     return usage(len(job.prompt.tokens), end.completion_tokens, end.cached_tokens)
 
 
-async def _collect(req: GenRequest, shapes: Shapes, job: Job) -> web.Response:
+async def _collect(req: GenRequest, shapes: Shapes, job: Job,
+                   tools: ToolFormat | None) -> web.Response:
     parts: list[str] = []
     end: Finished | None = None
     async for event in job.events():
@@ -131,20 +140,27 @@ async def _collect(req: GenRequest, shapes: Shapes, job: Job) -> web.Response:
         else:
             end = event
     assert end is not None  # events() always ends with Finished or Failed
+    if end.finish_reason == "cancelled":
+        return _stopped().response()
     text, calls = "".join(parts), []
-    if req.tools:
-        text, calls = extract_tool_calls(text)
+    if tools is not None:
+        text, calls = extract_tool_calls(text, tools, req.tools)
     finish = "tool_calls" if calls else end.finish_reason
     return web.json_response(shapes.final(text, finish, _usage(job, end), tool_calls=calls))
 
 
-async def _stream(request: web.Request, req: GenRequest, shapes: Shapes,
-                  job: Job) -> web.StreamResponse:
+def _stopped() -> ApiError:
+    return ApiError(503, "the worker stopped this generation (shutting down)",
+                    type_="server_error")
+
+
+async def _stream(request: web.Request, req: GenRequest, shapes: Shapes, job: Job,
+                  tools: ToolFormat | None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     # Text after a tool-call start marker is held back and sent as `tool_calls` at the end.
-    tool_gate = StopMatcher([TOOL_CALL_START] if req.tools else [])
+    tool_gate = StopMatcher([tools.start] if tools else [])
     try:
         if req.kind == "chat":
             await resp.write(sse(shapes.chunk(role=True)))
@@ -156,11 +172,10 @@ async def _stream(request: web.Request, req: GenRequest, shapes: Shapes,
                 await resp.write(ApiError(500, event.message, type_="server_error").sse_event())
                 return resp
             elif event.finish_reason == "cancelled":  # shutdown; a gone client reads nothing
-                await resp.write(ApiError(503, "the worker stopped this generation",
-                                          type_="server_error").sse_event())
+                await resp.write(_stopped().sse_event())
                 return resp
             else:
-                await _stream_end(resp, req, shapes, tool_gate, job, event)
+                await _stream_end(resp, req, shapes, tool_gate, job, event, tools)
         await resp.write(DONE)
         await resp.write_eof()
     except ConnectionResetError:
@@ -169,10 +184,11 @@ async def _stream(request: web.Request, req: GenRequest, shapes: Shapes,
 
 
 async def _stream_end(resp: web.StreamResponse, req: GenRequest, shapes: Shapes,
-                      gate: StopMatcher, job: Job, end: Finished) -> None:
+                      gate: StopMatcher, job: Job, end: Finished,
+                      tools: ToolFormat | None) -> None:
     held, calls = gate.held + gate.flush(), []
-    if held and req.tools:
-        held, calls = extract_tool_calls(held)
+    if held and tools is not None:
+        held, calls = extract_tool_calls(held, tools, req.tools)
     if held:
         await resp.write(sse(shapes.chunk(held)))
     if calls:

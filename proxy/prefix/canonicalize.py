@@ -22,8 +22,8 @@ from prefixd.proxy.prefix.segments import (
     Segment,
     canonical,
     dumps,
-    flatten,
     replace_texts,
+    system_segments,
     tool_name,
     without_cache_control,
 )
@@ -69,7 +69,10 @@ def strip_billing(text: str) -> str:
 
 
 def fingerprint(index: int, message: Any) -> str:
-    return hashlib.sha1(f"{index}:{canonical(message)}".encode()).hexdigest()[:20]
+    """`<index>:<hash of the message as the client sent it>`; the index lets a lookup hash
+    only the messages that have a recorded insertion."""
+    digest = hashlib.sha1(canonical(message).encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{index}:{digest[:20]}"
 
 
 def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
@@ -77,7 +80,7 @@ def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
     """The body to forward under the `enabled` rules; `body` itself is never mutated."""
     res = CanonResult(body)
     strip = STRIP in enabled and backend_kind != "anthropic"
-    segs = flatten(body)
+    segs = system_segments(body)
     target = _target(body)
     edits: dict[Any, str] = {}
     for s in segs:
@@ -222,10 +225,10 @@ def _inject(res: CanonResult, body: dict, injections: dict[str, str],
     if not isinstance(messages, list):
         return body
     edited: dict[int, Any] = {}
-    for k, m in enumerate(messages):
-        text = injections.get(fingerprint(k, m))
-        if text is not None:
-            edited[k] = _append(m, text)
+    for key, text in injections.items():
+        k = int(key.split(":", 1)[0])
+        if k < len(messages) and k not in edited and fingerprint(k, messages[k]) == key:
+            edited[k] = _append(messages[k], text)
     if res.restated and target is not None and target not in edited:
         text = OPEN + "\n".join(f"{line} (supersedes the value in the system prompt)"
                                 for line in res.restated) + CLOSE
@@ -259,7 +262,7 @@ def commit(state: CanonState, body: dict, res: CanonResult, *, shadow: bool = Fa
     """Record what this request taught the lane: first-seen baselines and the insertion."""
     if not shadow:
         if state.system is None:
-            state.system = {s.path: s.text for s in flatten(body) if _is_system_text(s)}
+            state.system = {s.path: s.text for s in system_segments(body) if _is_system_text(s)}
         if state.tools is None:
             tools = body.get("tools")
             state.tools = list(tools) if isinstance(tools, list) else []

@@ -118,7 +118,7 @@ def base_key(headers: Mapping[str, str], body: dict, segs: list[Segment], client
 
 def system_family(segs: list[Segment]) -> str:
     text = "\n".join(s.text for s in segs if s.region == "system")
-    return strip_volatile_lines(text)[:4096]
+    return strip_volatile_lines(text)[:4096]      # the head tells families apart
 
 
 def same_family(a: str, b: str) -> bool:

@@ -115,11 +115,16 @@ def client_family(headers: Mapping[str, str]) -> str:
     return "other"
 
 
+WIDEN_MAX = 1024
+
+
 def widen_to_lines(text: str, start: int, end: int) -> str:
-    """text[start:end] grown to whole lines: patterns need their line context."""
-    a = text.rfind("\n", 0, start) + 1
+    """text[start:end] grown to whole lines (patterns need their line context), but at most
+    WIDEN_MAX characters either side, so one huge line cannot make labelling slow."""
+    a = max(text.rfind("\n", 0, start) + 1, start - WIDEN_MAX)
     b = text.find("\n", end)
-    return text[a:] if b < 0 else text[a:b]
+    b = min(len(text) if b < 0 else b, end + WIDEN_MAX)
+    return text[a:b]
 
 
 def span_labels(old: str, new: str) -> list[str]:
@@ -148,7 +153,7 @@ def mask(text: str, labels: tuple[str, ...]) -> str:
 def strip_volatile_lines(text: str) -> str:
     """`text` without lines carrying volatile values; used for content fingerprints."""
     keep = []
-    for line in text.splitlines():
+    for line in text[:8192].splitlines():
         if any(VOLATILE[n].search(line) for n in
                ("anthropic_billing_header", *DATE_LABELS, *TIME_LABELS, "todays_date_line",
                 "uuid", "prefixed_id", "hex_id", "cwd_line")):

@@ -100,6 +100,19 @@ def flatten(body: dict) -> list[Segment]:
     return segs
 
 
+def system_segments(body: dict) -> list[Segment]:
+    """Only the system segments of `body` (what the system rules need), cheaply."""
+    if "prompt" in body and "messages" not in body:
+        return []
+    segs = _anthropic_system(body.get("system"))
+    messages = body.get("messages")
+    for k, m in enumerate(messages if isinstance(messages, list) else ()):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
+            break
+        segs.extend(_message(m, k, f"system[{k}]", "system"))
+    return segs
+
+
 def _anthropic_system(system: Any) -> list[Segment]:
     if isinstance(system, str):
         return [Segment("system[0]", "system", "text", system, "system", loc=("system",))]
@@ -117,8 +130,8 @@ def _anthropic_system(system: Any) -> list[Segment]:
 
 def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
     role = str(m.get("role", ""))
-    meta = {key: m[key] for key in ("role", "name", "tool_call_id") if key in m}
-    segs = [Segment(path, region, "meta", canonical(meta), role, k)]
+    meta = f"{role}|{m.get('name', '')}|{m.get('tool_call_id', '')}"
+    segs = [Segment(path, region, "meta", meta, role, k)]
     for key in ("reasoning_content", "reasoning", "thinking"):
         if isinstance(m.get(key), str) and m[key]:
             segs.append(Segment(f"{path}.{key}", region, "reasoning", m[key], role, k,

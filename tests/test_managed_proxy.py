@@ -1,0 +1,167 @@
+"""The real proxy in front of a managed backend whose worker is tests/fake_worker.py:
+a worker killed mid-stream while requests wait, a crash-looping worker, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from fake_worker import fake_command, gone
+
+from prefixd.backends.managed import ManagedBackend, ProcState
+from prefixd.backends.process import free_port
+from prefixd.proxy.server import Server, make_proxy
+from prefixd.proxy.settings import Settings
+
+Start = Callable[..., Awaitable[tuple[Server, ManagedBackend]]]
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "hi"}],
+            **extra}
+
+
+async def read_until(resp: aiohttp.ClientResponse, marker: bytes) -> bytes:
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if marker in buf:
+            return buf
+    raise AssertionError(f"stream ended without {marker!r}: {buf!r}")
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    servers: list[Server] = []
+
+    async def _start(mode: str = "normal", **backend: Any) -> tuple[Server, ManagedBackend]:
+        settings = Settings(_env_file=None, prefix_detect=False, use_system_blas=False,
+                            backends=[{"name": "w", "kind": "mlx", "model": "fake-model",
+                                       "models": ["fake"], "worker_env": {"FAKE_WORKER_MODE": mode},
+                                       **backend}])
+        managed = ManagedBackend(settings.backends[0], settings, command=fake_command,
+                                 stop_grace_s=2.0, backoff_s=(0.05, 0.2))
+        server = Server(make_proxy(settings, [managed]))
+        await server.start("127.0.0.1", 0)
+        servers.append(server)
+        return server, managed
+
+    yield _start
+    for s in servers:
+        await s.shutdown(1.0)
+    assert psutil.Process().children(recursive=True) == []   # no worker outlives prefixd
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+async def test_kill_9_mid_stream_while_five_wait(start: Start, http: aiohttp.ClientSession) -> None:
+    server, backend = await start()
+    await backend.ensure_ready()
+    pid1 = backend.status().detail["pid"]
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+
+    first = await http.post(url, json=chat(fake={"chunks": 100, "delay": 0.1}))
+    await read_until(first, b"data: {")                       # it is streaming now
+    waiting = []
+    for _ in range(5):                                        # queued behind it, in order
+        r = await http.post(url, json=chat())
+        await read_until(r, b": queued position=")
+        waiting.append(r)
+
+    os.kill(pid1, signal.SIGKILL)
+
+    # The client being served gets an SSE error event, then the end of the stream.
+    rest = (await first.read()).decode()
+    events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "upstream_error" and "'w'" in error["message"]
+
+    # The waiting ones are all served, by the restarted worker.
+    for r in waiting:
+        body = await r.read()
+        assert body.rstrip().endswith(b"data: [DONE]"), body
+        assert b'"error"' not in body
+    st = backend.status()
+    assert st.state == "ready" and st.detail["pid"] != pid1 and st.detail["restarts"] == 1
+    assert gone(pid1)
+    # None lost, none duplicated: the new worker received exactly the five.
+    async with http.get(st.detail["url"] + "/stats") as r:
+        assert (await r.json())["requests"] == 5
+
+    status = await (await http.get(f"http://127.0.0.1:{server.port}/status")).json()
+    assert status["backends"][0]["state"] == "ready"
+    assert "SIGKILL" in status["backends"][0]["last_error"]
+
+
+async def test_crash_loop_ends_failed_and_ready_says_why(start: Start,
+                                                         http: aiohttp.ClientSession) -> None:
+    server, backend = await start("exit", max_restarts=1)
+    base = f"http://127.0.0.1:{server.port}"
+    async with http.post(base + "/v1/chat/completions", json=chat(stream=False)) as r:
+        assert r.status == 503
+        message = (await r.json())["error"]["message"]
+    assert "cannot load model 'nope'" in message
+    await backend.wait_for(ProcState.FAILED, timeout=10)
+    async with http.get(base + "/ready") as r:
+        assert r.status == 503
+        ready = await r.json()
+    assert ready["backends"]["w"]["state"] == "failed"
+    assert "cannot load model 'nope'" in ready["backends"]["w"]["last_error"]
+    assert "gave up after 2 attempts" in ready["backends"]["w"]["last_error"]
+    async with http.post(base + "/v1/chat/completions", json=chat()) as r:
+        assert r.status == 503
+        assert "failed" in (await r.json())["error"]["message"]
+
+
+async def test_shutdown_stops_a_worker_that_ignores_sigterm(start: Start) -> None:
+    server, backend = await start("ignore_term")
+    await backend.ensure_ready()
+    pid = backend.status().detail["pid"]
+    await server.shutdown(1.0)
+    assert gone(pid)
+    assert backend.status().state == "shutdown"
+
+
+async def test_sigterm_to_prefixd_stops_its_real_worker(tiny_model_dir: Callable[[str], Any],
+                                                        tmp_path: Any) -> None:
+    """`prefixd serve` with a managed backend on a tiny model: SIGTERM ends both processes."""
+    port = free_port()
+    backends = json.dumps([{"name": "w", "kind": "mlx", "model": str(tiny_model_dir("qwen3")),
+                            "models": ["tiny"]}])
+    env = {**os.environ, "PREFIXD_BACKENDS": backends, "PREFIXD_USE_SYSTEM_BLAS": "false",
+           "PREFIXD_SHUTDOWN_TIMEOUT_S": "5"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixd.proxy.cli", "serve", "--port", str(port), env=env,
+        cwd=str(tmp_path), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    worker = None
+    try:
+        assert proc.stderr is not None
+        while True:                       # prefixd's own log says what it started, and when
+            line = (await asyncio.wait_for(proc.stderr.readline(), 60)).decode()
+            assert line, "prefixd exited before its worker was ready"
+            if match := re.search(r"\[w\] started pid (\d+)", line):
+                worker = int(match.group(1))
+            if "backend w: starting -> ready" in line:
+                break
+        assert worker is not None and psutil.Process(worker).ppid() == proc.pid
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert gone(worker)
