@@ -110,6 +110,25 @@ class ManagedBackend:
             self._sup.report_failure()
             raise
 
+    async def tokenize(self, body: dict) -> list[int] | None:
+        """The worker's exact token ids for a chat or completions body (rendered through its
+        chat template), for exact prefix-report offsets. None when it cannot tell now."""
+        base = self._sup.base_url
+        if self._sup.state is not ProcState.READY or base is None:
+            return None
+        if self._session is None:
+            self._session = local_session()
+        payload = {"content": body["prompt"]} if isinstance(body.get("prompt"), str) else body
+        try:
+            async with self._session.post(base + "/tokenize", json=payload,
+                                          timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status != 200:
+                    return None
+                tokens = (await r.json()).get("tokens")
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return None
+        return tokens if isinstance(tokens, list) else None
+
     def status(self) -> BackendStatus:
         sup, w = self._sup, self._sup.worker
         alive = w is not None and not w.exited.is_set()

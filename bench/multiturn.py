@@ -1,7 +1,7 @@
 """Multi-turn prompt-cache reuse: prefixd's mlx worker side by side with stock `mlx_lm.server`.
 
-    ./run bench multiturn                      # full run, ~15-20 min on 2 CPU cores
-    ./run bench multiturn --quick              # smoke run, ~3 min
+    ./run bench multiturn                      # full run, ~1.5 min on 2 shared CPU cores
+    ./run bench multiturn --quick              # smoke run (--scale 0.25), ~1 min
     ./run bench multiturn --models qwen3_5 --scenarios ace --scale 0.5
 
 For each tiny model (written once under bench/out/models/), one stock server and one prefixd
@@ -12,7 +12,8 @@ to `len(prompt) - len(rest)` from its `LRUPromptCache.fetch_nearest_cache`), tim
 content token, and the *ideal*: the longest common prefix of this prompt (tokenized here with
 the model's chat template) with any earlier prompt + reply this server saw. Peak RSS is each
 server's VmHWM (or sampled RSS where /proc is missing). Writes bench/out/multiturn.json,
-bench/out/multiturn.md (tables) and bench/out/multiturn_ttft.png.
+bench/out/multiturn.md (tables) and bench/out/multiturn_ttft.png; results and their reading
+are in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -166,6 +166,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     groups = _group(rows)
     models = sorted({m for _, m in groups})
@@ -182,6 +183,7 @@ def plot(rows: list[Row], path: Path) -> None:
                 ax.plot(range(1, len(got) + 1), [r["ttft"] for r in got], marker=".",
                         label=server, color="tab:red" if server == "stock" else "tab:blue")
             ax.set_yscale("log")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.tick_params(labelsize=7)
             if i == 0:
                 ax.set_title(f"({scenario})", fontsize=9)

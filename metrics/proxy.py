@@ -6,12 +6,14 @@ from prefixd.metrics import REGISTRY
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
-REQUESTS = Counter("prefixd_requests_total", "Requests answered, by backend, model and HTTP status.",
+REQUESTS = Counter("prefixd_requests_total",
+                   "Requests answered, by backend, model and HTTP status.",
                    ["backend", "model", "status"], registry=REGISTRY)
 REQUEST_DURATION = Histogram("prefixd_request_duration_seconds",
                              "Time from request arrival to the last byte sent.",
                              ["backend", "model"], buckets=_LAT, registry=REGISTRY)
-QUEUE_WAIT = Histogram("prefixd_queue_wait_seconds", "Time a request waited for its backend slot.",
+QUEUE_WAIT = Histogram("prefixd_queue_wait_seconds",
+                       "Time a request waited for its backend slot.",
                        ["backend"], buckets=(0.001, *_LAT), registry=REGISTRY)
 TTFT = Histogram("prefixd_time_to_first_token_seconds",
                  "Time from request arrival to the first streamed content chunk.",
@@ -21,7 +23,8 @@ QUEUE_DEPTH = Gauge("prefixd_queue_depth", "Requests waiting for a backend slot.
 IN_FLIGHT = Gauge("prefixd_in_flight", "Requests being served by a backend.", ["backend"],
                   registry=REGISTRY)
 QUEUE_REJECTED = Counter("prefixd_queue_rejected_total",
-                         "Requests refused by a queue, by reason (full, timeout, disconnect, shutdown).",
+                         "Requests refused by a queue, by reason "
+                         "(full, timeout, disconnect, shutdown).",
                          ["backend", "reason"], registry=REGISTRY)
 BACKEND_UP = Gauge("prefixd_backend_up", "1 if the backend answered its last health check.",
                    ["backend"], registry=REGISTRY)

@@ -51,7 +51,7 @@ class Proxy:
     # --- routing -------------------------------------------------------------------------
     def _route(self, model: str, lane: str | None) -> Backend:
         names = self.index[model]
-        cands = [Candidate(n, self.backends[n].status().up,
+        cands = [Candidate(n, _available(self.backends[n]),
                            self.queues[n].waiting + self.queues[n].in_flight,
                            self.configs[n].max_concurrency) for n in names]
         picked = choose(cands, self.affinity.get(lane)).name
@@ -200,6 +200,12 @@ class Proxy:
         if self.stage is not None and prepared is not None and up.status == 200:
             self.stage.record_response(prepared, message, usage)
         return resp
+
+
+def _available(backend: Backend) -> bool:
+    """Up, or a managed worker that ensure_ready() would start (stopped/idle-unloaded)."""
+    st = backend.status()
+    return st.up or st.state in ("stopped", "starting")
 
 
 def _error_message(body: bytes, status: int) -> str:

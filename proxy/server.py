@@ -21,13 +21,7 @@ log = logging.getLogger("prefixd.server")
 
 def make_proxy(settings: Settings, backends: list[Backend]) -> Proxy:
     configs = {b.name: b for b in settings.backends}
-    stage = None
-    if settings.prefix_detect:
-        try:  # TODO(lead): plain import once proxy/prefix/stage.py lands
-            from prefixd.proxy.prefix.stage import PrefixStage
-        except ImportError:
-            PrefixStage = None
-        stage = PrefixStage(settings) if PrefixStage else None
+    stage = PrefixStage(settings) if settings.prefix_detect else None
     return Proxy(settings, backends, configs, stage)
 
 

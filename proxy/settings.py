@@ -49,7 +49,8 @@ class BackendConfig(BaseModel):
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError(f"backend {self.name!r}: url must start with http(s)://")
             if not self.models:
-                raise ValueError(f"backend {self.name!r}: list the model names it serves in 'models'")
+                raise ValueError(f"backend {self.name!r}: list the model names it serves "
+                                 "in 'models'")
         else:
             if not self.model:
                 raise ValueError(f"backend {self.name!r}: kind 'mlx' needs 'model'")
@@ -80,7 +81,8 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="If set, every /v1/* route requires "
                                       "`Authorization: Bearer <api_key>`; /health stays open.")
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
                                       "in-flight requests may run before they are cut.")
     cache_dir: Path = Field(Path("~/.cache/prefixd"), description="Where converted models and "

@@ -237,6 +237,21 @@ def test_tool_calls_reach_the_template_as_dicts(generator: Generator) -> None:
     assert len(prompt.boundaries) == 2
 
 
+def test_boundary_where_a_prefix_renders_differently(generator: Generator) -> None:
+    # The template shows reasoning only after the last user turn: rendered alone, the assistant
+    # message carries its <think> block, in the full prompt it does not. The boundary falls
+    # where the two renders part, at the start of the assistant message's text.
+    tok = generator.loaded.tokenizer
+    messages = [{"role": "user", "content": "Hi there."},
+                {"role": "assistant", "content": "The river.", "reasoning_content": "Hmm."},
+                {"role": "user", "content": "And?"}]
+    prompt = build_prompt(tok, parse_request({"messages": messages}, "chat"))
+    first, second = prompt.boundaries
+    assert tok.decode(prompt.tokens[:first]).endswith("Hi there.<|im_end|>\n")
+    assert tok.decode(prompt.tokens[:second]).endswith("<|im_start|>assistant\n")
+    assert "Hmm." not in tok.decode(prompt.tokens)
+
+
 def test_extract_tool_calls_and_stop_matcher() -> None:
     text, calls = extract_tool_calls(
         'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')

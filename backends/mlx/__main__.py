@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _follow_parent() -> int | None:
     """On Linux ask the kernel for SIGTERM when the parent dies; return the pid to poll."""
-    raw = os.environ.get(PARENT_PID_ENV)
-    if not raw:
+    raw = os.environ.get(PARENT_PID_ENV, "")
+    if not raw.isdigit():
+        if raw:
+            log.warning("worker: ignoring %s=%r (not a pid)", PARENT_PID_ENV, raw)
         return None
     expected = int(raw)
     if sys.platform.startswith("linux"):

@@ -66,7 +66,7 @@ class Shapes:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
               role: bool = False, tool_calls: list[dict[str, Any]] | None = None,
-              ) -> dict[str, Any]:
+              reasoning: str | None = None) -> dict[str, Any]:
         """One stream chunk: a text delta, the opening role delta, or the closing finish_reason."""
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
@@ -76,6 +76,8 @@ class Shapes:
             if role:
                 delta["role"] = "assistant"
                 delta["content"] = ""
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text:
                 delta["content"] = text
             if tool_calls:
@@ -181,3 +183,70 @@ def extract_tool_calls(text: str, fmt: ToolFormat = ToolFormat(), tools: Any = N
 
     rest = pattern.sub(take, text)
     return (rest.strip() if calls else rest), calls
+
+
+class _Reasoning:
+    """Routes the text before the end-of-thinking marker to reasoning, the rest to content.
+    A reply is reasoning from the start if the prompt left a thinking block open, or if it
+    opens one itself (only whitespace before the start marker)."""
+
+    def __init__(self, start: str, end: str, thinking: bool) -> None:
+        self.start = start
+        self.state = "reasoning" if thinking else "lead"
+        self._lead = ""
+        self._end = StopMatcher([end])
+        self._end_len = len(end)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.state == "lead":
+            self._lead += text
+            stripped = self._lead.lstrip()
+            if not stripped or (self.start.startswith(stripped) and stripped != self.start):
+                return "", ""  # still undecided
+            if stripped.startswith(self.start):
+                self.state, self._lead = "reasoning", ""
+                text = stripped[len(self.start):]
+            else:
+                self.state, text, self._lead = "content", self._lead, ""
+                return "", text
+        if self.state == "reasoning":
+            reasoning = self._end.feed(text)
+            if not self._end.hit:
+                return reasoning, ""
+            self.state, text = "after", self._end.held[self._end_len:]
+        if self.state == "after":  # the blank lines between the think block and the answer
+            text = text.lstrip()
+            if text:
+                self.state = "content"
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        if self.state == "lead":
+            return "", self._lead
+        return (self._end.flush(), "") if self.state == "reasoning" else ("", "")
+
+
+class ChatOutput:
+    """Shapes a chat reply while it streams: reasoning, content, and tool calls (text from a
+    tool-call start marker on is held back until the end, then parsed)."""
+
+    def __init__(self, tools: ToolFormat | None = None, tool_specs: Any = None,
+                 think: tuple[str, str] | None = None, thinking: bool = False) -> None:
+        self._tools, self._specs = tools, tool_specs
+        self._gate = StopMatcher([tools.start] if tools else [])
+        self._reasoning = _Reasoning(*think, thinking) if think else None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that can be sent now."""
+        reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
+        return reasoning, self._gate.feed(content) if content else ""
+
+    def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
+        """The rest: (reasoning, content, tool_calls)."""
+        reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
+        if content:
+            content = self._gate.feed(content)
+        held, calls = self._gate.held + self._gate.flush(), []
+        if held and self._tools is not None:
+            held, calls = extract_tool_calls(held, self._tools, self._specs)
+        return reasoning, content + held, calls

@@ -183,7 +183,8 @@ class CheckpointStore:
 
     def _merge_into(self, entry: Entry, other: Entry, end_snapshot: EndSnapshot) -> None:
         lcp = common_prefix(other.tokens, entry.tokens)
-        for pos in [p for p in other.checkpoints if p <= lcp]:
+        # a checkpoint at entry's very end would duplicate entry's own end state: keep it
+        for pos in [p for p in other.checkpoints if p <= lcp and p < len(entry.tokens)]:
             ckpt = other.checkpoints.pop(pos)
             if pos in entry.checkpoints:
                 self.bytes_used -= ckpt.nbytes
