@@ -125,7 +125,7 @@ class ManagedBackend:
                 if r.status != 200:
                     return None
                 tokens = (await r.json()).get("tokens")
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
         return tokens if isinstance(tokens, list) else None
 

@@ -31,7 +31,7 @@ _LINE_LIMIT = 1 << 20  # a worker may print one long traceback line; don't choke
 # so the worker sees the same configuration even though it does not read that file.
 _WORKER_FIELDS = ("cache_bytes", "checkpoint_interval", "checkpoint_tail", "prefill_chunk",
                   "max_tokens_default", "kv_bits", "use_system_blas", "log_level",
-                  "log_format", "cache_dir")
+                  "log_format", "cache_dir", "dequantize")
 
 CommandBuilder = Callable[[int], list[str]]
 

@@ -127,6 +127,9 @@ class Settings(BaseSettings):
                                     "request gives none.")
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "
                                 "bits (4 or 8); unset keeps full precision.")
+    dequantize: Literal["auto", "on", "off"] = Field(
+        "auto", description="Worker: turn quantized weights into float32 after loading. auto: "
+        "only built-in models on a CPU-only MLX (4-bit matmuls are slow there).")
     use_system_blas: bool = Field(True, description="Worker (Linux): preload the system "
                                   "OpenBLAS, ~10x faster than MLX's bundled BLAS on CPU.")
 

@@ -28,6 +28,16 @@ async def upstream() -> AsyncIterator[FakeUpstream]:
 StartProxy = Callable[..., Awaitable[Server]]
 
 
+async def read_until(resp: aiohttp.ClientResponse, marker: bytes) -> bytes:
+    """Read a streamed body until `marker` shows up; fail if the stream ends first."""
+    seen = b""
+    async for chunk in resp.content.iter_any():
+        seen += chunk
+        if marker in seen:
+            return seen
+    raise AssertionError(f"stream ended without {marker!r}: {seen[-300:]!r}")
+
+
 @pytest.fixture
 async def start_proxy() -> AsyncIterator[StartProxy]:
     """start_proxy(upstream_url, backend={...overrides}, **settings) -> a started Server."""

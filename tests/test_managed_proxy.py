@@ -16,6 +16,7 @@ import aiohttp
 import psutil
 import pytest
 from fake_worker import fake_command, gone
+from proxy_fixtures import read_until
 
 from prefixd.backends.managed import ManagedBackend, ProcState
 from prefixd.backends.process import free_port
@@ -28,15 +29,6 @@ Start = Callable[..., Awaitable[tuple[Server, ManagedBackend]]]
 def chat(**extra: Any) -> dict[str, Any]:
     return {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "hi"}],
             **extra}
-
-
-async def read_until(resp: aiohttp.ClientResponse, marker: bytes) -> bytes:
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        if marker in buf:
-            return buf
-    raise AssertionError(f"stream ended without {marker!r}: {buf!r}")
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 
-import aiohttp
+from proxy_fixtures import read_until
 
 from prefixd.metrics import render
 
@@ -20,17 +20,6 @@ def chat(content: str = "hi", **extra) -> dict:
 
 def url(server, path: str = CHAT) -> str:
     return f"http://127.0.0.1:{server.port}{path}"
-
-
-async def read_until(resp: aiohttp.ClientResponse, marker: bytes) -> bytes:
-    """Read a streamed body until `marker` shows up (or the stream ends)."""
-    seen = b""
-    while marker not in seen:
-        chunk = await resp.content.readany()
-        if not chunk:
-            break
-        seen += chunk
-    return seen
 
 
 async def test_non_stream_relay_passes_unknown_fields(upstream, start_proxy, http):

@@ -17,7 +17,7 @@ from mlx_lm.tool_parsers import mistral as mistral_tools
 
 from prefixd.backends.mlx.chat import GenRequest, Sampling, build_prompt, parse_request
 from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.oai import StopMatcher, ToolFormat, extract_tool_calls
+from prefixd.backends.mlx.oai import ChatOutput, StopMatcher, ToolFormat, extract_tool_calls
 from prefixd.backends.mlx.worker import create_app
 from prefixd.proxy.settings import Settings
 
@@ -283,6 +283,30 @@ async def test_text_after_a_tool_call_marker_is_held_to_the_end(client: TestClie
     events = await stream(client, body)
     deltas = [e["choices"][0]["delta"].get("content") for e in events[1:-1]]
     assert deltas == ["<tool_call>" * 3, None]  # one held-back delta, then the finish chunk
+
+
+def run_output(out: ChatOutput, pieces: list[str]) -> tuple[str, str, list[Any]]:
+    fed = [out.feed(p) for p in pieces]
+    r, c, calls = out.finish()
+    return "".join(f[0] for f in fed) + r, "".join(f[1] for f in fed) + c, calls
+
+
+def test_chat_output_splits_reasoning_content_and_tool_calls() -> None:
+    think = ("<think>", "</think>")
+    # The prompt left a think block open.
+    out = ChatOutput(think=think, thinking=True)
+    assert run_output(out, ["Let me", " see</th", "ink>\n", "\nThe sea."]) == (
+        "Let me see", "The sea.", [])
+    # The model opens the block itself, split across pieces.
+    out = ChatOutput(ToolFormat(), [{"type": "function"}], think, thinking=False)
+    reasoning, content, calls = run_output(
+        out, ["\n<th", "ink>hmm</think>", "Sure.<tool_call>", '{"name": "f", "arguments": {}}',
+              "</tool_call>"])
+    assert (reasoning, content) == ("hmm", "Sure.")
+    assert calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    # No think block: everything is content, including a lookalike.
+    out = ChatOutput(think=think)
+    assert run_output(out, [" <thin", "king> aloud"]) == ("", " <thinking> aloud", [])
 
 
 async def test_health_models_metrics(client: TestClient) -> None:

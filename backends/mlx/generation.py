@@ -110,7 +110,8 @@ class Generator:
         from prefixd.backends.mlx.engine import Engine
         from prefixd.backends.mlx.provision import load_model
 
-        model, tokenizer = load_model(spec, self.settings.cache_dir, progress=log.info)
+        model, tokenizer = load_model(spec, self.settings.cache_dir, progress=log.info,
+                                      dequantize=wants_dequantize(self.settings.dequantize, spec))
         engine = Engine(model, self.settings)
         self.cache_info = engine.cache_info()
         self.loaded = Loaded(model, tokenizer, engine, max_context(model))
@@ -236,3 +237,15 @@ class Generator:
     def close(self) -> None:
         self.cancel_all()
         self._executor.shutdown(wait=False)
+
+
+def wants_dequantize(mode: str, spec: str) -> bool:
+    """auto: float32 weights for the small built-in models when MLX runs on the CPU, where
+    its quantized matmuls are several times slower than float ones."""
+    if mode != "auto":
+        return mode == "on"
+    import mlx.core as mx
+
+    from prefixd.backends.mlx.provision import BUILTIN_MODELS
+
+    return spec in BUILTIN_MODELS and not mx.metal.is_available()

@@ -209,6 +209,7 @@ class _Reasoning:
             else:
                 self.state, text, self._lead = "content", self._lead, ""
                 return "", text
+        reasoning = ""
         if self.state == "reasoning":
             reasoning = self._end.feed(text)
             if not self._end.hit:
@@ -218,7 +219,7 @@ class _Reasoning:
             text = text.lstrip()
             if text:
                 self.state = "content"
-        return "", text
+        return reasoning, text
 
     def finish(self) -> tuple[str, str]:
         if self.state == "lead":

@@ -11,10 +11,12 @@ Invariants:
 - A checkpoint at `pos` in an entry is valid for every entry sharing `tokens[:pos]`: trimmable
   layers come from the owning entry's KV, the rest from the snapshot. So checkpoints move freely
   between entries that share the prefix up to their position.
-- Worth of an item = prompt tokens it saves from recomputation / (1 + requests since its entry was
-  last used). An entry saves `len(tokens)`; a checkpoint saves the gap to the checkpoint below it.
-  Dense checkpoints (small gap) therefore go first, then stale or short sequences; a short new
-  request can never evict a long, recently used conversation (it is worth less than it).
+- Worth of an item = prompt tokens it saves from recomputation / max(1, requests since its entry
+  was last used). An entry saves `len(tokens)`; a checkpoint saves the gap to the checkpoint below
+  it. To store an item, the cheapest items are evicted only while their worth *together* does not
+  exceed the new item's. Dense checkpoints (small gap) therefore go first, then stale or short
+  sequences; a short new request costs a conversation used by the previous request at most its
+  own length in restorable tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from itertools import pairwise
 from typing import Any
 
 _BLOCK = 256
+AUTO_CONTEXT = 32_768  # tokens of the long conversation `auto_interval` provisions for
+AUTO_SHARE = 4  # ... whose interval checkpoints may take 1/AUTO_SHARE of the budget
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -42,17 +46,32 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def placement(n: int, start: int, boundaries: Iterable[int], interval: int, tail: int) -> list[int]:
     """Checkpoint positions in `(start, n]` for a prompt of `n` tokens restored at `start`.
 
-    Message boundaries, the prompt end, `tail` tokens before it, and every `interval` tokens after
-    each boundary (so positions depend on the prompt only, not on where this request restored).
+    Message boundaries, the prompt end, one token before it (an exact repeat restores at most
+    there: its last token is recomputed for its logits), `tail` tokens before it, and every
+    `interval` tokens after each boundary (so positions depend on the prompt only, not on where
+    this request restored).
     """
     marks = {b for b in boundaries if 0 < b <= n}
     marks.add(n)
-    if tail > 0 and n - tail > 0:
-        marks.add(n - tail)
+    marks.update(p for p in (n - 1, n - tail) if 0 < p < n)
     anchors = sorted({0, *marks})
     for a, b in pairwise(anchors):
         marks.update(range(a + interval, b, interval))
     return sorted(p for p in marks if start < p <= n)
+
+
+def auto_interval(checkpoint_bytes: int, budget: int, *, context: int = AUTO_CONTEXT,
+                  share: int = AUTO_SHARE, lo: int = 64, hi: int = 4096) -> int:
+    """The in-message checkpoint interval for checkpoints of `checkpoint_bytes` each.
+
+    The smallest power of two >= `lo` such that the interval checkpoints of one `context`-token
+    conversation take at most `budget / share`, clamped to `[lo, hi]`: tiny or pure-attention
+    models get `lo`, large hybrids (a Qwen3-Next-80B checkpoint is ~75-150 MB) thousands.
+    """
+    interval = lo
+    while interval < hi and (context // interval) * checkpoint_bytes > budget // share:
+        interval *= 2
+    return interval
 
 
 @dataclass(eq=False)
@@ -201,23 +220,42 @@ class CheckpointStore:
 
     # --- budget ------------------------------------------------------------------------------
     def _worth(self, entry: Entry, tokens: int) -> float:
-        return tokens / (1 + self.tick - entry.last_used)
+        # The previous request's items count fully (age 1), so the next request of the same
+        # conversation does not halve them; older ones decay.
+        return tokens / max(1, self.tick - entry.last_used)
 
-    def _candidates(self, keep: Entry) -> list[tuple[float, Entry, int | None]]:
-        """(worth, entry, checkpoint position or None for the whole entry), cheapest first."""
-        out: list[tuple[float, Entry, int | None]] = []
+    def _cheapest(self, keep: Entry, gone: set[int], dropped: set[tuple[int, int]]
+                  ) -> tuple[float, Entry, int | None, int] | None:
+        """(worth, entry, checkpoint position or None for the whole entry, bytes freed) of the
+        cheapest item still present in the plan, skipping items that free nothing.
+
+        A checkpoint's worth is the gap to the nearest checkpoint below it that the plan keeps,
+        so dropping one makes its neighbour dearer: uniform checkpoints thin out evenly.
+        """
+        best: tuple[float, Entry, int | None, int] | None = None
         for e in self.entries:
-            prev = 0
+            if id(e) in gone:
+                continue
+            prev, kept = 0, 0
             for pos in sorted(e.checkpoints):
-                out.append((self._worth(e, pos - prev), e, pos))
+                if (id(e), pos) in dropped:
+                    continue
+                size = e.checkpoints[pos].nbytes
+                kept += size
+                w = self._worth(e, pos - prev)
+                if size > 0 and (best is None or w < best[0]):
+                    best = (w, e, pos, size)
                 prev = pos
-            if e is not keep and not e.in_progress:
-                out.append((self._worth(e, len(e.tokens)), e, None))
-        out.sort(key=lambda c: c[0])
-        return out
+            size = e.nbytes + kept
+            if e is not keep and not e.in_progress and size > 0:
+                w = self._worth(e, len(e.tokens))
+                if best is None or w < best[0]:
+                    best = (w, e, None, size)
+        return best
 
     def _make_room(self, nbytes: int, worth: float, keep: Entry) -> bool:
-        """Evict items worth less than `worth` until `nbytes` fit; evict nothing if they cannot."""
+        """Evict the cheapest items until `nbytes` fit, if what they are worth together does not
+        exceed `worth` (the new item's); otherwise evict nothing and return False."""
         need = self.bytes_used + nbytes - self.budget
         if need <= 0:
             return True
@@ -226,28 +264,25 @@ class CheckpointStore:
             return False
         plan: list[tuple[Entry, int | None]] = []
         gone: set[int] = set()
-        planned: set[tuple[int, int]] = set()
-        for w, e, pos in self._candidates(keep):
-            if need <= 0 or w >= worth:
-                break
-            if id(e) in gone:
-                continue
+        dropped: set[tuple[int, int]] = set()
+        spent = 0.0
+        while need > 0:
+            item = self._cheapest(keep, gone, dropped)
+            if item is None or spent + item[0] > worth:
+                self.rejected += 1
+                return False
+            w, e, pos, size = item
+            spent, need = spent + w, need - size
             if pos is None:
-                need -= e.nbytes + sum(c.nbytes for p, c in e.checkpoints.items()
-                                       if (id(e), p) not in planned)
                 gone.add(id(e))
             else:
-                need -= e.checkpoints[pos].nbytes
-                planned.add((id(e), pos))
+                dropped.add((id(e), pos))
             plan.append((e, pos))
-        if need > 0:
-            self.rejected += 1
-            return False
         for e, pos in plan:
             if pos is None:
                 self._remove(e)
                 self.evicted_entries += 1
-            elif e in self.entries and pos in e.checkpoints:
+            elif e in self.entries and pos in e.checkpoints and id(e) not in gone:
                 self._drop_checkpoint(e, pos)
                 self.evicted_checkpoints += 1
         return True

@@ -18,15 +18,7 @@ from aiohttp import web
 
 from prefixd.backends.mlx.chat import GenRequest, Prompt, build_prompt, encode, parse_request
 from prefixd.backends.mlx.generation import Failed, Finished, Generator, Job, Loaded
-from prefixd.backends.mlx.oai import (
-    DONE,
-    Shapes,
-    StopMatcher,
-    ToolFormat,
-    extract_tool_calls,
-    sse,
-    usage,
-)
+from prefixd.backends.mlx.oai import DONE, ChatOutput, Shapes, ToolFormat, sse, usage
 from prefixd.metrics import CONTENT_TYPE, render
 from prefixd.proxy.errors import ApiError, error_response
 from prefixd.proxy.settings import Settings
@@ -82,17 +74,17 @@ def _loaded(request: web.Request) -> Loaded:
     return loaded
 
 
-def _max_tokens(loaded: Loaded, prompt: Prompt, asked: int | None, default: int) -> int:
+def _max_tokens(loaded: Loaded, req: GenRequest, prompt: Prompt, default: int) -> int:
     """Reject a prompt that leaves no room to generate; clamp max_tokens to the context."""
-    n = len(prompt.tokens)
+    n, param = len(prompt.tokens), "messages" if req.kind == "chat" else "prompt"
     if n == 0:
-        raise ApiError(400, "the prompt is empty", param="messages")
+        raise ApiError(400, "the prompt is empty", param=param)
     room = None if loaded.max_context is None else loaded.max_context - n
     if room is not None and room < 1:
         raise ApiError(400, f"the prompt is {n} tokens; this model's context is "
-                       f"{loaded.max_context} tokens", param="messages",
+                       f"{loaded.max_context} tokens", param=param,
                        code="context_length_exceeded")
-    wanted = asked if asked is not None else default
+    wanted = req.sampling.max_tokens or default
     return wanted if room is None else min(wanted, room)
 
 
@@ -111,42 +103,33 @@ async def _generate(request: web.Request, kind: Literal["chat", "completion"]
     generator = request.app[GENERATOR]
     # Tokenizing (and rendering message prefixes) runs beside generation, not behind it.
     prompt = await asyncio.to_thread(build_prompt, loaded.tokenizer, req)
-    max_tokens = _max_tokens(loaded, prompt, req.sampling.max_tokens,
-                             generator.settings.max_tokens_default)
+    max_tokens = _max_tokens(loaded, req, prompt, generator.settings.max_tokens_default)
     shapes = Shapes(kind, request.app[MODEL_NAME])
-    tools = ToolFormat.of(loaded.tokenizer) if req.tools else None
+    output = _output(loaded.tokenizer, req, prompt)
     job = generator.submit(prompt, req.sampling, max_tokens)
     try:
         if req.stream:
-            return await _stream(request, req, shapes, job, tools)
-        return await _collect(req, shapes, job, tools)
+            return await _stream(request, req, shapes, job, output)
+        return await _collect(shapes, job, output)
     finally:
         job.cancel()  # no-op after the end; stops generation if the client left (cancellation)
 
 
+def _output(tokenizer: Any, req: GenRequest, prompt: Prompt) -> ChatOutput:
+    """How this reply's text is split into reasoning, content and tool calls."""
+    if req.kind != "chat":
+        return ChatOutput()
+    tools = ToolFormat.of(tokenizer) if req.tools else None
+    if not getattr(tokenizer, "has_thinking", False):
+        return ChatOutput(tools, req.tools)
+    # A generation prompt that opens a think block (and does not close it) starts in reasoning.
+    tail = prompt.tokens[-16:]
+    thinking = tokenizer.rfind_think_start(tail) > tokenizer.rfind_think_end(tail)
+    return ChatOutput(tools, req.tools, (tokenizer.think_start, tokenizer.think_end), thinking)
+
+
 def _usage(job: Job, end: Finished) -> dict[str, Any]:
     return usage(len(job.prompt.tokens), end.completion_tokens, end.cached_tokens)
-
-
-async def _collect(req: GenRequest, shapes: Shapes, job: Job,
-                   tools: ToolFormat | None) -> web.Response:
-    parts: list[str] = []
-    end: Finished | None = None
-    async for event in job.events():
-        if isinstance(event, str):
-            parts.append(event)
-        elif isinstance(event, Failed):
-            return error_response(500, event.message)
-        else:
-            end = event
-    assert end is not None  # events() always ends with Finished or Failed
-    if end.finish_reason == "cancelled":
-        return _stopped().response()
-    text, calls = "".join(parts), []
-    if tools is not None:
-        text, calls = extract_tool_calls(text, tools, req.tools)
-    finish = "tool_calls" if calls else end.finish_reason
-    return web.json_response(shapes.final(text, finish, _usage(job, end), tool_calls=calls))
 
 
 def _stopped() -> ApiError:
@@ -154,20 +137,40 @@ def _stopped() -> ApiError:
                     type_="server_error")
 
 
+async def _collect(shapes: Shapes, job: Job, output: ChatOutput) -> web.Response:
+    reasoning: list[str] = []
+    content: list[str] = []
+    async for event in job.events():
+        if isinstance(event, str):
+            r, c = output.feed(event)
+            reasoning.append(r)
+            content.append(c)
+        elif isinstance(event, Failed):
+            return error_response(500, event.message)
+        elif event.finish_reason == "cancelled":
+            return _stopped().response()
+        else:
+            r, c, calls = output.finish()
+            finish = "tool_calls" if calls else event.finish_reason
+            return web.json_response(shapes.final(
+                "".join(content) + c, finish, _usage(job, event), tool_calls=calls,
+                reasoning="".join(reasoning) + r))
+    raise AssertionError("a job's events end with Finished or Failed")
+
+
 async def _stream(request: web.Request, req: GenRequest, shapes: Shapes, job: Job,
-                  tools: ToolFormat | None) -> web.StreamResponse:
+                  output: ChatOutput) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    # Text after a tool-call start marker is held back and sent as `tool_calls` at the end.
-    tool_gate = StopMatcher([tools.start] if tools else [])
     try:
         if req.kind == "chat":
             await resp.write(sse(shapes.chunk(role=True)))
         async for event in job.events():
             if isinstance(event, str):
-                if text := tool_gate.feed(event):
-                    await resp.write(sse(shapes.chunk(text)))
+                r, c = output.feed(event)
+                if r or c:
+                    await resp.write(sse(shapes.chunk(c, reasoning=r)))
             elif isinstance(event, Failed):
                 await resp.write(ApiError(500, event.message, type_="server_error").sse_event())
                 return resp
@@ -175,7 +178,7 @@ async def _stream(request: web.Request, req: GenRequest, shapes: Shapes, job: Jo
                 await resp.write(_stopped().sse_event())
                 return resp
             else:
-                await _stream_end(resp, req, shapes, tool_gate, job, event, tools)
+                await _stream_end(resp, req, shapes, output, job, event)
         await resp.write(DONE)
         await resp.write_eof()
     except ConnectionResetError:
@@ -184,13 +187,10 @@ async def _stream(request: web.Request, req: GenRequest, shapes: Shapes, job: Jo
 
 
 async def _stream_end(resp: web.StreamResponse, req: GenRequest, shapes: Shapes,
-                      gate: StopMatcher, job: Job, end: Finished,
-                      tools: ToolFormat | None) -> None:
-    held, calls = gate.held + gate.flush(), []
-    if held and tools is not None:
-        held, calls = extract_tool_calls(held, tools, req.tools)
-    if held:
-        await resp.write(sse(shapes.chunk(held)))
+                      output: ChatOutput, job: Job, end: Finished) -> None:
+    r, c, calls = output.finish()
+    if r or c:
+        await resp.write(sse(shapes.chunk(c, reasoning=r)))
     if calls:
         await resp.write(sse(shapes.chunk(tool_calls=calls)))
     await resp.write(sse(shapes.chunk(finish_reason="tool_calls" if calls
