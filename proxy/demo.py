@@ -135,8 +135,9 @@ async def _run(args: argparse.Namespace) -> int:
         for model in ["tiny-qwen3-next"] + ([] if args.no_default
                                             else ["smollm2-135m-instruct"]):
             _print(model, await _conversation(base, model))
-        print("\nTurns 2+ reuse the whole previous conversation: only the new message is "
-              "prefilled.\nSee http://127.0.0.1:PORT/metrics and /debug/prefix while it runs.")
+        print("\ncached tok: prompt tokens the worker restored from its checkpointed cache "
+              "instead of recomputing;\nfrom turn 2 on only the newest messages are prefilled. "
+              "Run `prefixd serve` and watch /metrics and /debug/prefix for your own traffic.")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

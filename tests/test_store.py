@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixd.backends.mlx.store import CheckpointStore, Entry, common_prefix, placement
+from prefixd.backends.mlx.store import (
+    CheckpointStore,
+    Entry,
+    auto_interval,
+    common_prefix,
+    placement,
+)
 
 
 def _no_end(_: Entry) -> None:
@@ -36,10 +44,26 @@ def test_common_prefix_across_blocks() -> None:
 
 def test_placement_marks_boundaries_tail_end_and_interval() -> None:
     got = placement(100, 0, boundaries=[10, 60], interval=16, tail=4)
-    assert got == [10, 26, 42, 58, 60, 76, 92, 96, 100]
+    assert got == [10, 26, 42, 58, 60, 76, 92, 96, 99, 100]
     # Positions depend on the prompt, not on the restore point; only later ones are returned.
-    assert placement(100, 60, [10, 60], 16, 4) == [76, 92, 96, 100]
-    assert placement(3, 0, [], 16, 4) == [3]
+    assert placement(100, 60, [10, 60], 16, 4) == [76, 92, 96, 99, 100]
+    # An exact repeat restores at n - 1 at most, so that position is always there.
+    assert placement(3, 0, [], 16, 4) == [2, 3]
+    assert placement(50, 0, [], 16, 0) == [16, 32, 48, 49, 50]
+
+
+def test_auto_interval_fits_a_long_conversation_in_a_quarter_of_the_budget() -> None:
+    gib, mib = 1024**3, 1024**2
+    assert auto_interval(60_000, 4 * gib) == 64  # tiny hybrid: 512 checkpoints = 30 MB
+    assert auto_interval(0, 4 * gib) == 64  # nothing to snapshot
+    # Qwen3-Next-80B-like (~150 MB per checkpoint): 4 GiB gets the cap, 16 GiB 2,048.
+    assert auto_interval(150 * mib, 4 * gib) == 4096
+    assert auto_interval(150 * mib, 16 * gib) == 2048
+    for size, budget in ((3 * mib, gib), (75 * mib, 16 * gib), (mib, 10 * mib)):
+        n = auto_interval(size, budget)
+        assert n & (n - 1) == 0 and 64 <= n <= 4096
+        assert n == 4096 or (32_768 // n) * size <= budget // 4
+        assert n == 64 or (32_768 // (n // 2)) * size > budget // 4
 
 
 def test_lookup_trimmable_entry_serves_any_prefix() -> None:
@@ -93,6 +117,26 @@ def test_dense_checkpoints_go_before_sequences() -> None:
     assert conv in store.entries
     assert 204 not in conv.checkpoints  # the one 4 tokens from its neighbour
     assert store.bytes_used <= 100
+
+
+def test_pressure_thins_uniform_checkpoints_evenly() -> None:
+    store = CheckpointStore(1000)
+    conv = _put(store, list(range(1100)), nbytes=200,
+                checkpoints={p: 50 for p in range(64, 1024 + 1, 64)})  # 16 x 50 bytes
+    assert store.bytes_used == 1000
+    # A new 300-byte request: evicting 6 of the 16 checkpoints must not open one large hole.
+    _put(store, [5000 + i for i in range(600)], nbytes=300)
+    positions = sorted(conv.checkpoints)
+    gaps = [b - a for a, b in pairwise([0, *positions])]
+    assert conv in store.entries and store.bytes_used <= 1000 and len(positions) == 10
+    assert max(gaps) <= 128
+
+
+def test_zero_byte_items_are_not_evicted_for_nothing() -> None:
+    store = CheckpointStore(100)
+    conv = _put(store, list(range(1000)), nbytes=60, checkpoints={100: 0, 200: 0, 300: 1})
+    _put(store, [5000 + i for i in range(200)], nbytes=40)
+    assert sorted(conv.checkpoints) == [100, 200]  # only the 1-byte one had to go
 
 
 def test_short_request_does_not_evict_long_conversation() -> None:

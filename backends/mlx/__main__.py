@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
     reexec_with_blas(enabled=settings.use_system_blas)
+    # Supervised, each line is re-logged by prefixd with its own timestamp and backend tag.
+    stamp = "" if os.environ.get("PREFIXD_PARENT_PID") else "%(asctime)s "
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=stamp + "%(levelname)s %(name)s: %(message)s")
     parent = _follow_parent()
     spec = args.model or settings.default_model
     name = args.served_name or (Path(spec).name if "/" in spec else spec)
