@@ -129,6 +129,20 @@ class ManagedBackend:
             return None
         return tokens if isinstance(tokens, list) else None
 
+    async def metrics_text(self) -> str | None:
+        """The worker's own /metrics (its prompt cache), or None when it is not running."""
+        base = self._sup.base_url
+        if self._sup.state is not ProcState.READY or base is None:
+            return None
+        if self._session is None:
+            self._session = local_session()
+        try:
+            async with self._session.get(base + "/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+
     def status(self) -> BackendStatus:
         sup, w = self._sup, self._sup.worker
         alive = w is not None and not w.exited.is_set()

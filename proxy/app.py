@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from prefixd import metrics
+from prefixd.metrics.federate import label_worker_metrics
 from prefixd.proxy.errors import ApiError, error_response
 from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.request import CHAT_PATH, COMPLETIONS_PATH
@@ -112,7 +113,12 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    resp = web.Response(body=metrics.render())
+    proxy = request.app[PROXY_KEY]
+    scrapers = {name: b.metrics_text for name, b in proxy.backends.items()
+                if hasattr(b, "metrics_text")}
+    texts = await asyncio.gather(*(f() for f in scrapers.values()))
+    workers = label_worker_metrics({n: t for n, t in zip(scrapers, texts, strict=True) if t})
+    resp = web.Response(body=metrics.render() + workers.encode())
     resp.headers["Content-Type"] = metrics.CONTENT_TYPE
     return resp
 

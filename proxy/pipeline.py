@@ -130,8 +130,7 @@ class Proxy:
         except QueueClosed:
             raise ApiError(503, "prefixd is shutting down", code="shutting_down") from None
         except BackendUnavailable as e:
-            raise ApiError(503, f"backend {backend.name!r} unavailable: {e}",
-                           code="backend_unavailable") from None
+            raise ApiError(503, str(e), code="backend_unavailable") from None
         except BackendError as e:
             raise ApiError(502, str(e), code="upstream_error", type_="upstream_error") from None
 

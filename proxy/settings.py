@@ -117,8 +117,11 @@ class Settings(BaseSettings):
     # --- mlx worker (backends/mlx) -------------------------------------------------------
     cache_bytes: int = Field(4 * 1024**3, ge=0, description="Worker: byte budget of the "
                              "prompt cache (stored KV + checkpoints); never exceeded.")
-    checkpoint_interval: int = Field(1024, ge=16, description="Worker: also checkpoint every "
-                                     "N tokens inside long messages.")
+    checkpoint_interval: int | None = Field(
+        None, ge=16, description="Worker: also checkpoint every N tokens inside long messages. "
+        "Unset: automatic, the smallest power of two from 64 to 4096 whose checkpoints for a "
+        "32K-token conversation fit in a quarter of cache_bytes (64 for small models, "
+        "thousands for large hybrids).")
     checkpoint_tail: int = Field(4, ge=0, description="Worker: checkpoint this many tokens "
                                  "before the prompt end (besides the end itself).")
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "

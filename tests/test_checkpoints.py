@@ -8,6 +8,7 @@ the whole prompt (cold runs use a different prefill chunking, so float rounding 
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -106,7 +107,8 @@ def test_warm_equals_cold_around_checkpoints(model: CountingModel, diverge: int 
     stats = warm[2]
     assert stats.cached_tokens == _expected_restore(entry.tokens, prompt, entry.trimmable)
     assert stats.cached_tokens + stats.recomputed_tokens == len(prompt)
-    assert model.tokens == len(prompt) - stats.cached_tokens + MAX_TOKENS - 1
+    # every generated token is fed back, the last one after the generation ends
+    assert model.tokens == len(prompt) - stats.cached_tokens + MAX_TOKENS
     _assert_same(warm, _cold(model, prompt))
 
 
@@ -142,7 +144,7 @@ def test_multi_turn_with_edit_in_earlier_message(model: CountingModel) -> None:
     reply, _, _ = _run(engine, turn1, (70,), max_tokens=8)
     turn2 = turn1 + reply + _words(rng, 60)
     warm = _run(engine, turn2, (70, 160, 168))
-    assert warm[2].cached_tokens >= 160 + 7  # everything the KV held after turn 1
+    assert warm[2].cached_tokens == 160 + 8  # the prompt and all 8 generated tokens
     _assert_same(warm, _cold(model, turn2))
     edited = [*turn2[:110], 999, *turn2[111:]]  # a typo fixed inside the first user message
     warm = _run(engine, edited, (70, 160, 168))
@@ -161,11 +163,35 @@ def test_stopped_or_closed_generation_commits_what_the_kv_holds(model: CountingM
     gen = engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50)
     assert engine.store.entries[0].tokens == prompt[:48]
     got = [next(gen), next(gen)]
-    gen.close()  # e.g. a stop string: the first token was fed back, the second was not
-    assert [len(e.tokens) for e in engine.store.entries] == [201]
-    warm = _run(engine, prompt + got)
-    assert warm[2].cached_tokens == 201
-    _assert_same(warm, _cold(model, prompt + got))
+    gen.close()  # e.g. a stop string: both tokens are fed, the last one on close
+    assert engine.store.entries[0].tokens == prompt + got
+    warm = _run(engine, [*prompt, *got, 5])
+    assert warm[2].cached_tokens == 202
+    _assert_same(warm, _cold(model, [*prompt, *got, 5]))
+    # should_stop() (the client went away) ends it without feeding the last token
+    stop = False
+    gen = engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50,
+                          should_stop=lambda: stop)
+    got = [next(gen), next(gen)]
+    stop = True
+    assert list(gen) == []
+    assert engine.store.entries[-1].tokens == prompt + got[:1]
+
+
+def test_stored_entry_covers_prompt_and_every_generated_token(model: CountingModel) -> None:
+    rng = random.Random(16)
+    prompt = _words(rng, 37)
+    engine = Engine(model, _settings())
+    reply, _, _ = _run(engine, prompt, max_tokens=8)
+    assert [e.tokens for e in engine.store.entries] == [prompt + reply]
+    model.tokens = 0
+    nxt = prompt + reply + _words(rng, 9)
+    warm = _run(engine, nxt)
+    assert warm[2].cached_tokens == 45 and model.tokens == 9 + MAX_TOKENS
+    _assert_same(warm, _cold(model, nxt))
+    # an exact repeat recomputes one token on every architecture (tail 2 + the n - 1 mark)
+    for p in (nxt, nxt):
+        assert _run(engine, p)[2].recomputed_tokens == 1
 
 
 def test_unknown_cache_class_falls_back_to_cold() -> None:
@@ -237,3 +263,23 @@ def test_metrics_and_cache_info_report_hits() -> None:
     assert sample("prefixd_worker_cached_tokens_total") - cached0 == info["hit_tokens_total"]
     assert sample("prefixd_worker_cache_bytes", kind="checkpoint") > 0
     assert info["bytes_used"] <= info["bytes_budget"] and info["checkpoints"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3_text"])
+def test_auto_interval_is_sized_from_the_checkpoint_bytes(
+        arch: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = build_model(arch, seed=3)
+    with caplog.at_level(logging.INFO, logger="prefixd.worker.cache"):
+        engine = Engine(model, _settings(checkpoint_interval=None))
+    info = engine.cache_info()
+    estimate = info["checkpoint_bytes_estimate"]
+    assert info["checkpoint_interval"] == 64 and estimate > 0  # tiny model, 4 GiB
+    assert "checkpoint interval 64 tokens" in caplog.text
+    _run(engine, _words(random.Random(17), 300), (100,))
+    (entry,) = engine.store.entries
+    assert sorted(entry.checkpoints) == [64, 100, 164, 228, 292, 298, 299, 300]
+    assert max(c.nbytes for c in entry.checkpoints.values()) <= estimate
+    # A budget that holds a handful of checkpoints gets the widest interval.
+    tight = Engine(model, _settings(checkpoint_interval=None, cache_bytes=estimate * 16))
+    assert tight.cache_info()["checkpoint_interval"] == 4096
+    assert Engine(model, _settings()).cache_info()["checkpoint_interval"] == 16  # explicit

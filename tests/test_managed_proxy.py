@@ -53,12 +53,6 @@ async def start() -> AsyncIterator[Start]:
     assert psutil.Process().children(recursive=True) == []   # no worker outlives prefixd
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
-
-
 async def test_kill_9_mid_stream_while_five_wait(start: Start, http: aiohttp.ClientSession) -> None:
     server, backend = await start()
     await backend.ensure_ready()
@@ -157,3 +151,29 @@ async def test_sigterm_to_prefixd_stops_its_real_worker(tiny_model_dir: Callable
             proc.kill()
             await proc.wait()
     assert gone(worker)
+
+
+async def test_bad_model_path_ends_failed_with_reason_in_status_and_503(
+        http: aiohttp.ClientSession) -> None:
+    """The real worker on a model folder that does not exist."""
+    settings = Settings(_env_file=None, prefix_detect=False,
+                        backends=[{"name": "bad", "kind": "mlx", "model": "/nonexistent/model",
+                                   "models": ["m"], "max_restarts": 0}])
+    managed = ManagedBackend(settings.backends[0], settings, backoff_s=(0.05, 0.2))
+    server = Server(make_proxy(settings, [managed]))
+    await server.start("127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        await managed.wait_for(ProcState.FAILED, timeout=60)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        async with http.post(base + "/v1/chat/completions", json=body) as r:
+            assert r.status == 503
+            message = (await r.json())["error"]["message"]
+        async with http.get(base + "/status") as r:
+            status = (await r.json())["backends"][0]
+        assert status["state"] == "failed"
+        for text in (message, status["last_error"]):
+            assert "/nonexistent/model" in text
+    finally:
+        await server.shutdown(1.0)
+    assert psutil.Process().children(recursive=True) == []

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.store import CheckpointStore, Entry, placement
+from prefixd.backends.mlx.store import CheckpointStore, Entry, auto_interval, placement
 from prefixd.metrics import worker as metrics
 
 if TYPE_CHECKING:
@@ -58,6 +58,8 @@ class Engine:
             log.warning("prompt cache disabled for this model: %s; every prompt is prefilled "
                         "cold", self._unsupported)
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
+        self.checkpoint_bytes: int | None = None  # estimated size of one checkpoint
+        self.interval = self._choose_interval()
         metrics.CACHE_BUDGET.set(settings.cache_bytes)
         self._update_gauges()
 
@@ -82,6 +84,22 @@ class Engine:
                     "precision", bits)
         self._count_fallback("kv_quant_unsupported")
         return None
+
+    def _choose_interval(self) -> int:
+        """`checkpoint_interval` if set, else sized to the model's checkpoints and the budget."""
+        s = self.settings
+        if s.checkpoint_interval is not None:
+            return s.checkpoint_interval
+        if not self._snap_idx or not s.cache_bytes:
+            return auto_interval(0, s.cache_bytes)  # no checkpoints are ever stored
+        probe = self._fresh_cache()
+        mx.eval(self.model(mx.array([[0]]), cache=probe))
+        snapshot.evaluate(probe)
+        self.checkpoint_bytes = snapshot.checkpoint_bytes(probe, self._snap_idx, s.prefill_chunk)
+        interval = auto_interval(self.checkpoint_bytes, s.cache_bytes)
+        log.info("checkpoint interval %d tokens (auto: %.3g MiB per checkpoint, budget %.3g "
+                 "GiB)", interval, self.checkpoint_bytes / 2**20, s.cache_bytes / 2**30)
+        return interval
 
     def _count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
@@ -112,8 +130,10 @@ class Engine:
         """Restore, prefill (checkpointing), then yield sampled token ids until max_tokens.
 
         Stops early when `should_stop()` is true between prefill chunks or before a decode step,
-        or when the caller closes the generator. On every exit the tokens actually in the KV
-        state are committed to the store; `self.last_stats` is set before the first token.
+        or when the caller closes the generator. On a normal end (max_tokens, or the caller
+        closing the generator) the last yielded token is fed through the model once more, so
+        the KV covers prompt + every generated token; then, on every exit, the tokens actually
+        in the KV state are committed. `self.last_stats` is set before the first token.
         """
         if not prompt:
             raise ValueError("empty prompt")
@@ -122,14 +142,13 @@ class Engine:
         cache, start, fallback = self._restore(prompt)
         restore_s = time.perf_counter() - t0
         entry = None if self._unsupported else self.store.begin(prompt)
-        run = _Run(self, cache, prompt, start, entry)
+        run = _Run(self, cache, prompt, start, entry, should_stop)
         try:
-            logits = run.prefill(boundaries, should_stop)
+            logits = run.prefill(boundaries)
             self._finish_stats(PromptStats(len(prompt), start, run.pos - start, restore_s,
                                            time.perf_counter() - t0 - restore_s, fallback))
             if logits is not None:
-                yield from run.decode(logits, sampler, logits_processors or [], max_tokens,
-                                      should_stop)
+                yield from run.decode(logits, sampler, logits_processors or [], max_tokens)
         finally:
             run.commit()
             self._update_gauges()
@@ -179,6 +198,8 @@ class Engine:
             "fallbacks": dict(self.fallbacks),
             "disabled_reason": self._unsupported,
             "kv_bits": self._kv[0] if self._kv else None,
+            "checkpoint_interval": self.interval,  # effective (the setting may be auto)
+            "checkpoint_bytes_estimate": self.checkpoint_bytes,
             "settings": {k: getattr(self.settings, k) for k in (
                 "cache_bytes", "checkpoint_interval", "checkpoint_tail", "prefill_chunk")},
         }
@@ -188,11 +209,12 @@ class _Run:
     """The live state of one generation: its cache, how far it got, and its store entry."""
 
     def __init__(self, engine: Engine, cache: list[Any], prompt: list[int], start: int,
-                 entry: Entry | None) -> None:
+                 entry: Entry | None, should_stop: Callable[[], bool]) -> None:
         self.engine, self.cache, self.prompt, self.entry = engine, cache, prompt, entry
-        self.start = start
+        self.start, self.should_stop = start, should_stop
         self.pos = start  # prompt tokens in the KV state
         self.fed: list[int] = []  # generated tokens in the KV state
+        self.pending: int | None = None  # the last yielded token, not yet fed to the model
         self.broken = False  # an exception hit mid-forward: the cache state is unknown
 
     def _forward(self, tokens: list[int]) -> mx.array:
@@ -209,17 +231,16 @@ class _Run:
         payload, size = snapshot.take(self.cache, e._snap_idx)
         e.store.add_checkpoint(self.entry, self.pos, payload, size)
 
-    def prefill(self, boundaries: Sequence[int], should_stop: Callable[[], bool]
-                ) -> mx.array | None:
+    def prefill(self, boundaries: Sequence[int]) -> mx.array | None:
         """Run prompt[pos:] through the model; the last token's logits, None if stopped."""
         s = self.engine.settings
         n = len(self.prompt)
         # All-KV models need no checkpoints (the entry's KV trims to any prefix): no extra cuts.
-        marks = set(placement(n, self.pos, boundaries, s.checkpoint_interval, s.checkpoint_tail)
+        marks = set(placement(n, self.pos, boundaries, self.engine.interval, s.checkpoint_tail)
                     if self.engine._snap_idx else ())
         cuts = sorted(p for p in marks if p < n - 1)
         while self.pos < n - 1:
-            if should_stop():
+            if self.should_stop():
                 return None
             end = min([n - 1, self.pos + s.prefill_chunk, *(p for p in cuts if p > self.pos)])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
@@ -227,7 +248,7 @@ class _Run:
             self.pos = end
             self._checkpoint(marks)
             mx.clear_cache()
-        if should_stop():
+        if self.should_stop():
             return None
         logits = self._forward(self.prompt[n - 1:])[:, -1, :]
         self.pos = n
@@ -235,25 +256,42 @@ class _Run:
         return logits
 
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
-               processors: list, max_tokens: int, should_stop: Callable[[], bool]
-               ) -> Iterator[int]:
+               processors: list, max_tokens: int) -> Iterator[int]:
         for i in range(max_tokens):
             if processors:
                 history = mx.array(self.prompt + self.fed)
                 for proc in processors:
                     logits = proc(history, logits)
             token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)).item())
+            self.pending = token
             yield token
-            if i == max_tokens - 1 or should_stop():
+            if i == max_tokens - 1 or self.should_stop():
                 return
             logits = self._forward([token])[:, -1, :]
             self.fed.append(token)
+            self.pending = None
+
+    def _feed_pending(self) -> None:
+        """Feed the last yielded token on a normal end (max_tokens, or the caller closing the
+        generator at EOS or a stop string), so the stored entry covers the whole reply and the
+        next turn starts after it. Not when should_stop() ended the request (the client left)."""
+        token, self.pending = self.pending, None
+        if token is None or self.broken or not self.engine.store.budget or self.should_stop():
+            return
+        try:
+            self._forward([token])
+        except Exception:  # the entry is then discarded (self.broken); the reply was sent
+            log.exception("feeding the last generated token failed; not caching this request")
+            return
+        self.fed.append(token)
 
     def commit(self) -> None:
-        """Store what the KV state holds (end-of-generation checkpoint); drop it if unknown."""
+        """Store what the KV state holds (end-of-generation checkpoint), the last yielded token
+        fed first unless should_stop() ended the request; drop it if the state is unknown."""
         e = self.engine
         if self.entry is None:
             return
+        self._feed_pending()
         if self.broken or (self.pos == self.start and not self.fed):
             # Unknown state, or nothing the store does not already hold.
             e.store.discard(self.entry)

@@ -116,6 +116,24 @@ def take(cache: Cache, indices: tuple[int, ...]) -> tuple[Snapshot, int]:
     return snap, sum(s.nbytes for s in snap.values())
 
 
+def checkpoint_bytes(probe: Cache, indices: tuple[int, ...], chunk: int) -> int:
+    """The largest a checkpoint of these leaves gets, from a cache that has run one token.
+
+    A recurrent state has its full size from the first token. A sliding window grows up to its
+    `max_size`, and after a prefill chunk of `chunk` tokens holds up to `max_size + chunk - 1`.
+    """
+    all_leaves = leaves(probe)
+    total = 0
+    for i in indices:
+        leaf = all_leaves[i]
+        if type(leaf) is RotatingKVCache and leaf.keys is not None:
+            per_token = leaf.nbytes / max(1, leaf.keys.shape[2])
+            total += int(per_token * (leaf.max_size + chunk - 1))
+        else:
+            total += leaf.nbytes
+    return total
+
+
 def restore(entry_cache: Cache, snap: Snapshot | None, pos: int) -> Cache:
     """A fresh live cache at `pos`: snapshot leaves from `snap`, the rest trimmed from the entry.
 
