@@ -14,7 +14,7 @@ from aiohttp import web
 
 from prefixd import metrics
 from prefixd.metrics.federate import label_worker_metrics
-from prefixd.proxy.errors import ApiError, error_response
+from prefixd.proxy.errors import ApiError, errors_middleware
 from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.request import CHAT_PATH, COMPLETIONS_PATH
 
@@ -23,34 +23,6 @@ log = logging.getLogger("prefixd.app")
 PROXY_KEY = web.AppKey("proxy", Proxy)
 WARMUPS_KEY = web.AppKey("warmups", list)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-               400: "bad_request"}
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return e.response()
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(413, f"request body larger than {e.max_size} bytes",
-                              code="request_too_large")
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        msg = e.reason if e.status != 404 else f"no route for {request.method} {request.path}"
-        if e.status == 405:
-            msg = f"method {request.method} not allowed on {request.path}"
-        return error_response(e.status, msg, code=_HTTP_CODES.get(e.status))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, "internal error in prefixd (see its log)",
-                              code="internal_error")
-
 
 def auth_middleware(api_key: str | None) -> Callable:
     @web.middleware

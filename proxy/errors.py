@@ -1,8 +1,12 @@
-"""The one builder of OpenAI-shaped error bodies and responses."""
+"""The one builder of OpenAI-shaped error bodies and responses, and the middleware that
+turns every failure of a handler into one (used by the proxy and the worker)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -49,3 +53,36 @@ class ApiError(Exception):
         body = error_body(self.message, self.type_ or "upstream_error", param=self.param,
                           code=self.code)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+               400: "bad_request"}
+log = logging.getLogger("prefixd.errors")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                            ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(413, f"request body larger than {e.max_size} bytes",
+                              code="request_too_large")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        msg = e.reason if e.status != 404 else f"no route for {request.method} {request.path}"
+        if e.status == 405:
+            msg = f"method {request.method} not allowed on {request.path}"
+        return error_response(e.status, msg, code=_HTTP_CODES.get(e.status))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal error in prefixd (see its log)",
+                              code="internal_error")
+
+

@@ -234,3 +234,31 @@ async def test_ready_is_503_when_backend_down(start_proxy, http):
     async with http.get(url(proxy, "/ready")) as r:
         assert r.status == 503
         assert "health probe" in json.dumps(await r.json())
+
+
+async def test_prefix_report_header_debug_endpoint_and_billing_strip(upstream, start_proxy,
+                                                                     http):
+    proxy = await start_proxy(upstream.url)
+    system = "x-anthropic-billing-header: cc_version=2.1.37; cch=fa690;\nYou are Claude Code."
+    turn1 = {"model": "fake", "messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": "hi"}]}
+    turn2 = {"model": "fake", "messages": [
+        {"role": "system", "content": system.replace("fa690", "0aaa9")},
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "next"}]}
+    headers = {"X-Session-Id": "s-1"}
+    for body in (turn1, turn2):
+        async with http.post(url(proxy), json=body, headers=headers) as r:
+            assert r.status == 200
+            verdict = r.headers["X-Prefixd-Prefix"]
+    assert verdict.startswith("verdict=APPEND")          # R1 (on by default) kept the prefix
+    sent = [b["messages"][0]["content"] for b in upstream.received]
+    assert sent[0] == sent[1] == "You are Claude Code."  # the billing line never went upstream
+    async with http.get(url(proxy, "/debug/prefix")) as r:
+        lanes = (await r.json())["lanes"]
+    lane = lanes[0]["lane"]
+    async with http.get(url(proxy, f"/debug/prefix/{lane}")) as r:
+        reports = (await r.json())["reports"]
+    assert [rep["verdict"] for rep in reports] == ["NEW", "APPEND"]
+    async with http.get(url(proxy, "/debug/prefix/nope")) as r:
+        assert r.status == 404

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from prefixd.backends.mlx.store import common_prefix
 from prefixd.proxy.errors import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -273,11 +274,11 @@ def message_boundaries(tokenizer: Any, req: GenRequest, text: str,
             prefix = render_text(tokenizer, req, req.messages[:k], add_generation_prompt=False)
         except ApiError:
             continue
-        chars = _common_prefix_len(prefix, text)
+        chars = common_prefix(prefix, text)
         if token_ends is not None:
             pos = bisect.bisect_right(token_ends, chars)
         else:
-            pos = _common_prefix_len(encode(tokenizer, prefix[:chars]), tokens)
+            pos = common_prefix(encode(tokenizer, prefix[:chars]), tokens)
         if 0 < pos < len(tokens):
             found.add(pos)
     return sorted(found)
@@ -297,17 +298,3 @@ def _token_ends(tokenizer: Any, text: str, tokens: list[int]) -> list[int] | Non
         return None
     ends = [end for _, end in enc.offsets]
     return ends if ends == sorted(ends) else None
-
-
-def _common_prefix_len(a: str | list[int], b: str | list[int]) -> int:
-    """Length of the common prefix, with C-speed comparisons (prompts can be megabytes)."""
-    if b[: len(a)] == a:
-        return len(a)
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

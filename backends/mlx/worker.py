@@ -20,7 +20,7 @@ from prefixd.backends.mlx.chat import GenRequest, Prompt, build_prompt, encode, 
 from prefixd.backends.mlx.generation import Failed, Finished, Generator, Job, Loaded
 from prefixd.backends.mlx.oai import DONE, ChatOutput, Shapes, ToolFormat, sse, usage
 from prefixd.metrics import CONTENT_TYPE, render
-from prefixd.proxy.errors import ApiError, error_response
+from prefixd.proxy.errors import ApiError, error_response, errors_middleware
 from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.worker")
@@ -30,7 +30,7 @@ MODEL_NAME = web.AppKey("model_name", str)
 
 def create_app(generator: Generator, model_name: str, settings: Settings) -> web.Application:
     """The worker app around a `Generator` (loaded now or later: /health says which)."""
-    app = web.Application(middlewares=[_errors], client_max_size=settings.max_body_bytes)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=settings.max_body_bytes)
     app[GENERATOR] = generator
     app[MODEL_NAME] = model_name
     app.router.add_post("/v1/chat/completions", _chat)
@@ -41,21 +41,6 @@ def create_app(generator: Generator, model_name: str, settings: Settings) -> web
     app.router.add_get("/v1/cache", _cache)
     app.router.add_get("/metrics", _metrics)
     return app
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return e.response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return error_response(e.status, e.reason)
-    except Exception:
-        log.exception("worker: %s %s failed", request.method, request.path)
-        return error_response(500, "internal error in the worker (see its log)")
 
 
 async def _json(request: web.Request) -> Any:

@@ -21,6 +21,7 @@ from prefixd.proxy.prefix import patterns as P
 from prefixd.proxy.prefix.segments import (
     Segment,
     canonical,
+    collapse_ws,
     dumps,
     replace_texts,
     system_segments,
@@ -192,7 +193,7 @@ def _pin_tools(res: CanonResult, body: dict, state: CanonState,
             if TOOLS in enabled and canonical(x) == canonical(y):
                 _note(res, TOOLS)
                 t = b
-            elif WS in enabled and canonical(_ws(x)) == canonical(_ws(y)):
+            elif WS in enabled and canonical(collapse_ws(x)) == canonical(collapse_ws(y)):
                 _note(res, WS)
                 t = b
         chosen.append(t)
@@ -206,16 +207,6 @@ def _pin_tools(res: CanonResult, body: dict, state: CanonState,
     if [id(t) for t in chosen] == [id(t) for t in tools]:
         return body
     return {**body, "tools": chosen}
-
-
-def _ws(value: Any) -> Any:
-    if isinstance(value, str):
-        return " ".join(value.split())
-    if isinstance(value, dict):
-        return {k: _ws(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_ws(v) for v in value]
-    return value
 
 
 def _inject(res: CanonResult, body: dict, injections: dict[str, str],

@@ -16,7 +16,13 @@ from enum import StrEnum
 from typing import Any
 
 from prefixd.proxy.prefix import patterns as P
-from prefixd.proxy.prefix.segments import Segment, canonical, rendered_chars, tool_name
+from prefixd.proxy.prefix.segments import (
+    Segment,
+    canonical,
+    collapse_ws,
+    rendered_chars,
+    tool_name,
+)
 
 _ORDER = {"model": 0, "params": 1, "tools": 2, "system": 3, "messages": 4}
 _DIFF_CAP = 64 * 1024
@@ -187,22 +193,11 @@ def _classify_tools(d: Diff, prev: list[Segment], new: list[Segment]) -> None:
         vx, vy = json.loads(x), json.loads(y)
         if canonical(vx) == canonical(vy):
             causes.append("schema_key_order")
-        elif canonical(_ws(vx)) == canonical(_ws(vy)):
+        elif canonical(collapse_ws(vx)) == canonical(collapse_ws(vy)):
             causes.append("schema_whitespace")
         else:
             causes.append("schema_changed")
     d.causes = _merge(causes) or ["schema_changed"]
-
-
-def _ws(value: Any) -> Any:
-    """The value with every string's whitespace collapsed (whitespace-only comparisons)."""
-    if isinstance(value, str):
-        return " ".join(value.split())
-    if isinstance(value, dict):
-        return {k: _ws(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_ws(v) for v in value]
-    return value
 
 
 def _classify_messages(d: Diff, prev: list[Segment], new: list[Segment], i: int) -> None:

@@ -194,3 +194,14 @@ def replace_texts(body: dict, edits: dict[Loc, str]) -> dict:
             node = child
         node[loc[-1]] = text
     return out
+
+
+def collapse_ws(value: Any) -> Any:
+    """The value with every string's whitespace collapsed (whitespace-only comparisons)."""
+    if isinstance(value, str):
+        return " ".join(value.split())
+    if isinstance(value, dict):
+        return {k: collapse_ws(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [collapse_ws(v) for v in value]
+    return value
