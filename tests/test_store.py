@@ -13,6 +13,7 @@ from prefixd.backends.mlx.store import (
     auto_interval,
     common_prefix,
     placement,
+    placement_marks,
 )
 
 
@@ -130,6 +131,26 @@ def test_pressure_thins_uniform_checkpoints_evenly() -> None:
     gaps = [b - a for a, b in pairwise([0, *positions])]
     assert conv in store.entries and store.bytes_used <= 1000 and len(positions) == 10
     assert max(gaps) <= 128
+
+
+def test_pressure_drops_an_interval_checkpoint_before_the_boundary_above_it() -> None:
+    # A system prompt ends at 610, 34 tokens after the interval mark at 576: new conversations
+    # restore at 610, only an edit inside the system prompt would use 576.
+    marks = placement_marks(700, 0, [610], 64, 4)
+    assert (marks[576], marks[610], marks[674], marks[699]) == (True, False, True, False)
+    store = CheckpointStore(1000)
+    entry = store.begin(list(range(700)))
+    for pos, interval in marks.items():
+        if pos < 700:
+            store.add_checkpoint(entry, pos, None, 10, interval)
+    store.finish(entry, list(range(700)), "kv", 1000 - 10 * len(entry.checkpoints), False,
+                 _no_end)
+    before = set(entry.checkpoints)
+    _put(store, [5000 + i for i in range(300)], nbytes=40)  # needs 4 of the checkpoints
+    # 699 and 696 (dense: 3 and 22 tokens) go first, then interval marks, not the boundary.
+    assert before - set(entry.checkpoints) >= {696, 699}
+    assert 610 in entry.checkpoints and len(entry.checkpoints) == len(before) - 4
+    assert store.bytes_used <= 1000
 
 
 def test_zero_byte_items_are_not_evicted_for_nothing() -> None:

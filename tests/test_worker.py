@@ -211,12 +211,14 @@ async def test_tokenize(client: TestClient, generator: Generator) -> None:
     out = await post(client, {"messages": messages}, "/tokenize")
     done = await post(client, chat(messages, max_tokens=1))
     assert len(out["tokens"]) == done["usage"]["prompt_tokens"]
-    # Each message end is a boundary: system, user, assistant (the last one ends the prompt).
-    assert len(out["boundaries"]) == 3 and out["boundaries"] == sorted(out["boundaries"])
-    assert out["boundaries"][0] > 0 and out["boundaries"][-1] < len(out["tokens"])
+    # Boundaries: each message's end (system, user, assistant; the last one ends the prompt)
+    # and the start of the next message's content, after its role header.
+    b = out["boundaries"]
+    assert len(b) == 6 and b == sorted(b) and b[0] > 0 and b[-1] < len(out["tokens"])
     tok = generator.loaded.tokenizer
-    system_end = tok.decode(out["tokens"][: out["boundaries"][0]])
-    assert system_end.endswith("You are a cache.<|im_end|>\n")
+    assert tok.decode(out["tokens"][: b[0]]).endswith("You are a cache.<|im_end|>\n")
+    assert tok.decode(out["tokens"][: b[1]]).endswith("<|im_end|>\n<|im_start|>user\n")
+    assert tok.decode(out["tokens"][b[-1]:]).startswith("And the sea?")
     text = await post(client, {"content": " the river"}, "/tokenize")
     assert text["tokens"] == tok.encode(" the river", add_special_tokens=False)
 
@@ -234,7 +236,10 @@ def test_tool_calls_reach_the_template_as_dicts(generator: Generator) -> None:
     prompt = build_prompt(generator.loaded.tokenizer, req)
     text = generator.loaded.tokenizer.decode(prompt.tokens)
     assert '"arguments": {"city": "Oslo"}' in text and "<tool_response>\nsunny" in text
-    assert len(prompt.boundaries) == 2
+    # two message ends, and where the tool result's content starts (inside <tool_response>)
+    assert len(prompt.boundaries) == 3
+    tail = generator.loaded.tokenizer.decode(prompt.tokens[prompt.boundaries[-1]:])
+    assert tail.startswith("sunny")
 
 
 def test_boundary_where_a_prefix_renders_differently(generator: Generator) -> None:
@@ -246,9 +251,10 @@ def test_boundary_where_a_prefix_renders_differently(generator: Generator) -> No
                 {"role": "assistant", "content": "The river.", "reasoning_content": "Hmm."},
                 {"role": "user", "content": "And?"}]
     prompt = build_prompt(tok, parse_request({"messages": messages}, "chat"))
-    first, second = prompt.boundaries
-    assert tok.decode(prompt.tokens[:first]).endswith("Hi there.<|im_end|>\n")
-    assert tok.decode(prompt.tokens[:second]).endswith("<|im_start|>assistant\n")
+    heads = [tok.decode(prompt.tokens[:b]) for b in prompt.boundaries]
+    assert heads[0].endswith("Hi there.<|im_end|>\n")
+    assert heads[1].endswith("<|im_start|>assistant\n")    # the assistant text starts here
+    assert tok.decode(prompt.tokens[prompt.boundaries[-1]:]).startswith("And?")
     assert "Hmm." not in tok.decode(prompt.tokens)
 
 

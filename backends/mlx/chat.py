@@ -22,7 +22,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Rendering every message prefix costs O(messages x prompt). Past this many messages only the
 # system prompt end and the newest boundaries are computed: older ones were placed (as
 # checkpoints) by earlier turns of the same conversation already.
-MAX_BOUNDARY_RENDERS = 24
+MAX_BOUNDARY_MESSAGES = 12
 
 
 @dataclass(frozen=True)
@@ -256,31 +256,40 @@ def build_prompt(tokenizer: Any, req: GenRequest) -> Prompt:
 
 def message_boundaries(tokenizer: Any, req: GenRequest, text: str,
                        tokens: list[int]) -> list[int]:
-    """Token positions in `tokens` where messages end, by rendering message prefixes.
+    """Token positions in `tokens` where messages end and where their content starts, by
+    rendering message prefixes.
 
-    A prefix render is usually a string prefix of the full render; when the template renders it
+    The content start (after the role header, e.g. `<|im_start|>user\n`) is where a new
+    conversation with a known system prompt, or the next turn, first differs. A prefix
+    render is usually a string prefix of the full render; when the template renders it
     differently (e.g. reasoning kept only after the last user turn) the position where the two
     texts diverge is used instead, snapped down to a token boundary. Templates that refuse a
     prefix (e.g. "conversation must start with a user turn") just give no boundary there.
+    Only the first and the newest messages are rendered: older ones are already cached.
     """
     n = len(req.messages)
     ks = list(range(1, n))
-    if len(ks) > MAX_BOUNDARY_RENDERS:
-        ks = ks[:1] + ks[-(MAX_BOUNDARY_RENDERS - 1):]
+    if len(ks) > MAX_BOUNDARY_MESSAGES:
+        ks = ks[:1] + ks[-(MAX_BOUNDARY_MESSAGES - 1):]
     token_ends = _token_ends(tokenizer, text, tokens)
     found: set[int] = set()
     for k in ks:
-        try:
-            prefix = render_text(tokenizer, req, req.messages[:k], add_generation_prompt=False)
-        except ApiError:
-            continue
-        chars = common_prefix(prefix, text)
-        if token_ends is not None:
-            pos = bisect.bisect_right(token_ends, chars)
-        else:
-            pos = common_prefix(encode(tokenizer, prefix[:chars]), tokens)
-        if 0 < pos < len(tokens):
-            found.add(pos)
+        variants = [req.messages[:k]]
+        nxt = req.messages[k]
+        if isinstance(nxt.get("content"), str) and nxt["content"]:
+            variants.append([*req.messages[:k], {**nxt, "content": ""}])
+        for messages in variants:
+            try:
+                prefix = render_text(tokenizer, req, messages, add_generation_prompt=False)
+            except ApiError:
+                continue
+            chars = common_prefix(prefix, text)
+            if token_ends is not None:
+                pos = bisect.bisect_right(token_ends, chars)
+            else:
+                pos = common_prefix(encode(tokenizer, prefix[:chars]), tokens)
+            if 0 < pos < len(tokens):
+                found.add(pos)
     return sorted(found)
 
 

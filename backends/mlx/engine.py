@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.store import CheckpointStore, Entry, auto_interval, placement
+from prefixd.backends.mlx.store import CheckpointStore, Entry, auto_interval, placement_marks
 from prefixd.metrics import worker as metrics
 
 if TYPE_CHECKING:
@@ -224,20 +224,20 @@ class _Run:
         self.broken = False
         return out
 
-    def _checkpoint(self, marks: set[int]) -> None:
+    def _checkpoint(self, marks: dict[int, bool]) -> None:
         e = self.engine
         if self.entry is None or not e._snap_idx or self.pos not in marks:
             return
         payload, size = snapshot.take(self.cache, e._snap_idx)
-        e.store.add_checkpoint(self.entry, self.pos, payload, size)
+        e.store.add_checkpoint(self.entry, self.pos, payload, size, interval=marks[self.pos])
 
     def prefill(self, boundaries: Sequence[int]) -> mx.array | None:
         """Run prompt[pos:] through the model; the last token's logits, None if stopped."""
         s = self.engine.settings
         n = len(self.prompt)
         # All-KV models need no checkpoints (the entry's KV trims to any prefix): no extra cuts.
-        marks = set(placement(n, self.pos, boundaries, self.engine.interval, s.checkpoint_tail)
-                    if self.engine._snap_idx else ())
+        marks = (placement_marks(n, self.pos, boundaries, self.engine.interval,
+                                 s.checkpoint_tail) if self.engine._snap_idx else {})
         cuts = sorted(p for p in marks if p < n - 1)
         while self.pos < n - 1:
             if self.should_stop():

@@ -13,10 +13,11 @@ Invariants:
   between entries that share the prefix up to their position.
 - Worth of an item = prompt tokens it saves from recomputation / max(1, requests since its entry
   was last used). An entry saves `len(tokens)`; a checkpoint saves the gap to the checkpoint below
-  it. To store an item, the cheapest items are evicted only while their worth *together* does not
-  exceed the new item's. Dense checkpoints (small gap) therefore go first, then stale or short
-  sequences; a short new request costs a conversation used by the previous request at most its
-  own length in restorable tokens.
+  it (counted half for an in-message interval checkpoint, which only edits use). To store an
+  item, the cheapest items are evicted only while their worth *together* does not exceed the new
+  item's. Dense checkpoints (small gap) therefore go first, then stale or short sequences; a short
+  new request of L tokens costs a conversation used by the previous request at most L restorable
+  tokens at its message boundaries (2L inside a message).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from typing import Any
 _BLOCK = 256
 AUTO_CONTEXT = 32_768  # tokens of the long conversation `auto_interval` provisions for
 AUTO_SHARE = 4  # ... whose interval checkpoints may take 1/AUTO_SHARE of the budget
+# Message boundaries are where new requests diverge (a new conversation after the system prompt,
+# the next turn); interval marks only serve edits inside a message. Under pressure, an interval
+# checkpoint a few tokens below a boundary must go before the boundary's.
+INTERVAL_WEIGHT = 0.5
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -43,21 +48,29 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def placement(n: int, start: int, boundaries: Iterable[int], interval: int, tail: int) -> list[int]:
-    """Checkpoint positions in `(start, n]` for a prompt of `n` tokens restored at `start`.
+def placement_marks(n: int, start: int, boundaries: Iterable[int], interval: int,
+                    tail: int) -> dict[int, bool]:
+    """Checkpoint positions in `(start, n]` for a prompt of `n` tokens restored at `start`,
+    ascending, each mapped to whether it is an in-message interval mark.
 
     Message boundaries, the prompt end, one token before it (an exact repeat restores at most
     there: its last token is recomputed for its logits), `tail` tokens before it, and every
     `interval` tokens after each boundary (so positions depend on the prompt only, not on where
     this request restored).
     """
-    marks = {b for b in boundaries if 0 < b <= n}
-    marks.add(n)
-    marks.update(p for p in (n - 1, n - tail) if 0 < p < n)
-    anchors = sorted({0, *marks})
+    fixed = {b for b in boundaries if 0 < b <= n}
+    fixed.add(n)
+    fixed.update(p for p in (n - 1, n - tail) if 0 < p < n)
+    anchors = sorted({0, *fixed})
+    extra: set[int] = set()
     for a, b in pairwise(anchors):
-        marks.update(range(a + interval, b, interval))
-    return sorted(p for p in marks if start < p <= n)
+        extra.update(range(a + interval, b, interval))
+    return {p: p not in fixed for p in sorted(fixed | extra) if start < p <= n}
+
+
+def placement(n: int, start: int, boundaries: Iterable[int], interval: int, tail: int) -> list[int]:
+    """The positions of `placement_marks`."""
+    return list(placement_marks(n, start, boundaries, interval, tail))
 
 
 def auto_interval(checkpoint_bytes: int, budget: int, *, context: int = AUTO_CONTEXT,
@@ -79,6 +92,7 @@ class Checkpoint:
     pos: int
     payload: Any
     nbytes: int
+    interval: bool = False  # an in-message interval mark: only an edit inside a message uses it
 
 
 @dataclass(eq=False)
@@ -156,15 +170,17 @@ class CheckpointStore:
         self.entries.append(entry)
         return entry
 
-    def add_checkpoint(self, entry: Entry, pos: int, payload: Any, nbytes: int) -> bool:
-        """Store a checkpoint of `entry` at `pos` if it fits; False if it was not stored."""
+    def add_checkpoint(self, entry: Entry, pos: int, payload: Any, nbytes: int,
+                       interval: bool = False) -> bool:
+        """Store a checkpoint of `entry` at `pos` if it fits; False if it was not stored.
+        `interval`: an in-message interval mark (worth less than a boundary at the same gap)."""
         if pos in entry.checkpoints or entry not in self.entries:
             return False
         lower = [p for p in entry.checkpoints if p < pos]
-        worth = pos - max(lower, default=0)
+        worth = (pos - max(lower, default=0)) * (INTERVAL_WEIGHT if interval else 1.0)
         if not self._make_room(nbytes, worth, keep=entry):
             return False
-        entry.checkpoints[pos] = Checkpoint(pos, payload, nbytes)
+        entry.checkpoints[pos] = Checkpoint(pos, payload, nbytes, interval)
         self.bytes_used += nbytes
         return True
 
@@ -240,9 +256,10 @@ class CheckpointStore:
             for pos in sorted(e.checkpoints):
                 if (id(e), pos) in dropped:
                     continue
-                size = e.checkpoints[pos].nbytes
+                ckpt = e.checkpoints[pos]
+                size = ckpt.nbytes
                 kept += size
-                w = self._worth(e, pos - prev)
+                w = self._worth(e, pos - prev) * (INTERVAL_WEIGHT if ckpt.interval else 1.0)
                 if size > 0 and (best is None or w < best[0]):
                     best = (w, e, pos, size)
                 prev = pos
