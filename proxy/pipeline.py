@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +22,7 @@ from prefixd.backends.base import (
     UpstreamResponse,
 )
 from prefixd.proxy.errors import ApiError
+from prefixd.proxy.prefix.stage import PrefixStage, Prepared
 from prefixd.proxy.queue import BackendQueue, QueueClosed, QueueFull, QueueTimeout
 from prefixd.proxy.relay import SSERecorder, parse_json_body
 from prefixd.proxy.request import ClientRequest, parse, with_stream_usage
@@ -36,7 +36,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 class Proxy:
     def __init__(self, settings: Settings, backends: list[Backend],
-                 configs: dict[str, BackendConfig], stage: Any | None = None) -> None:
+                 configs: dict[str, BackendConfig], stage: PrefixStage | None = None) -> None:
         self.settings = settings
         self.backends = {b.name: b for b in backends}
         self.configs = configs
@@ -112,7 +112,8 @@ class Proxy:
             async with queue.slot(on_position) as waited:
                 trace.queue_wait = waited
                 await backend.ensure_ready()
-                if prepared is not None and getattr(prepared, "report", None) is not None:
+                if self.stage is not None and prepared is not None and prepared.report:
+                    # exact token offsets where the backend can tokenize (optional member)
                     await self.stage.measure(prepared, getattr(backend, "tokenize", None))
                 up_req = UpstreamRequest(path=creq.path, body=body, stream=creq.stream,
                                          request_id=trace.request_id,
@@ -134,7 +135,7 @@ class Proxy:
         except BackendError as e:
             raise ApiError(502, str(e), code="upstream_error", type_="upstream_error") from None
 
-    def _forward_body(self, creq: ClientRequest, prepared: Any, model: str) -> bytes:
+    def _forward_body(self, creq: ClientRequest, prepared: Prepared | None, model: str) -> bytes:
         body, raw = creq.body, creq.raw
         if prepared is not None and prepared.changed:
             body = prepared.body
@@ -147,22 +148,23 @@ class Proxy:
         return raw
 
     async def _start_sse(self, request: web.Request, trace: RequestTrace,
-                         prepared: Any) -> web.StreamResponse:
+                         prepared: Prepared | None) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         self._decorate(resp, trace, prepared)
         await resp.prepare(request)
         return resp
 
-    def _decorate(self, resp: web.StreamResponse, trace: RequestTrace, prepared: Any) -> None:
+    def _decorate(self, resp: web.StreamResponse, trace: RequestTrace,
+                  prepared: Prepared | None) -> None:
         resp.headers["X-Request-Id"] = trace.request_id
         if trace.backend:
             resp.headers["X-Prefixd-Backend"] = trace.backend
-        header = getattr(prepared, "header", None)
-        if header:
-            resp.headers["X-Prefixd-Prefix"] = header
+        if prepared is not None and prepared.header:
+            resp.headers["X-Prefixd-Prefix"] = prepared.header
 
     async def _relay(self, request: web.Request, trace: RequestTrace, creq: ClientRequest,
-                     up: UpstreamResponse, prepared: Any) -> web.StreamResponse:
+                     up: UpstreamResponse, prepared: Prepared | None,
+                     ) -> web.StreamResponse:
         is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
         if trace.response is not None and up.status != 200:   # queued stream, upstream refused
             body = b"".join([c async for c in up.chunks])
