@@ -20,7 +20,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 
-from prefixd.proxy.settings import BackendConfig, Settings
+from prefixd.proxy.settings import BackendConfig, Settings, worker_fields
 
 wlog = logging.getLogger("prefixd.worker")
 
@@ -29,9 +29,6 @@ _LINE_LIMIT = 1 << 20  # a worker may print one long traceback line; don't choke
 
 # Worker-side settings the proxy may have read from its env file: handed over explicitly
 # so the worker sees the same configuration even though it does not read that file.
-_WORKER_FIELDS = ("cache_bytes", "checkpoint_interval", "checkpoint_tail", "prefill_chunk",
-                  "max_tokens_default", "kv_bits", "use_system_blas", "log_level",
-                  "log_format", "cache_dir", "dequantize")
 
 CommandBuilder = Callable[[int], list[str]]
 
@@ -55,7 +52,7 @@ def worker_env(config: BackendConfig, settings: Settings,
     """The child's environment: ours, plus the worker settings, the parent pid (so the worker
     exits when we are gone, even after a SIGKILL) and the backend's own `worker_env`."""
     env = dict(os.environ if base is None else base)
-    for field in _WORKER_FIELDS:
+    for field in worker_fields():
         value = getattr(settings, field)
         if value is not None:
             env[f"PREFIXD_{field.upper()}"] = _env_value(value)

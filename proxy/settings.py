@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 RuleMode = Literal["on", "off", "dry_run"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# Marks the settings a managed worker process needs: the supervisor passes them to its env.
+WORKER = {"worker": True}
 
 
 class BackendConfig(BaseModel):
@@ -77,16 +79,18 @@ class Settings(BaseSettings):
     default_model: str = Field(DEFAULT_MODEL, description="Model served when no backend is "
                                "configured: a built-in name, a model folder or a Hub id.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
-                                description="Largest request body accepted (larger: 413).")
+                                description="Largest request body accepted (larger: 413).",
+                                json_schema_extra=WORKER)
     api_key: SecretStr | None = Field(None, description="If set, every /v1/* route requires "
                                       "`Authorization: Bearer <api_key>`; /health stays open.")
-    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.",
+    json_schema_extra=WORKER)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Log level.")
+        "INFO", description="Log level.", json_schema_extra=WORKER)
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
                                       "in-flight requests may run before they are cut.")
     cache_dir: Path = Field(Path("~/.cache/prefixd"), description="Where converted models and "
-                            "downloaded model packages are kept.")
+                            "downloaded model packages are kept.", json_schema_extra=WORKER)
 
     # --- prefix reports and canonicalization (proxy/prefix) -----------------------------
     prefix_detect: bool = Field(True, description="Diff each request against its lane's "
@@ -116,25 +120,30 @@ class Settings(BaseSettings):
 
     # --- mlx worker (backends/mlx) -------------------------------------------------------
     cache_bytes: int = Field(4 * 1024**3, ge=0, description="Worker: byte budget of the "
-                             "prompt cache (stored KV + checkpoints); never exceeded.")
+                             "prompt cache (stored KV + checkpoints); never exceeded.",
+                             json_schema_extra=WORKER)
     checkpoint_interval: int | None = Field(
         None, ge=16, description="Worker: also checkpoint every N tokens inside long messages. "
         "Unset: automatic, the smallest power of two from 64 to 4096 whose checkpoints for a "
         "32K-token conversation fit in a quarter of cache_bytes (64 for small models, "
-        "thousands for large hybrids).")
+        "thousands for large hybrids).", json_schema_extra=WORKER)
     checkpoint_tail: int = Field(4, ge=0, description="Worker: checkpoint this many tokens "
-                                 "before the prompt end (besides the end itself).")
+                                 "before the prompt end (besides the end itself).",
+                                 json_schema_extra=WORKER)
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
-                               "per step.")
+                               "per step.", json_schema_extra=WORKER)
     max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
-                                    "request gives none.")
+                                    "request gives none.", json_schema_extra=WORKER)
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "
-                                "bits (4 or 8); unset keeps full precision.")
+                                "bits (4 or 8); unset keeps full precision.",
+                                json_schema_extra=WORKER)
     dequantize: Literal["auto", "on", "off"] = Field(
         "auto", description="Worker: turn quantized weights into float32 after loading. auto: "
-        "only built-in models on a CPU-only MLX (4-bit matmuls are slow there).")
+        "only built-in models on a CPU-only MLX (4-bit matmuls are slow there).",
+        json_schema_extra=WORKER)
     use_system_blas: bool = Field(True, description="Worker (Linux): preload the system "
-                                  "OpenBLAS, ~10x faster than MLX's bundled BLAS on CPU.")
+                                  "OpenBLAS, ~10x faster than MLX's bundled BLAS on CPU.",
+                                  json_schema_extra=WORKER)
 
 
 def redacted(settings: Settings) -> dict:
@@ -146,3 +155,9 @@ def redacted(settings: Settings) -> dict:
         if b.get("api_key"):
             b["api_key"] = "***"
     return data
+
+
+def worker_fields() -> list[str]:
+    """Names of the settings a worker process reads (marked `WORKER` above)."""
+    return [name for name, f in Settings.model_fields.items()
+            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("worker")]
