@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="If set, every /v1/* route requires "
                                       "`Authorization: Bearer <api_key>`; /health stays open.")
     log_format: Literal["text", "json"] = Field("text", description="Log line format.",
-    json_schema_extra=WORKER)
+                                                json_schema_extra=WORKER)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level.", json_schema_extra=WORKER)
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
