@@ -96,16 +96,30 @@ def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
         if text != s.text:
             edits[s.loc] = text
     out = replace_texts(body, edits) if edits else body
-    if strip and isinstance(out.get("system"), list):
-        blocks = [b for b in out["system"] if not (isinstance(b, dict) and b.get("type") == "text"
-                                                   and not str(b.get("text", "")).strip())]
-        if len(blocks) != len(out["system"]):
-            out = {**out, "system": blocks}
+    if strip:
+        out = _drop_emptied_parts(out, [loc for loc, text in edits.items() if not text.strip()])
     out = _pin_tools(res, out, state, enabled)
     injections = state.shadow_injections if shadow else state.injections
     out = _inject(res, out, injections, target)
     res.body = out if res.applied else body
     return res
+
+
+def _drop_emptied_parts(body: dict, emptied: list[Any]) -> dict:
+    """Remove the text blocks/parts the billing strip left empty (a part that is only the
+    header line), keeping at least one part per message."""
+    out = body
+    for loc in sorted(emptied, reverse=True):      # later parts first: indices stay valid
+        if loc[0] == "system" and len(loc) == 3 and isinstance(out.get("system"), list):
+            out = {**out, "system": [b for j, b in enumerate(out["system"]) if j != loc[1]]}
+        elif loc[0] == "messages" and len(loc) == 5:
+            messages = list(out["messages"])
+            msg = messages[loc[1]]
+            if isinstance(msg.get("content"), list) and len(msg["content"]) > 1:
+                parts = [q for j, q in enumerate(msg["content"]) if j != loc[3]]
+                messages[loc[1]] = {**msg, "content": parts}
+                out = {**out, "messages": messages}
+    return out
 
 
 def _note(res: CanonResult, rule: str) -> None:

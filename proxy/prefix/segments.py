@@ -139,6 +139,11 @@ def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
     content = m.get("content")
     if isinstance(content, str):
         segs.append(Segment(path, region, "text", content, role, k, ("messages", k, "content")))
+    elif _single_text(content):
+        # one text part renders like the plain string (clients flip between the two, e.g. to
+        # move a cache_control marker): the same segment either way, so no false alarm
+        segs.append(Segment(path, region, "text", content[0]["text"], role, k,
+                            ("messages", k, "content", 0, "text")))
     elif isinstance(content, list):
         for p, part in enumerate(content):
             segs.append(_part(part, f"{path}.content[{p}]", region, role, k,
@@ -149,6 +154,11 @@ def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
         segs.append(Segment(f"{path}.tool_calls[{t}]", region, "tool_call",
                             dumps(_call_without_id(call)), role, k))
     return segs
+
+
+def _single_text(content: Any) -> bool:
+    return (isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict)
+            and content[0].get("type") == "text" and isinstance(content[0].get("text"), str))
 
 
 def _part(part: Any, path: str, region: str, role: str, k: int, loc: Loc) -> Segment:
