@@ -19,7 +19,9 @@ from prefixd.proxy.settings import BackendConfig
 
 log = logging.getLogger("prefixd.backend")
 
-PROBE_PATH = "/v1/models"  # every OpenAI-compatible server answers it
+# /health where the server has it (llama-server, mlx_lm.server, vLLM); else /v1/models,
+# which every OpenAI-compatible server answers (Ollama has no /health).
+PROBE_PATHS = ("/health", "/v1/models")
 
 
 class OpenAIBackend:
@@ -37,6 +39,7 @@ class OpenAIBackend:
         self._up: bool | None = None       # None until the first probe answered
         self._last_error: str | None = None
         self._last_probe: float | None = None
+        self._probe_from = 0               # index into PROBE_PATHS of the path that works
         key = config.api_key.get_secret_value() if config.api_key else None
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -83,11 +86,17 @@ class OpenAIBackend:
 
     async def probe_once(self) -> bool:
         session = self._ensure_session()
+        up, err = False, "health probe: no answer"
         try:
-            async with session.get(self._base + PROBE_PATH, headers=self._auth,
-                                   timeout=aiohttp.ClientTimeout(total=5)) as r:
-                up = r.status < 500
-                err = None if up else f"health probe: HTTP {r.status}"
+            for path in PROBE_PATHS[self._probe_from:]:
+                async with session.get(self._base + path, headers=self._auth,
+                                       timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 404 and path != PROBE_PATHS[-1]:
+                        self._probe_from += 1    # no such endpoint here: use the next one
+                        continue
+                    up = r.status < 500
+                    err = None if up else f"health probe {path}: HTTP {r.status}"
+                    break
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             up, err = False, f"health probe: {e or type(e).__name__}"
         if up != self._up:

@@ -51,7 +51,10 @@ def worker_env(config: BackendConfig, settings: Settings,
                base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The child's environment: ours, plus the worker settings, the parent pid (so the worker
     exits when we are gone, even after a SIGKILL) and the backend's own `worker_env`."""
-    env = dict(os.environ if base is None else base)
+    # The proxy's own PREFIXD_* (its port, backends, a bad value overridden on its command
+    # line) are not the worker's: it gets exactly the worker settings below.
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith("PREFIXD_")}
     for field in worker_fields():
         value = getattr(settings, field)
         if value is not None:

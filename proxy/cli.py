@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from prefixd.proxy.settings import BackendConfig, Settings, redacted
 
@@ -44,6 +46,11 @@ def load_settings(env_file: str | None, **overrides: Any) -> Settings:
         return Settings(**kwargs)
     except ValidationError as e:
         raise ConfigError("invalid configuration:\n" + _describe_errors(e)) from None
+    except SettingsError as e:  # a list/object setting whose value is not JSON
+        m = re.search(r'field "(\w+)"', str(e))
+        var = f"PREFIXD_{m.group(1).upper()}" if m else "a PREFIXD_* variable"
+        raise ConfigError(f"invalid configuration:\n{var}: not valid JSON "
+                          f"({e.__cause__ or e})") from None
 
 
 def effective_backends(settings: Settings) -> Settings:

@@ -124,7 +124,8 @@ async def _run(args: argparse.Namespace) -> int:
         backends.append({"name": "default", "kind": "mlx", "model": "smollm2-135m-instruct"})
     port = _free_port()
     env = {**os.environ, "PREFIXD_BACKENDS": json.dumps(backends),
-           "PREFIXD_LOG_LEVEL": "WARNING"}
+           "PREFIXD_LOG_LEVEL": "WARNING",
+           "PREFIXD_PARENT_PID": str(os.getpid())}   # the daemon exits if the demo is killed
     print(f"prefixd demo: starting the daemon on 127.0.0.1:{port} "
           f"({', '.join(b['name'] for b in backends)}) ...", flush=True)
     proc = subprocess.Popen([sys.executable, "-m", "prefixd.proxy.cli", "serve", "--port",
@@ -154,4 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the tiny hybrid model (no default-model download)")
     ap.add_argument("--workdir", help="where the tiny model is written (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for workers")
-    return asyncio.run(_run(ap.parse_args(argv)))
+    try:
+        return asyncio.run(_run(ap.parse_args(argv)))
+    except KeyboardInterrupt:
+        return 130

@@ -24,12 +24,15 @@ _TYPE_BY_STATUS = {
 }
 
 
+def _type_for(status: int) -> str:
+    fallback = "upstream_error" if status in (502, 504) else "server_error"
+    return _TYPE_BY_STATUS.get(status, fallback)
+
+
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                    type_: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-style JSON error. 5xx default to `server_error`/`upstream_error` types."""
-    if type_ is None:
-        fallback = "upstream_error" if status in (502, 504) else "server_error"
-        type_ = _TYPE_BY_STATUS.get(status, fallback)
+    type_ = type_ or _type_for(status)
     return web.Response(status=status, headers=headers, content_type="application/json",
                         text=json.dumps(error_body(message, type_, param=param, code=code)))
 
@@ -50,8 +53,8 @@ class ApiError(Exception):
 
     def sse_event(self) -> bytes:
         """The same error as one SSE `data:` event, for streams that already started."""
-        body = error_body(self.message, self.type_ or "upstream_error", param=self.param,
-                          code=self.code)
+        body = error_body(self.message, self.type_ or _type_for(self.status),
+                          param=self.param, code=self.code)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 

@@ -8,11 +8,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from prefixd.backends.base import (
     Backend,
@@ -71,19 +74,18 @@ class Proxy:
             resp = e.response()
             resp.headers["X-Request-Id"] = trace.request_id
             return resp
-        except (ConnectionResetError, OSError) as e:
-            trace.status, trace.error = 499, f"client went away: {e}"
+        except (asyncio.CancelledError, ConnectionResetError) as e:
+            if not trace.completed:              # the client left before the answer ended
+                trace.status, trace.error = 499, f"client went away ({type(e).__name__})"
             raise
-        except BaseException:
-            if trace.status is None:
-                trace.status, trace.error = 499, "client disconnected"
+        except Exception as e:
+            trace.status, trace.error = 500, f"internal error: {e!r}"
             raise
         finally:
             trace.finish(self.settings.log_format)
 
     async def _handle(self, request: web.Request, trace: RequestTrace) -> web.StreamResponse:
-        raw = await request.read()
-        creq = parse(request.path, raw)
+        creq = parse(request.path, await _read_body(request))
         model = resolve_model(creq.model, self.index)
         if model is None:
             if creq.model is None:
@@ -103,7 +105,7 @@ class Proxy:
         queue = self.queues[backend.name]
 
         on_position = None
-        if creq.stream and queue.would_wait():
+        if creq.stream and queue.would_wait() and not queue.full():
             trace.response = await self._start_sse(request, trace, prepared)
 
             async def on_position(pos: int) -> None:
@@ -197,10 +199,21 @@ class Proxy:
             message, usage = parse_json_body(b"".join(parts))
             trace.first_token_at = time.monotonic()
         await resp.write_eof()
+        trace.completed = True
         trace.usage = usage
         if self.stage is not None and prepared is not None and up.status == 200:
             self.stage.record_response(prepared, message, usage)
         return resp
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPException:
+        raise                                    # 413 and friends: the middleware shapes them
+    except (ValueError, RequestPayloadError, HttpProcessingError) as e:
+        raise ApiError(400, f"could not read the request body: {e}",
+                       code="invalid_body") from None
 
 
 def _available(backend: Backend) -> bool:

@@ -52,6 +52,9 @@ class BackendQueue:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    def full(self) -> bool:
+        return len(self._waiters) >= self.depth
+
     def would_wait(self) -> bool:
         return bool(self._waiters) or self.in_flight >= self.max_concurrency
 

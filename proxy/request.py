@@ -93,7 +93,7 @@ def parse(path: str, raw: bytes) -> ClientRequest:
     """Validate `raw` for `path`; raise ApiError(400) on the first problem found."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")

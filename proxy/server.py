@@ -11,6 +11,7 @@ import signal
 from aiohttp import web
 
 from prefixd.backends.base import Backend
+from prefixd.backends.parent import follow_parent, watch_parent
 from prefixd.proxy.app import build_app
 from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.prefix.stage import PrefixStage
@@ -63,10 +64,14 @@ async def serve(settings: Settings, backends: list[Backend]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    parent = follow_parent()          # set when a tool (e.g. `prefixd demo`) started us
+    watcher = asyncio.create_task(watch_parent(parent, stop)) if parent else None
     port = await server.start(settings.host, settings.port)
     log.info("prefixd listening on http://%s:%d (backends: %s)", settings.host, port,
              ", ".join(f"{b.name}[{','.join(b.models)}]" for b in backends))
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     log.info("shutting down")
     await server.shutdown(settings.shutdown_timeout_s)
     log.info("stopped")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 RuleMode = Literal["on", "off", "dry_run"]
@@ -61,6 +61,14 @@ class BackendConfig(BaseModel):
         return self
 
 
+def _unique_names(backends: list[BackendConfig]) -> list[BackendConfig]:
+    names = [b.name for b in backends]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"backend names must be unique; repeated: {', '.join(dups)}")
+    return backends
+
+
 class Settings(BaseSettings):
     """prefixd configuration (env prefix `PREFIXD_`; env file `--env-file` or ./prefixd.env)."""
 
@@ -71,7 +79,7 @@ class Settings(BaseSettings):
     # --- server -----------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the proxy listens on.")
     port: int = Field(8400, ge=1, le=65535, description="Port the proxy listens on.")
-    backends: list[BackendConfig] = Field(
+    backends: Annotated[list[BackendConfig], AfterValidator(_unique_names)] = Field(
         default_factory=list,
         description="JSON list of backends: {name, kind: openai|mlx, url (openai), model (mlx), "
         "models, max_concurrency, queue_depth, queue_timeout_s, request_timeout_s, ...}. "

@@ -28,6 +28,7 @@ class RequestTrace:
     first_token_at: float | None = None
     usage: dict[str, Any] | None = None
     response: web.StreamResponse | None = None
+    completed: bool = False       # the last byte of the answer was sent
 
     def tokens(self) -> tuple[int | None, int | None, int | None]:
         u = self.usage or {}

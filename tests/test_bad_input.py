@@ -92,3 +92,19 @@ async def test_random_bodies_never_5xx(proxy, http, raw, path):
     async with http.post(f"http://127.0.0.1:{proxy.port}{CHAT}",
                          json={"messages": [{"role": "user", "content": "still here"}]}) as r:
         assert r.status == 200
+
+
+async def test_deep_nesting_and_bad_gzip_are_400(upstream, start_proxy, http):
+    proxy = await start_proxy(upstream.url)      # default body limit: deep nesting fits
+    base = f"http://127.0.0.1:{proxy.port}{CHAT}"
+    deep = ('{"messages":[{"role":"user","content":"hi"}],"x":' + "[" * 5000 + "]" * 5000
+            + "}").encode()
+    async with http.post(base, data=deep, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400 and shape_ok(await r.json())
+    async with http.post(base, data=b"not gzip at all",
+                         headers={"Content-Type": "application/json",
+                                  "Content-Encoding": "gzip",
+                                  "Connection": "close"}) as r:  # the stream is unusable after
+        assert r.status == 400 and shape_ok(await r.json())
+    async with http.post(base, json={"messages": [{"role": "user", "content": "ok"}]}) as r:
+        assert r.status == 200

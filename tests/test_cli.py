@@ -89,3 +89,49 @@ async def test_sigterm_drains_in_flight_and_503s_queued(upstream, tmp_path):
             proc.kill()
             await proc.wait()
     assert [b["messages"][0]["content"] for b in upstream.received] == ["a"]
+
+
+async def test_unparsable_or_duplicate_backends_exit_2(tmp_path):
+    for value, words in (("not json", "not valid JSON"),
+                         ('[{"name":"x",}]', "not valid JSON"),
+                         (json.dumps([{"name": "a", "url": "http://127.0.0.1:1", "models": ["m"]}]
+                                     * 2), "unique")):
+        code, _, err = await run_cli("config", env=_env(PREFIXD_BACKENDS=value),
+                                     cwd=str(tmp_path))
+        assert code == 2 and "PREFIXD_BACKENDS" in err and words in err
+        assert "Traceback" not in err
+
+
+async def test_serve_started_by_a_tool_exits_when_the_tool_is_killed(upstream, tmp_path):
+    """`prefixd demo` names itself in PREFIXD_PARENT_PID: a killed demo leaves no daemon."""
+    port = _free_port()
+    backends = json.dumps([{"name": "up", "url": upstream.url, "models": ["fake"]}])
+    tool = (f"import os, subprocess, sys\n"
+            f"env = dict(os.environ, PREFIXD_PARENT_PID=str(os.getpid()))\n"
+            f"p = subprocess.Popen([sys.executable, '-m', 'prefixd.proxy.cli', 'serve', "
+            f"'--port', '{port}'], env=env)\n"
+            f"print(p.pid, flush=True)\n"
+            f"p.wait()\n")
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", tool, env=_env(PREFIXD_BACKENDS=backends), cwd=str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert parent.stdout is not None
+    child = int(await asyncio.wait_for(parent.stdout.readline(), 30))
+    async with aiohttp.ClientSession() as http:
+        async with asyncio.timeout(30):
+            while True:                          # wait until the daemon serves
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.1)
+    parent.kill()
+    await parent.wait()
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.1)

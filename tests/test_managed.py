@@ -217,8 +217,9 @@ def test_worker_command_and_env() -> None:
     cfg = BackendConfig(name="w", kind="mlx", model="m", cache_bytes=12345,
                         worker_env={"PREFIXD_PREFILL_CHUNK": "64", "X": "1"})
     env = worker_env(cfg, Settings(_env_file=None, use_system_blas=False, checkpoint_tail=7),
-                     base={"PATH": "/bin"})
+                     base={"PATH": "/bin", "PREFIXD_PORT": "abc", "PREFIXD_BACKENDS": "[]"})
     assert env["PATH"] == "/bin"
+    assert "PREFIXD_PORT" not in env and "PREFIXD_BACKENDS" not in env   # the proxy's own
     assert env["PREFIXD_PARENT_PID"] == str(os.getpid())
     assert env["PREFIXD_CACHE_BYTES"] == "12345"          # the backend's budget wins
     assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly

@@ -262,3 +262,41 @@ async def test_prefix_report_header_debug_endpoint_and_billing_strip(upstream, s
     assert [rep["verdict"] for rep in reports] == ["NEW", "APPEND"]
     async with http.get(url(proxy, "/debug/prefix/nope")) as r:
         assert r.status == 404
+
+
+async def test_stream_refused_by_a_full_queue_gets_429_not_sse(upstream, start_proxy, http):
+    proxy = await start_proxy(upstream.url, backend={"queue_depth": 1})
+    held = [asyncio.create_task(http.post(url(proxy), json=chat(fake={"hold": True})))]
+    await upstream.wait_received(1)
+    waiting = await http.post(url(proxy), json=chat(stream=True))
+    await read_until(waiting, b"position=1")
+    async with http.post(url(proxy), json=chat(stream=True)) as r:
+        assert r.status == 429 and r.headers["Retry-After"] == "1"
+        assert (await r.json())["error"]["type"] == "rate_limit_error"
+    upstream.release.set()
+    assert b"[DONE]" in await waiting.read()
+    waiting.release()
+    (await held[0]).release()
+
+
+async def test_client_gone_mid_stream_is_logged_499(upstream, start_proxy, http):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def count_499() -> float:
+        for fam in text_string_to_metric_families(render().decode()):
+            if fam.name == "prefixd_requests":
+                return sum(s.value for s in fam.samples if s.name == "prefixd_requests_total"
+                           and s.labels["status"] == "499" and s.labels["backend"] == "up")
+        return 0.0
+
+    proxy = await start_proxy(upstream.url)
+    before = count_499()
+    r = await http.post(url(proxy), json=chat(stream=True, fake={"chunks": 100000,
+                                                                  "delay": 0.01}))
+    await read_until(r, b"tok0")
+    r.close()
+    while not upstream.aborted_at:
+        await asyncio.sleep(0.01)
+    async with http.post(url(proxy), json=chat()) as nxt:   # the trace of the cut one is done
+        assert nxt.status == 200
+    assert count_499() - before == 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -24,13 +23,11 @@ from aiohttp import web
 from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.parent import follow_parent, watch_parent
 from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.worker")
 # Set by the supervisor to its own pid: the worker exits when that process is gone.
-PARENT_PID_ENV = "PREFIXD_PARENT_PID"
-_PR_SET_PDEATHSIG = 1
-PARENT_POLL_S = 1.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = "" if os.environ.get("PREFIXD_PARENT_PID") else "%(asctime)s "
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format=stamp + "%(levelname)s %(name)s: %(message)s")
-    parent = _follow_parent()
+    parent = follow_parent()
     spec = args.model or settings.default_model
     name = args.served_name or (Path(spec).name if "/" in spec else spec)
     generator = Generator(settings)
@@ -76,39 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(rc)
 
 
-def _follow_parent() -> int | None:
-    """On Linux ask the kernel for SIGTERM when the parent dies; return the pid to poll."""
-    raw = os.environ.get(PARENT_PID_ENV, "")
-    if not raw.isdigit():
-        if raw:
-            log.warning("worker: ignoring %s=%r (not a pid)", PARENT_PID_ENV, raw)
-        return None
-    expected = int(raw)
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            log.warning("worker: prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != expected:  # it died before prctl took effect
-        log.warning("worker: parent %d is already gone; exiting", expected)
-        raise SystemExit(0)
-    return expected
-
-
-async def _watch_parent(expected: int, stop: asyncio.Event) -> None:
-    # macOS has no PDEATHSIG: an orphan is re-parented, which getppid() shows.
-    while os.getppid() == expected:
-        await asyncio.sleep(PARENT_POLL_S)
-    log.warning("worker: parent %d is gone; shutting down", expected)
-    stop.set()
-
-
 async def _serve(args: argparse.Namespace, settings: Settings, generator: Generator,
                  spec: str, name: str, parent: int | None) -> tuple[int, bool]:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_watch_parent(parent, stop)) if parent else None
+    watcher = asyncio.create_task(watch_parent(parent, stop)) if parent else None
     runner = web.AppRunner(create_app(generator, name, settings), handler_cancellation=True,
                            shutdown_timeout=2.0, access_log=None)
     await runner.setup()
