@@ -16,8 +16,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from prefixd.backends.mlx import snapshot
 from prefixd.backends.mlx.engine import Engine, PromptStats
 from prefixd.backends.mlx.store import common_prefix, placement
 from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
@@ -83,13 +84,24 @@ def _words(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(n)]
 
 
-def _expected_restore(entry_tokens: list[int], prompt: list[int], trimmable: bool) -> int:
+def _window(model: Any) -> int:
+    """The smallest sliding window of the model's layers (0 if it has none)."""
+    sizes = [c.max_size for c in snapshot.leaves(make_prompt_cache(model))
+             if type(c) is RotatingKVCache]
+    return min(sizes, default=0)
+
+
+def _expected_restore(entry_tokens: list[int], prompt: list[int], trimmable: bool,
+                      window: int = 0) -> int:
     """The spec: the largest checkpoint <= min(LCP, len(prompt) - 1) (any position if trimmable,
-    the entry's end if the prompt extends it)."""
+    the entry's end if the prompt extends it); a checkpoint taken before the sliding window
+    wrapped (position < window) is trimmed down to that limit."""
     limit = min(common_prefix(entry_tokens, prompt), len(prompt) - 1)
     if trimmable or len(entry_tokens) <= limit:
         return min(limit, len(entry_tokens))
     marks = placement(300, 0, BOUNDS, 16, 2)
+    if any(limit < p < window for p in marks):
+        return limit
     return max([p for p in marks if p <= limit], default=0)
 
 
@@ -105,7 +117,8 @@ def test_warm_equals_cold_around_checkpoints(model: CountingModel, diverge: int 
     model.tokens = 0
     warm = _run(engine, prompt)
     stats = warm[2]
-    assert stats.cached_tokens == _expected_restore(entry.tokens, prompt, entry.trimmable)
+    assert stats.cached_tokens == _expected_restore(entry.tokens, prompt, entry.trimmable,
+                                                    _window(model))
     assert stats.cached_tokens + stats.recomputed_tokens == len(prompt)
     # every generated token is fed back, the last one after the generation ends
     assert model.tokens == len(prompt) - stats.cached_tokens + MAX_TOKENS
@@ -134,6 +147,62 @@ def test_snapshot_restored_twice_matches_cold_both_times(model: CountingModel) -
         warm = _run(engine, prompt)
         assert warm[2].cached_tokens >= 144
         _assert_same(warm, _cold(model, prompt))
+
+
+def _leaf_values(snap: dict[int, Any]) -> list[Any]:
+    return [(c.offset, c._idx, np.array(c.keys), np.array(c.values)) for c in snap.values()]
+
+
+def test_unwrapped_window_checkpoint_is_trimmed_to_a_shorter_prefix() -> None:
+    """Stock mlx-lm trims an unwrapped RotatingKVCache; so does prefixd, with warm == cold."""
+    model = CountingModel(build_model("gemma3_text", seed=3))
+    rng = random.Random(18)
+    base = _words(rng, 300)  # wraps the 128-token window; its checkpoint at 100 does not
+    engine = Engine(model, _settings(checkpoint_interval=256))
+    _run(engine, base, (100,))
+    (entry,) = engine.store.entries
+    ckpt = entry.checkpoints[100]
+    assert ckpt.trimmable and not entry.trimmable
+    assert not any(c.trimmable for p, c in entry.checkpoints.items() if p >= 128)
+    before = _leaf_values(ckpt.payload)
+    for shared in (7, 60, 99, 120):  # 120: above the checkpoint, restored exactly at 100
+        prompt = base[:shared] + [t for t in _words(rng, 30) if t != base[shared]]
+        model.tokens = 0
+        warm = _run(engine, prompt)
+        assert warm[2].cached_tokens == min(shared, 100)
+        assert model.tokens == len(prompt) - warm[2].cached_tokens + MAX_TOKENS
+        _assert_same(warm, _cold(model, prompt))
+    # a restore holds buffers of exactly the restored tokens, not the long entry's
+    restored = snapshot.restore(entry.payload, ckpt.payload, 7)
+    assert {c.keys.shape[2] for c in snapshot.leaves(restored)} == {7}
+    assert snapshot.nbytes(restored) * 30 < snapshot.nbytes(entry.payload)
+    # restores trim copies: the stored snapshot is unchanged (snapshots are values)
+    for (o1, i1, k1, v1), (o2, i2, k2, v2) in zip(before, _leaf_values(ckpt.payload),
+                                                  strict=True):
+        assert (o1, i1) == (o2, i2) == (100, 100)
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(v1, v2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_recurrent_checkpoints_are_never_trimmed(arch: str) -> None:
+    model = CountingModel(build_model(arch, seed=3))
+    rng = random.Random(19)
+    base = _words(rng, 300)
+    engine = Engine(model, _settings(checkpoint_interval=256))
+    _run(engine, base, (100,))
+    (entry,) = engine.store.entries
+    assert sorted(entry.checkpoints) == [100, 298, 299, 300]
+    assert not any(c.trimmable for c in entry.checkpoints.values())
+    for shared, expected in ((7, None), (99, None), (150, 100), (298, 298)):
+        prompt = base[:shared] + [t for t in _words(rng, 10) if t != base[shared]]
+        m = engine.store.lookup(prompt)
+        got = None if m is None else (m.pos, m.checkpoint and m.checkpoint.pos)
+        assert got == (None if expected is None else (expected, expected))
+    prompt = base[:150] + _words(rng, 10)
+    warm = _run(engine, prompt)
+    assert warm[2].cached_tokens == 100
+    _assert_same(warm, _cold(model, prompt))
 
 
 def test_multi_turn_with_edit_in_earlier_message(model: CountingModel) -> None:

@@ -22,10 +22,11 @@ def _no_end(_: Entry) -> None:
 
 
 def _put(store: CheckpointStore, tokens: list[int], nbytes: int = 10, trimmable: bool = False,
-         checkpoints: dict[int, int] | None = None) -> Entry:
+         checkpoints: dict[int, int] | None = None, trim_below: int = 0) -> Entry:
+    """An entry with checkpoints {pos: bytes}; those below `trim_below` are trimmable."""
     entry = store.begin(tokens)
     for pos, size in (checkpoints or {}).items():
-        store.add_checkpoint(entry, pos, f"ckpt{pos}", size)
+        store.add_checkpoint(entry, pos, f"ckpt{pos}", size, trimmable=pos < trim_below)
     store.finish(entry, tokens, "kv", nbytes, trimmable, _no_end)
     return entry
 
@@ -90,12 +91,59 @@ def test_lookup_non_trimmable_uses_checkpoint_below_match_or_entry_end() -> None
     assert store.lookup([*range(9), 99]) is None
 
 
+def test_lookup_trims_a_trimmable_checkpoint_above_the_limit() -> None:
+    # An unwrapped sliding window (checkpoints below 128) serves any shorter prefix of it.
+    store = CheckpointStore(10_000)
+    _put(store, list(range(300)), checkpoints={40: 5, 100: 5, 200: 5}, trim_below=128)
+    m = store.lookup([*range(7), 99])
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos, m.lcp) == (7, 40, 7)
+    m = store.lookup([*range(70), 99])  # the nearest trimmable checkpoint above the limit
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos) == (70, 100)
+    m = store.lookup(list(range(40)))  # an exact repeat of the prefix still recomputes 1 token
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos) == (39, 40)
+    # Above the last trimmable one only a wrapped checkpoint at or below the limit serves.
+    m = store.lookup([*range(150), 99])
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos) == (100, 100)
+    m = store.lookup([*range(250), 99])
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos) == (200, 200)
+
+
+def test_lookup_never_trims_a_non_trimmable_checkpoint() -> None:
+    store = CheckpointStore(10_000)
+    _put(store, list(range(300)), checkpoints={40: 5, 100: 5})  # recurrent state: exact only
+    assert store.lookup([*range(7), 99]) is None
+    m = store.lookup([*range(70), 99])
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos) == (40, 40)
+
+
+def test_lookup_prefers_the_restore_reusing_most_tokens() -> None:
+    store = CheckpointStore(10_000)
+    _put(store, [*range(20), *range(500, 600)], checkpoints={30: 5}, trim_below=128)
+    _put(store, list(range(200)), checkpoints={16: 5, 150: 5})
+    m = store.lookup([*range(25), 99])  # 20 by trimming the first entry, 16 from the second
+    assert m is not None and m.pos == 20 and m.checkpoint is not None and m.checkpoint.pos == 30
+    m = store.lookup([*range(160), 99])
+    assert m is not None and m.pos == 150
+
+
+def test_absorbed_entry_end_keeps_its_trimmability() -> None:
+    store = CheckpointStore(10_000)
+    _put(store, list(range(40)))
+    entry = store.begin(list(range(300)))
+    store.finish(entry, list(range(300)), "kv", 10, False,
+                 lambda e: ("end", 7, len(e.tokens) < 128))
+    assert entry.checkpoints[40].trimmable
+    m = store.lookup([*range(12), 99])
+    assert m is not None and (m.pos, m.checkpoint and m.checkpoint.pos) == (12, 40)
+
+
 def test_finish_absorbs_prefix_entries_and_takes_over_checkpoints() -> None:
     store = CheckpointStore(10_000)
     first = _put(store, list(range(40)), checkpoints={10: 5})
     side = _put(store, [*range(30), 77, 78], checkpoints={20: 5, 31: 5})
     entry = store.begin(list(range(60)))
-    store.finish(entry, list(range(60)), "kv", 10, False, lambda e: (f"end{len(e.tokens)}", 7))
+    store.finish(entry, list(range(60)), "kv", 10, False,
+                 lambda e: (f"end{len(e.tokens)}", 7, False))
     assert first not in store.entries  # its KV is covered by the new entry's
     assert sorted(entry.checkpoints) == [10, 20, 40]  # 20 came from `side`, 40 is first's end
     assert entry.checkpoints[40].payload == "end40"
@@ -190,7 +238,7 @@ def test_random_inserts_never_exceed_budget(ops: list[tuple[int, int, int, list[
             store.add_checkpoint(entry, pos, None, csize)
             assert store.bytes_used <= budget
         store.finish(entry, tokens, None, size, bool(size % 2),
-                     lambda e: (None, 3) if e.tokens else None)
+                     lambda e: (None, 3, len(e.tokens) < 100) if e.tokens else None)
         assert store.bytes_used <= budget
         assert store.bytes_used == _accounted(store)
         for e in store.entries:

@@ -167,8 +167,11 @@ class Engine:
                   stats.restore_s, stats.prefill_s,
                   f", fallback {stats.fallback}" if stats.fallback else "")
 
-    def _end_snapshot(self, entry: Entry) -> tuple[Any, int] | None:
-        return snapshot.take(entry.payload, self._snap_idx) if self._snap_idx else None
+    def _end_snapshot(self, entry: Entry) -> tuple[Any, int, bool] | None:
+        if not self._snap_idx:
+            return None
+        payload, size = snapshot.take(entry.payload, self._snap_idx)
+        return payload, size, snapshot.snapshot_trimmable(payload)
 
     def _update_gauges(self) -> None:
         s = self.store
@@ -229,7 +232,8 @@ class _Run:
         if self.entry is None or not e._snap_idx or self.pos not in marks:
             return
         payload, size = snapshot.take(self.cache, e._snap_idx)
-        e.store.add_checkpoint(self.entry, self.pos, payload, size, interval=marks[self.pos])
+        e.store.add_checkpoint(self.entry, self.pos, payload, size, interval=marks[self.pos],
+                               trimmable=snapshot.snapshot_trimmable(payload))
 
     def prefill(self, boundaries: Sequence[int]) -> mx.array | None:
         """Run prompt[pos:] through the model; the last token's logits, None if stopped."""

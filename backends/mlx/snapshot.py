@@ -9,7 +9,8 @@ Kinds (checked against mlx-lm 0.32, see docs/CHECKPOINTS.md):
 - "kv": `KVCache`, `QuantizedKVCache`: trimmable to any shorter prefix, so an entry's own KV serves
   every checkpoint of it; never snapshotted.
 - "window": `RotatingKVCache` (sliding window): trimmable only until the window wraps, so it is
-  snapshotted at every checkpoint (a snapshot at p restores exactly p).
+  snapshotted at every checkpoint (a snapshot at p restores p, or any shorter prefix if the
+  window had not wrapped at p, as stock mlx-lm trims its prompt caches).
 - "state": `ArraysCache` (Gated-DeltaNet, Mamba conv + recurrent state): never trimmable,
   snapshotted at every checkpoint.
 
@@ -116,6 +117,12 @@ def take(cache: Cache, indices: tuple[int, ...]) -> tuple[Snapshot, int]:
     return snap, sum(s.nbytes for s in snap.values())
 
 
+def snapshot_trimmable(snap: Snapshot) -> bool:
+    """Whether every leaf of a snapshot can be trimmed back to any shorter prefix (never a
+    recurrent state; a sliding window only before it wraps)."""
+    return all(leaf.is_trimmable() for leaf in snap.values())
+
+
 def checkpoint_bytes(probe: Cache, indices: tuple[int, ...], chunk: int) -> int:
     """The largest a checkpoint of these leaves gets, from a cache that has run one token.
 
@@ -134,22 +141,39 @@ def checkpoint_bytes(probe: Cache, indices: tuple[int, ...], chunk: int) -> int:
     return total
 
 
+def _cut(x: Any, n: int) -> Any:
+    """A compact copy of the first `n` positions (axis -2) of a buffer or a quantized triple."""
+    if isinstance(x, tuple):
+        return tuple(_cut(v, n) for v in x)
+    return mx.array(x[..., :n, :])
+
+
+def _trim_to(c: Any, i: int, pos: int) -> None:
+    """Trim the fresh leaf copy `c` (leaf `i`) back to `pos`, then drop the buffer past `pos`: a
+    KV trimmed from a long entry would otherwise carry (and be stored with) its whole buffer."""
+    extra = getattr(c, "offset", pos) - pos
+    if extra < 0 or (extra > 0 and not c.is_trimmable()):
+        raise RestoreError(f"leaf {i} ({type(c).__name__}) cannot go back to {pos}")
+    if extra and c.trim(extra) != extra:
+        raise RestoreError(f"leaf {i} ({type(c).__name__}) trimmed short")
+    if extra and type(c) is RotatingKVCache and c._idx != pos:
+        raise RestoreError(f"leaf {i} (RotatingKVCache) trimmed to slot {c._idx}, wanted {pos}")
+    if extra and type(c) in (KVCache, QuantizedKVCache, RotatingKVCache) and c.keys is not None:
+        # As after a cold prefill of `pos` tokens: a buffer of exactly `pos` positions.
+        c.keys, c.values = _cut(c.keys, pos), _cut(c.values, pos)
+
+
 def restore(entry_cache: Cache, snap: Snapshot | None, pos: int) -> Cache:
-    """A fresh live cache at `pos`: snapshot leaves from `snap`, the rest trimmed from the entry.
+    """A fresh live cache at `pos`: snapshot leaves from `snap`, the rest from the entry, each
+    trimmed to `pos` if it is past it (a trimmable snapshot may be taken above `pos`).
 
     Raises RestoreError if a leaf cannot be brought to `pos` (never returns a wrong state).
+    Trimming acts on a fresh copy, so the stored entry and snapshot stay intact.
     """
     out = []
     for i, leaf in enumerate(leaves(entry_cache)):
-        if snap is not None and i in snap:
-            c = copy_leaf(snap[i])
-        else:
-            c = copy_leaf(leaf)
-            extra = getattr(c, "offset", pos) - pos
-            if extra < 0 or (extra > 0 and not c.is_trimmable()):
-                raise RestoreError(f"leaf {i} ({type(c).__name__}) cannot go back to {pos}")
-            if extra and c.trim(extra) != extra:
-                raise RestoreError(f"leaf {i} ({type(c).__name__}) trimmed short")
+        c = copy_leaf(snap[i] if snap is not None and i in snap else leaf)
+        _trim_to(c, i, pos)
         if hasattr(c, "offset") and c.offset != pos:
             raise RestoreError(f"leaf {i} ({type(c).__name__}) at {c.offset}, wanted {pos}")
         out.append(c)

@@ -10,7 +10,8 @@ Invariants:
   that cannot fit (without evicting something worth more) is not stored and evicts nothing.
 - A checkpoint at `pos` in an entry is valid for every entry sharing `tokens[:pos]`: trimmable
   layers come from the owning entry's KV, the rest from the snapshot. So checkpoints move freely
-  between entries that share the prefix up to their position.
+  between entries that share the prefix up to their position. A checkpoint whose snapshotted
+  layers are all trimmable (a sliding window that has not wrapped) also serves any shorter prefix.
 - Worth of an item = prompt tokens it saves from recomputation / max(1, requests since its entry
   was last used). An entry saves `len(tokens)`; a checkpoint saves the gap to the checkpoint below
   it (counted half for an in-message interval checkpoint, which only edits use). To store an
@@ -93,6 +94,7 @@ class Checkpoint:
     payload: Any
     nbytes: int
     interval: bool = False  # an in-message interval mark: only an edit inside a message uses it
+    trimmable: bool = False  # every snapshotted layer can be trimmed back (an unwrapped window)
 
 
 @dataclass(eq=False)
@@ -110,7 +112,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class Match:
-    """Where to restore a prompt from: `entry` trimmed to `pos`, or `checkpoint` (at `pos`)."""
+    """Where to restore a prompt from: `entry` trimmed to `pos`, or `checkpoint` (at
+    `checkpoint.pos >= pos`; trimmed to `pos` when above it)."""
 
     entry: Entry
     pos: int
@@ -118,7 +121,8 @@ class Match:
     lcp: int
 
 
-EndSnapshot = Callable[[Entry], tuple[Any, int] | None]
+# (payload, bytes, trimmable) of an entry's end state as a checkpoint, or None
+EndSnapshot = Callable[[Entry], tuple[Any, int, bool] | None]
 
 
 class CheckpointStore:
@@ -156,6 +160,11 @@ class CheckpointStore:
             return None
         if e.trimmable or len(e.tokens) <= limit:
             return Match(e, min(limit, len(e.tokens)), None, lcp)
+        # A trimmable checkpoint above the limit lies on the entry's token path, so trimmed to
+        # `limit` (<= lcp) it is the state of the prompt's own prefix: it serves the limit itself.
+        above = [c for p, c in e.checkpoints.items() if p > limit and c.trimmable]
+        if above:
+            return Match(e, limit, min(above, key=lambda c: c.pos), lcp)
         below = [p for p in e.checkpoints if p <= limit]
         if not below:
             return None
@@ -171,16 +180,18 @@ class CheckpointStore:
         return entry
 
     def add_checkpoint(self, entry: Entry, pos: int, payload: Any, nbytes: int,
-                       interval: bool = False) -> bool:
+                       interval: bool = False, *, trimmable: bool = False) -> bool:
         """Store a checkpoint of `entry` at `pos` if it fits; False if it was not stored.
-        `interval`: an in-message interval mark (worth less than a boundary at the same gap)."""
+        `interval`: an in-message interval mark (worth less than a boundary at the same gap).
+        `trimmable`: every snapshotted layer can be trimmed back to any shorter prefix (a
+        sliding window that has not wrapped), so the checkpoint also serves positions below."""
         if pos in entry.checkpoints or entry not in self.entries:
             return False
         lower = [p for p in entry.checkpoints if p < pos]
         worth = (pos - max(lower, default=0)) * (INTERVAL_WEIGHT if interval else 1.0)
         if not self._make_room(nbytes, worth, keep=entry):
             return False
-        entry.checkpoints[pos] = Checkpoint(pos, payload, nbytes, interval)
+        entry.checkpoints[pos] = Checkpoint(pos, payload, nbytes, interval, trimmable)
         self.bytes_used += nbytes
         return True
 
@@ -232,7 +243,8 @@ class CheckpointStore:
         if 0 < end < len(entry.tokens) and end not in entry.checkpoints and not entry.trimmable:
             snap = end_snapshot(other)
             if snap is not None:
-                self.add_checkpoint(entry, end, *snap)
+                payload, nbytes, trimmable = snap
+                self.add_checkpoint(entry, end, payload, nbytes, trimmable=trimmable)
 
     # --- budget ------------------------------------------------------------------------------
     def _worth(self, entry: Entry, tokens: int) -> float:
