@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from prefixd.proxy.prefix import patterns as P
+from prefixd.proxy.prefix.history import moved_block, pruned, reserialized
 from prefixd.proxy.prefix.segments import (
     Segment,
     canonical,
@@ -151,8 +152,9 @@ def text_spans(a: Segment, b: Segment, limit: int = 3) -> list[Span]:
     for a0, a1, b0, b1 in spans:
         o, w = P.widen_to_lines(old, a0, a1), P.widen_to_lines(new, b0, b1)
         causes = P.span_labels(o, w)
-        if _inside_env_block(old, a0) or _inside_env_block(new, b0):
-            causes.append("env_block")
+        for block in ("env_block", "repo_map"):
+            if _inside(block, old, a0) or _inside(block, new, b0):
+                causes.append(block)
         out.append(Span(a.path, a0 + _common_prefix(old[a0:a1], new[b0:b1]), o, w, causes))
     return out
 
@@ -169,8 +171,8 @@ def _line_spans(old: str, new: str) -> list[tuple[int, int, int, int]]:
             for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"]
 
 
-def _inside_env_block(text: str, pos: int) -> bool:
-    return any(m.start() <= pos < m.end() for m in P.VOLATILE["env_block"].finditer(text))
+def _inside(label: str, text: str, pos: int) -> bool:
+    return any(m.start() <= pos < m.end() for m in P.VOLATILE[label].finditer(text))
 
 
 def _classify_tools(d: Diff, prev: list[Segment], new: list[Segment]) -> None:
@@ -203,15 +205,16 @@ def _classify_tools(d: Diff, prev: list[Segment], new: list[Segment]) -> None:
 def _classify_messages(d: Diff, prev: list[Segment], new: list[Segment], i: int) -> None:
     a, b = prev[i], new[i]
     same_slot = a.path == b.path and a.kind == b.kind
-    moved = _moved_block(a, b, new[i + 1:]) if same_slot else None
+    moved = moved_block(prev, new, i)
     if moved is not None:
-        d.moved_from, d.moved_to, label = a.path, moved[0], moved[1]
+        d.moved_from, d.moved_to, label = moved
         reminder = ["system_reminder_moved"] if label == "system_reminder" else []
         d.causes = ["block_moved", *reminder]
-        d.spans = [Span(a.path, d.char_offset, a.text[:200], b.text[:200], list(d.causes))]
-        return
-    if same_slot and _pruned(a, b):
+    elif same_slot and pruned(a, b):
         d.verdict, d.causes = Verdict.TRUNCATED, ["tool_output_pruned"]
+    elif same_slot and reserialized(a, b):
+        d.causes = ["tool_args_reserialized"]
+    if d.causes:
         d.spans = [Span(a.path, d.char_offset, a.text[:200], b.text[:200], list(d.causes))]
         return
     n_prev, n_new = (prev[-1].msg or 0) + 1, (new[-1].msg or 0) + 1
@@ -227,26 +230,6 @@ def _classify_messages(d: Diff, prev: list[Segment], new: list[Segment], i: int)
         d.verdict, d.causes = Verdict.TRUNCATED, ["history_truncated"]
     else:
         d.causes = labels or ["messages_changed:unknown"]
-
-
-def _moved_block(a: Segment, b: Segment, later: list[Segment]) -> tuple[str, str] | None:
-    """A catalogue block (system reminder, env block) that left `a` and shows up later."""
-    for label in ("system_reminder", "env_block"):
-        for m in P.VOLATILE[label].finditer(a.text):
-            block = m.group(0)
-            if block in b.text:
-                continue
-            for s in later:
-                if block in s.text:
-                    return s.path, label
-    return None
-
-
-def _pruned(a: Segment, b: Segment) -> bool:
-    if any(mk in b.text and mk not in a.text for mk in P.CLEARED_MARKERS):
-        return True
-    tool_output = a.kind == "tool_result" or a.role == "tool"
-    return tool_output and len(a.text) >= 200 and len(b.text) * 4 < len(a.text)
 
 
 def _echo(d: Diff, prev: list[Segment], added: list[Segment], resp: dict) -> None:

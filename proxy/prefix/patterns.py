@@ -53,6 +53,9 @@ _P = {
     "recent_files": r"(?is)#\s*(?:VSCode Visible Files|VSCode Open Tabs|Visual Studio Code Visible"
                     r" Files|Recently Modified Files|Actively Running Terminals)\b.*?(?=\n#\s|\Z)",
     "system_reminder": r"(?s)<system-reminder>.*?</system-reminder>",
+    # Aider's repo map: a preamble line, then paths and code signatures to the end of the
+    # message (`repo_content_prefix` of its coders; ask mode says "git repo.")
+    "repo_map": r"(?s)Here are summaries of some files present in my git repo(?:sitory)?\..*",
 }
 VOLATILE: dict[str, re.Pattern[str]] = {k: re.compile(v) for k, v in _P.items()}
 
@@ -76,7 +79,7 @@ STRUCTURAL_CAUSES = ("model_changed", "params_changed", "tools_added", "tools_re
                      "system_reminder_moved", "tool_output_pruned", "compacted",
                      "history_truncated", "branch_edit", "messages_changed:unknown",
                      "reasoning_dropped", "tool_args_reserialized", "whitespace_trimmed",
-                     "content_edited", "env_block")
+                     "content_edited", "env_block", "repo_map")
 CAUSES = frozenset(LABEL_ORDER) | frozenset(STRUCTURAL_CAUSES)
 
 CLEARED_MARKERS = ("[Old tool result content cleared]", "content cleared", "[output truncated]",
