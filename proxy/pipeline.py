@@ -114,7 +114,7 @@ class Proxy:
             async with queue.slot(on_position) as waited:
                 trace.queue_wait = waited
                 await backend.ensure_ready()
-                if self.stage is not None and prepared is not None and prepared.report:
+                if prepared is not None and prepared.report and self.stage is not None:
                     # exact token offsets where the backend can tokenize (optional member)
                     await self.stage.measure(prepared, getattr(backend, "tokenize", None))
                 up_req = UpstreamRequest(path=creq.path, body=body, stream=creq.stream,
@@ -135,15 +135,15 @@ class Proxy:
         except BackendUnavailable as e:
             raise ApiError(503, str(e), code="backend_unavailable") from None
         except BackendError as e:
-            raise ApiError(502, str(e), code="upstream_error", type_="upstream_error") from None
+            raise ApiError(502, str(e), code="upstream_error") from None
 
     def _forward_body(self, creq: ClientRequest, prepared: Prepared | None, model: str) -> bytes:
         body, raw = creq.body, creq.raw
         if prepared is not None and prepared.changed:
             body = prepared.body
-            raw = json.dumps(body, ensure_ascii=False).encode()
         if creq.model is None:                   # an omitted model means the only one
             body = {**body, "model": model}
+        if body is not creq.body:                # untouched bodies keep the client's bytes
             raw = json.dumps(body, ensure_ascii=False).encode()
         if creq.stream and not creq.wants_usage:
             raw = with_stream_usage(raw, body)

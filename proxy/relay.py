@@ -89,12 +89,10 @@ class SSERecorder:
         if end < 0:
             return b""
         ready, self._buf = self._buf[: end + 2], self._buf[end + 2:]
-        out = []
-        for event in ready.split(b"\n\n")[:-1]:
-            kept = self._event(event)
-            if kept is not None:
-                out.append(kept + b"\n\n")
-        return ready if not self.strip_usage else b"".join(out)
+        kept = [self._event(event) for event in ready.split(b"\n\n")[:-1]]
+        if not self.strip_usage:                 # nothing removed: pass the bytes as they came
+            return ready
+        return b"".join(k + b"\n\n" for k in kept if k is not None)
 
     def flush(self) -> bytes:
         """What is left when the upstream ended without a final blank line."""
