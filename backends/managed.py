@@ -25,10 +25,11 @@ from prefixd.backends.base import (
     UpstreamRequest,
     UpstreamResponse,
 )
+from prefixd.backends.config import BackendConfig
 from prefixd.backends.http import post_stream
+from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
 from prefixd.backends.supervisor import ProcState, Supervisor, local_session
-from prefixd.proxy.settings import BackendConfig, Settings
 
 log = logging.getLogger("prefixd.backend")
 
@@ -38,7 +39,7 @@ __all__ = ["ManagedBackend", "ProcState"]
 class ManagedBackend:
     kind = "mlx"
 
-    def __init__(self, config: BackendConfig, settings: Settings, *,
+    def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
                  command: CommandBuilder | None = None, stop_grace_s: float = 5.0,
                  backoff_s: tuple[float, float] = (0.5, 30.0), stable_s: float = 60.0) -> None:
         """`command(port)` gives the worker argv (tests run a fake worker); `stop_grace_s`

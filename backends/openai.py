@@ -13,9 +13,9 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from prefixd.backends.base import BackendStatus, UpstreamRequest, UpstreamResponse
+from prefixd.backends.config import BackendConfig
 from prefixd.backends.http import client_session, post_stream
 from prefixd.metrics.proxy import BACKEND_UP
-from prefixd.proxy.settings import BackendConfig
 
 log = logging.getLogger("prefixd.backend")
 

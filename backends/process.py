@@ -20,7 +20,8 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 
-from prefixd.proxy.settings import BackendConfig, Settings, worker_fields
+from prefixd.backends.config import BackendConfig
+from prefixd.backends.mlx.settings import WorkerSettings, worker_fields
 
 wlog = logging.getLogger("prefixd.worker")
 
@@ -47,7 +48,7 @@ def _env_value(value: object) -> str:
     return str(value)
 
 
-def worker_env(config: BackendConfig, settings: Settings,
+def worker_env(config: BackendConfig, settings: WorkerSettings,
                base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The child's environment: ours, plus the worker settings, the parent pid (so the worker
     exits when we are gone, even after a SIGKILL) and the backend's own `worker_env`."""

@@ -16,6 +16,8 @@ from enum import StrEnum
 
 import aiohttp
 
+from prefixd.backends.config import BackendConfig
+from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import (
     CommandBuilder,
     WorkerProcess,
@@ -24,7 +26,6 @@ from prefixd.backends.process import (
     worker_env,
 )
 from prefixd.metrics.proxy import BACKEND_RESTARTS, BACKEND_STATE, BACKEND_UP
-from prefixd.proxy.settings import BackendConfig, Settings
 
 log = logging.getLogger("prefixd.backend")
 
@@ -65,7 +66,7 @@ class _Idle:
 
 
 class Supervisor:
-    def __init__(self, config: BackendConfig, settings: Settings, command: CommandBuilder, *,
+    def __init__(self, config: BackendConfig, settings: WorkerSettings, command: CommandBuilder, *,
                  grace_s: float, backoff_s: tuple[float, float], stable_s: float) -> None:
         self.name = config.name
         self._cfg, self._settings, self._command = config, settings, command

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from prefixd import metrics
+from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.metrics.federate import label_worker_metrics
-from prefixd.proxy.errors import ApiError, errors_middleware
 from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.request import CHAT_PATH, COMPLETIONS_PATH
 

@@ -68,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = effective_backends(load_settings(args.env_file, host=args.host, port=args.port))
     setup_logging(settings.log_level, settings.log_format)
-    backends = build_backends(settings)
+    backends = build_backends(settings.backends, settings)
     return asyncio.run(serve(settings, backends))
 
 

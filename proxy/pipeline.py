@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from prefixd.api.errors import ApiError
 from prefixd.backends.base import (
     Backend,
     BackendError,
@@ -24,7 +25,6 @@ from prefixd.backends.base import (
     UpstreamRequest,
     UpstreamResponse,
 )
-from prefixd.proxy.errors import ApiError
 from prefixd.proxy.prefix.stage import PrefixStage, Prepared
 from prefixd.proxy.queue import BackendQueue, QueueClosed, QueueFull, QueueTimeout
 from prefixd.proxy.relay import SSERecorder, parse_json_body

@@ -1,64 +1,23 @@
 """The one settings object. Built once (by the CLI or a test) and passed explicitly.
 
-Every option is spelled once, here: its env variable is `PREFIXD_<FIELD>`, its description
-is the configuration reference (README and `deploy/prefixd.env.example` are generated from it).
+Every option is spelled once: its env variable is `PREFIXD_<FIELD>`, its description is the
+configuration reference (README and `deploy/prefixd.env.example` are generated from it). The
+worker's own settings (`WorkerSettings`, in the worker's package) are inherited, so the proxy's
+env file configures its workers too.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AfterValidator, Field, SecretStr
+
+from prefixd.backends.config import BackendConfig
+from prefixd.backends.mlx.settings import DEFAULT_MODEL, WorkerSettings
+
+__all__ = ["DEFAULT_MODEL", "BackendConfig", "RuleMode", "Settings", "redacted"]
 
 RuleMode = Literal["on", "off", "dry_run"]
-DEFAULT_MODEL = "smollm2-135m-instruct"
-# Marks the settings a managed worker process needs: the supervisor passes them to its env.
-WORKER = {"worker": True}
-
-
-class BackendConfig(BaseModel):
-    """One backend, as an element of the `PREFIXD_BACKENDS` JSON list."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    kind: Literal["openai", "mlx"] = "openai"
-    url: str | None = Field(None, description="openai: base URL of the upstream, "
-                            "e.g. http://127.0.0.1:8080")
-    model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
-    models: list[str] = Field(default_factory=list, description="model names this backend serves")
-    max_concurrency: Annotated[int, Field(ge=1)] = 1
-    queue_depth: Annotated[int, Field(ge=0)] = 64
-    queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
-    health_interval_s: Annotated[float, Field(gt=0)] = 10.0
-    api_key: SecretStr | None = Field(None, description="openai: bearer token sent upstream")
-    # mlx (managed worker) only
-    cache_bytes: Annotated[int, Field(ge=0)] | None = None
-    startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    idle_unload_s: Annotated[float, Field(gt=0)] | None = None
-    max_restarts: Annotated[int, Field(ge=0)] = 5
-    worker_env: dict[str, str] = Field(default_factory=dict,
-                                       description="mlx: extra PREFIXD_* settings for the worker")
-
-    @model_validator(mode="after")
-    def _kind_fields(self) -> BackendConfig:
-        if self.kind == "openai":
-            if not self.url:
-                raise ValueError(f"backend {self.name!r}: kind 'openai' needs 'url'")
-            if not self.url.startswith(("http://", "https://")):
-                raise ValueError(f"backend {self.name!r}: url must start with http(s)://")
-            if not self.models:
-                raise ValueError(f"backend {self.name!r}: list the model names it serves "
-                                 "in 'models'")
-        else:
-            if not self.model:
-                raise ValueError(f"backend {self.name!r}: kind 'mlx' needs 'model'")
-            if not self.models:
-                self.models = [Path(self.model).name if "/" in self.model else self.model]
-        return self
 
 
 def _unique_names(backends: list[BackendConfig]) -> list[BackendConfig]:
@@ -69,12 +28,8 @@ def _unique_names(backends: list[BackendConfig]) -> list[BackendConfig]:
     return backends
 
 
-class Settings(BaseSettings):
+class Settings(WorkerSettings):
     """prefixd configuration (env prefix `PREFIXD_`; env file `--env-file` or ./prefixd.env)."""
-
-    model_config = SettingsConfigDict(env_prefix="PREFIXD_", env_file="prefixd.env",
-                                      env_file_encoding="utf-8", extra="ignore",
-                                      validate_default=True)
 
     # --- server -----------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the proxy listens on.")
@@ -84,22 +39,10 @@ class Settings(BaseSettings):
         description="JSON list of backends: {name, kind: openai|mlx, url (openai), model (mlx), "
         "models, max_concurrency, queue_depth, queue_timeout_s, request_timeout_s, ...}. "
         "Empty: one managed mlx backend on `default_model`.")
-    default_model: str = Field(DEFAULT_MODEL, description="Model served when no backend is "
-                               "configured: a built-in name, a model folder or a Hub id.")
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
-                                description="Largest request body accepted (larger: 413).",
-                                json_schema_extra=WORKER)
     api_key: SecretStr | None = Field(None, description="If set, every /v1/* route requires "
                                       "`Authorization: Bearer <api_key>`; /health stays open.")
-    log_format: Literal["text", "json"] = Field("text", description="Log line format.",
-                                                json_schema_extra=WORKER)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Log level.", json_schema_extra=WORKER)
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
                                       "in-flight requests may run before they are cut.")
-    cache_dir: Path = Field(Path("~/.cache/prefixd"), description="Where converted models and "
-                            "downloaded model packages are kept.", json_schema_extra=WORKER)
-
     # --- prefix reports and canonicalization (proxy/prefix) -----------------------------
     prefix_detect: bool = Field(True, description="Diff each request against its lane's "
                                 "previous one and report prefix mutations.")
@@ -126,33 +69,6 @@ class Settings(BaseSettings):
         "off", description="R8 (risky): pin <env>-style blocks; restate changes in the "
         "newest user message.")
 
-    # --- mlx worker (backends/mlx) -------------------------------------------------------
-    cache_bytes: int = Field(4 * 1024**3, ge=0, description="Worker: byte budget of the "
-                             "prompt cache (stored KV + checkpoints); never exceeded.",
-                             json_schema_extra=WORKER)
-    checkpoint_interval: int | None = Field(
-        None, ge=16, description="Worker: also checkpoint every N tokens inside long messages. "
-        "Unset: automatic, the smallest power of two from 64 to 4096 whose checkpoints for a "
-        "32K-token conversation fit in a quarter of cache_bytes (64 for small models, "
-        "thousands for large hybrids).", json_schema_extra=WORKER)
-    checkpoint_tail: int = Field(4, ge=0, description="Worker: checkpoint this many tokens "
-                                 "before the prompt end (besides the end itself).",
-                                 json_schema_extra=WORKER)
-    prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
-                               "per step.", json_schema_extra=WORKER)
-    max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
-                                    "request gives none.", json_schema_extra=WORKER)
-    kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "
-                                "bits (4 or 8); unset keeps full precision.",
-                                json_schema_extra=WORKER)
-    dequantize: Literal["auto", "on", "off"] = Field(
-        "auto", description="Worker: turn quantized weights into float32 after loading. auto: "
-        "only built-in models on a CPU-only MLX (4-bit matmuls are slow there).",
-        json_schema_extra=WORKER)
-    use_system_blas: bool = Field(True, description="Worker (Linux): preload the system "
-                                  "OpenBLAS, ~10x faster than MLX's bundled BLAS on CPU.",
-                                  json_schema_extra=WORKER)
-
 
 def redacted(settings: Settings) -> dict:
     """The effective configuration as JSON-able data, secrets replaced by '***'."""
@@ -163,9 +79,3 @@ def redacted(settings: Settings) -> dict:
         if b.get("api_key"):
             b["api_key"] = "***"
     return data
-
-
-def worker_fields() -> list[str]:
-    """Names of the settings a worker process reads (marked `WORKER` above)."""
-    return [name for name, f in Settings.model_fields.items()
-            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("worker")]

@@ -49,7 +49,7 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
             backends = [{"name": "up", "kind": "openai", "url": url, "models": ["fake"],
                          **(backend or {})}]
         settings = Settings(_env_file=None, backends=backends, **fields)
-        server = Server(make_proxy(settings, build_backends(settings)))
+        server = Server(make_proxy(settings, build_backends(settings.backends, settings)))
         await server.start("127.0.0.1", 0)
         servers.append(server)
         return server

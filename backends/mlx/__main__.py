@@ -1,7 +1,7 @@
 """`python -m prefixd.backends.mlx` / `prefixd worker`: run one mlx worker process.
 
 Owns: the worker's command line, its process lifecycle (BLAS re-exec, signals, following its
-parent's death, ordered shutdown) and the listening socket. Settings come from the environment
+parent's death, ordered shutdown) and the listening socket. WorkerSettings come from the environment
 (PREFIXD_*; the supervisor passes worker settings that way). The HTTP server starts first and
 answers /health with 503 until the model is loaded, so a supervisor can tell "loading" from
 "dead". SIGTERM/SIGINT, or the parent process going away, stop it within a couple of seconds.
@@ -22,9 +22,9 @@ from aiohttp import web
 
 from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.mlx.worker import create_app
 from prefixd.backends.parent import follow_parent, watch_parent
-from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.worker")
 # Set by the supervisor to its own pid: the worker exits when that process is gone.
@@ -33,7 +33,7 @@ log = logging.getLogger("prefixd.worker")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixd worker",
                                 description="Serve one mlx-lm model with prefix checkpoints "
-                                "(OpenAI API). Settings: PREFIXD_* environment variables.")
+                                "(OpenAI API). WorkerSettings: PREFIXD_* environment variables.")
     p.add_argument("--model", help="model folder, Hub id or built-in name "
                    "(default: PREFIXD_DEFAULT_MODEL)")
     p.add_argument("--served-name", help="model id in /v1/models and responses "
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     code (0; 1 if the model cannot be loaded; 2 if the address cannot be bound) via os._exit:
     see the comment at the end."""
     args = _parser().parse_args(argv)
-    settings = Settings()
+    settings = WorkerSettings()
     # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
     reexec_with_blas(enabled=settings.use_system_blas)
     # Supervised, each line is re-logged by prefixd with its own timestamp and backend tag.
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(rc)
 
 
-async def _serve(args: argparse.Namespace, settings: Settings, generator: Generator,
+async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: Generator,
                  spec: str, name: str, parent: int | None) -> tuple[int, bool]:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from prefixd.api.errors import ApiError
 from prefixd.backends.mlx.store import common_prefix
-from prefixd.proxy.errors import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Rendering every message prefix costs O(messages x prompt). Past this many messages only the

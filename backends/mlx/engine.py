@@ -25,7 +25,7 @@ from prefixd.metrics import worker as metrics
 if TYPE_CHECKING:
     import mlx.nn as nn
 
-    from prefixd.proxy.settings import Settings
+    from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker.cache")
 
@@ -43,7 +43,7 @@ class PromptStats:
 class Engine:
     """One model, one checkpoint store, one generation at a time."""
 
-    def __init__(self, model: nn.Module, settings: Settings) -> None:
+    def __init__(self, model: nn.Module, settings: WorkerSettings) -> None:
         self.model = model
         self.settings = settings
         self.store = CheckpointStore(settings.cache_bytes)

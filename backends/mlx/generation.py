@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixd.api.errors import ApiError
 from prefixd.backends.mlx.chat import Prompt, Sampling
 from prefixd.backends.mlx.oai import StopMatcher
-from prefixd.proxy.errors import ApiError
-from prefixd.proxy.settings import Settings
+from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker")
 
@@ -89,7 +89,7 @@ def max_context(model: Any) -> int | None:
 class Generator:
     """The model, its Engine and the one thread they live on."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.loaded: Loaded | None = None
         self.cache_info: dict[str, Any] = {}

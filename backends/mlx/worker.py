@@ -16,19 +16,19 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from prefixd.api.errors import ApiError, error_response, errors_middleware
 from prefixd.backends.mlx.chat import GenRequest, Prompt, build_prompt, encode, parse_request
 from prefixd.backends.mlx.generation import Failed, Finished, Generator, Job, Loaded
 from prefixd.backends.mlx.oai import DONE, ChatOutput, Shapes, ToolFormat, sse, usage
+from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.metrics import CONTENT_TYPE, render
-from prefixd.proxy.errors import ApiError, error_response, errors_middleware
-from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.worker")
 GENERATOR = web.AppKey("generator", Generator)
 MODEL_NAME = web.AppKey("model_name", str)
 
 
-def create_app(generator: Generator, model_name: str, settings: Settings) -> web.Application:
+def create_app(generator: Generator, model_name: str, settings: WorkerSettings) -> web.Application:
     """The worker app around a `Generator` (loaded now or later: /health says which)."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=settings.max_body_bytes)
     app[GENERATOR] = generator

@@ -1,0 +1,54 @@
+"""The configuration of one backend: an element of the `PREFIXD_BACKENDS` JSON list.
+
+Lives in `backends` (the layer that uses it); the proxy's `Settings` holds a list of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+
+class BackendConfig(BaseModel):
+    """One backend, as an element of the `PREFIXD_BACKENDS` JSON list."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    kind: Literal["openai", "mlx"] = "openai"
+    url: str | None = Field(None, description="openai: base URL of the upstream, "
+                            "e.g. http://127.0.0.1:8080")
+    model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
+    models: list[str] = Field(default_factory=list, description="model names this backend serves")
+    max_concurrency: Annotated[int, Field(ge=1)] = 1
+    queue_depth: Annotated[int, Field(ge=0)] = 64
+    queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
+    health_interval_s: Annotated[float, Field(gt=0)] = 10.0
+    api_key: SecretStr | None = Field(None, description="openai: bearer token sent upstream")
+    # mlx (managed worker) only
+    cache_bytes: Annotated[int, Field(ge=0)] | None = None
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    idle_unload_s: Annotated[float, Field(gt=0)] | None = None
+    max_restarts: Annotated[int, Field(ge=0)] = 5
+    worker_env: dict[str, str] = Field(default_factory=dict,
+                                       description="mlx: extra PREFIXD_* settings for the worker")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> BackendConfig:
+        if self.kind == "openai":
+            if not self.url:
+                raise ValueError(f"backend {self.name!r}: kind 'openai' needs 'url'")
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"backend {self.name!r}: url must start with http(s)://")
+            if not self.models:
+                raise ValueError(f"backend {self.name!r}: list the model names it serves "
+                                 "in 'models'")
+        else:
+            if not self.model:
+                raise ValueError(f"backend {self.name!r}: kind 'mlx' needs 'model'")
+            if not self.models:
+                self.models = [Path(self.model).name if "/" in self.model else self.model]
+        return self

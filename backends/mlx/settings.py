@@ -1,0 +1,58 @@
+"""The worker's settings: what a `prefixd worker` process reads from its environment
+(`PREFIXD_*`). The proxy's `Settings` extends this class, so one env file configures both and
+the supervisor hands exactly these fields to the workers it starts. Imports no mlx.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class WorkerSettings(BaseSettings):
+    """Settings of an mlx worker process (env prefix `PREFIXD_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFIXD_", env_file="prefixd.env",
+                                      env_file_encoding="utf-8", extra="ignore",
+                                      validate_default=True)
+
+    default_model: str = Field(DEFAULT_MODEL, description="Model served when no backend is "
+                               "configured: a built-in name, a model folder or a Hub id.")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
+                                description="Largest request body accepted (larger: 413).")
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level.")
+    cache_dir: Path = Field(Path("~/.cache/prefixd"), description="Where converted models and "
+                            "downloaded model packages are kept.")
+
+    cache_bytes: int = Field(4 * 1024**3, ge=0, description="Worker: byte budget of the "
+                             "prompt cache (stored KV + checkpoints); never exceeded.")
+    checkpoint_interval: int | None = Field(
+        None, ge=16, description="Worker: also checkpoint every N tokens inside long messages. "
+        "Unset: automatic, the smallest power of two from 64 to 4096 whose checkpoints for a "
+        "32K-token conversation fit in a quarter of cache_bytes (64 for small models, "
+        "thousands for large hybrids).")
+    checkpoint_tail: int = Field(4, ge=0, description="Worker: checkpoint this many tokens "
+                                 "before the prompt end (besides the end itself).")
+    prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
+                               "per step.")
+    max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
+                                    "request gives none.")
+    kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "
+                                "bits (4 or 8); unset keeps full precision.")
+    dequantize: Literal["auto", "on", "off"] = Field(
+        "auto", description="Worker: turn quantized weights into float32 after loading. auto: "
+        "only built-in models on a CPU-only MLX (4-bit matmuls are slow there).")
+    use_system_blas: bool = Field(True, description="Worker (Linux): preload the system "
+                                  "OpenBLAS, ~10x faster than MLX's bundled BLAS on CPU.")
+
+
+def worker_fields() -> list[str]:
+    """Names of the settings a worker process reads."""
+    return list(WorkerSettings.model_fields)
