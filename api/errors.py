@@ -24,7 +24,7 @@ _TYPE_BY_STATUS = {
 }
 
 
-def _type_for(status: int) -> str:
+def status_type(status: int) -> str:
     fallback = "upstream_error" if status in (502, 504) else "server_error"
     return _TYPE_BY_STATUS.get(status, fallback)
 
@@ -32,7 +32,7 @@ def _type_for(status: int) -> str:
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                    type_: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-style JSON error. 5xx default to `server_error`/`upstream_error` types."""
-    type_ = type_ or _type_for(status)
+    type_ = type_ or status_type(status)
     return web.Response(status=status, headers=headers, content_type="application/json",
                         text=json.dumps(error_body(message, type_, param=param, code=code)))
 
@@ -53,7 +53,7 @@ class ApiError(Exception):
 
     def sse_event(self) -> bytes:
         """The same error as one SSE `data:` event, for streams that already started."""
-        body = error_body(self.message, self.type_ or _type_for(self.status),
+        body = error_body(self.message, self.type_ or status_type(self.status),
                           param=self.param, code=self.code)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 

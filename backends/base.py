@@ -21,6 +21,10 @@ class BackendError(Exception):
     """The upstream failed while serving (unreachable, crashed, reset). → 502."""
 
 
+class BackendTimeout(BackendError):
+    """The upstream did not answer (its headers, or the rest of its body) in time. → 504."""
+
+
 @dataclass(frozen=True)
 class UpstreamRequest:
     """What the proxy asks a backend to do: POST `path` with `body` (already final bytes)."""
@@ -52,6 +56,11 @@ class BackendStatus:
     last_error: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def available(self) -> bool:
+        """Up, or a managed worker that ensure_ready() would start (stopped, idle-unloaded)."""
+        return self.up or self.state in ("stopped", "starting")
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -71,3 +80,27 @@ class Backend(Protocol):
 
     async def stop(self) -> None:
         """Stop health probes and any managed process; bounded in time."""
+
+    # --- optional capabilities: `BackendBase` gives each a default -------------------------
+    async def tokenize(self, body: dict[str, Any]) -> list[int] | None:
+        """The exact prompt token ids of a chat/completions body as this backend renders
+        it, or None when it cannot tell (now). Must not wait behind generation."""
+
+    async def metrics_text(self) -> str | None:
+        """The backend's own Prometheus text (a managed worker's cache metrics), or None."""
+
+    async def cache_info(self) -> dict[str, Any] | None:
+        """A summary of the backend's prompt cache (bytes, budget, entries), or None."""
+
+
+class BackendBase:
+    """Defaults for the optional capabilities of `Backend`: none of them."""
+
+    async def tokenize(self, body: dict[str, Any]) -> list[int] | None:
+        return None
+
+    async def metrics_text(self) -> str | None:
+        return None
+
+    async def cache_info(self) -> dict[str, Any] | None:
+        return None

@@ -12,7 +12,12 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 
-from prefixd.backends.base import BackendError, UpstreamRequest, UpstreamResponse
+from prefixd.backends.base import (
+    BackendError,
+    BackendTimeout,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding"}
@@ -32,7 +37,12 @@ async def post_stream(session: aiohttp.ClientSession, url: str, req: UpstreamReq
     try:
         resp = await session.post(url, data=req.body, headers=send, timeout=timeout,
                                   auto_decompress=True)
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+    except aiohttp.ConnectionTimeoutError as e:
+        raise BackendError(f"backend {backend!r} unreachable: connect timed out") from e
+    except TimeoutError as e:
+        raise BackendTimeout(f"backend {backend!r} sent no response within "
+                             f"{req.timeout_s:g}s") from e
+    except (aiohttp.ClientError, OSError) as e:
         raise BackendError(f"backend {backend!r} unreachable: {_describe(e)}") from e
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -40,7 +50,7 @@ async def post_stream(session: aiohttp.ClientSession, url: str, req: UpstreamReq
             async for data in resp.content.iter_any():
                 yield data
         except TimeoutError as e:
-            raise BackendError(f"backend {backend!r} timed out after {req.timeout_s:g}s") from e
+            raise BackendTimeout(f"backend {backend!r} timed out after {req.timeout_s:g}s") from e
         except (aiohttp.ClientError, OSError) as e:
             raise BackendError(f"backend {backend!r} connection lost: {_describe(e)}") from e
 

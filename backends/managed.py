@@ -19,6 +19,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import aiohttp
 
 from prefixd.backends.base import (
+    BackendBase,
     BackendError,
     BackendStatus,
     BackendUnavailable,
@@ -36,7 +37,7 @@ log = logging.getLogger("prefixd.backend")
 __all__ = ["ManagedBackend", "ProcState"]
 
 
-class ManagedBackend:
+class ManagedBackend(BackendBase):
     kind = "mlx"
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
@@ -119,7 +120,8 @@ class ManagedBackend:
             return None
         if self._session is None:
             self._session = local_session()
-        payload = {"content": body["prompt"]} if isinstance(body.get("prompt"), str) else body
+        payload = ({"content": body["prompt"]} if isinstance(body.get("prompt"), str)
+                   else {**body, "boundaries": False})   # ids only: no boundary rendering
         try:
             async with self._session.post(base + "/tokenize", json=payload,
                                           timeout=aiohttp.ClientTimeout(total=10)) as r:

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 
-from prefixd.backends.base import BackendStatus, UpstreamRequest, UpstreamResponse
+from prefixd.backends.base import BackendBase, BackendStatus, UpstreamRequest, UpstreamResponse
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.http import client_session, post_stream
 from prefixd.metrics.proxy import BACKEND_UP
@@ -24,7 +24,7 @@ log = logging.getLogger("prefixd.backend")
 PROBE_PATHS = ("/health", "/v1/models")
 
 
-class OpenAIBackend:
+class OpenAIBackend(BackendBase):
     kind = "openai"
 
     def __init__(self, config: BackendConfig) -> None:
@@ -40,6 +40,7 @@ class OpenAIBackend:
         self._last_error: str | None = None
         self._last_probe: float | None = None
         self._probe_from = 0               # index into PROBE_PATHS of the path that works
+        self._can_tokenize: bool | None = None   # None until /apply-template was tried
         key = config.api_key.get_secret_value() if config.api_key else None
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -63,26 +64,38 @@ class OpenAIBackend:
 
     async def tokenize(self, body: dict) -> list[int] | None:
         """Exact token ids where the upstream can tell them (llama-server: /apply-template +
-        /tokenize). None elsewhere; callers then estimate."""
+        /tokenize). None elsewhere; callers then estimate. A server that answers 404 to
+        either endpoint is remembered as one that cannot, and not asked again."""
+        if self._can_tokenize is False:
+            return None
         session = self._ensure_session()
         try:
             text = body.get("prompt") if "prompt" in body else None
             if text is None:
-                async with session.post(self._base + "/apply-template", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
-                    if r.status != 200:
-                        return None
-                    text = (await r.json()).get("prompt")
+                text = (await self._post_json(session, "/apply-template", body) or {}).get("prompt")
             if not isinstance(text, str):
                 return None
-            async with session.post(self._base + "/tokenize", json={"content": text},
-                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status != 200:
-                    return None
-                tokens = (await r.json()).get("tokens")
-                return tokens if isinstance(tokens, list) else None
+            answer = await self._post_json(session, "/tokenize", {"content": text})
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
+        tokens = (answer or {}).get("tokens")
+        return tokens if isinstance(tokens, list) else None
+
+    async def _post_json(self, session: aiohttp.ClientSession, path: str,
+                         payload: dict) -> dict | None:
+        async with session.post(self._base + path, json=payload, headers=self._auth,
+                                timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status in (404, 405, 501):
+                if self._can_tokenize is None:
+                    log.info("backend %s has no %s: prefix reports use estimated token "
+                             "offsets", self.name, path)
+                self._can_tokenize = False
+                return None
+            if r.status != 200:
+                return None
+            self._can_tokenize = True
+            answer = await r.json(content_type=None)
+            return answer if isinstance(answer, dict) else None
 
     async def probe_once(self) -> bool:
         session = self._ensure_session()

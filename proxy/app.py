@@ -15,8 +15,7 @@ from aiohttp import web
 from prefixd import metrics
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.metrics.federate import label_worker_metrics
-from prefixd.proxy.pipeline import Proxy
-from prefixd.proxy.request import CHAT_PATH, COMPLETIONS_PATH
+from prefixd.proxy.pipeline import OPENAI_APIS, Proxy
 
 log = logging.getLogger("prefixd.app")
 
@@ -86,25 +85,24 @@ async def _status(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
-    scrapers = {name: b.metrics_text for name, b in proxy.backends.items()
-                if hasattr(b, "metrics_text")}
-    texts = await asyncio.gather(*(f() for f in scrapers.values()))
-    workers = label_worker_metrics({n: t for n, t in zip(scrapers, texts, strict=True) if t})
+    names = list(proxy.backends)
+    texts = await asyncio.gather(*(proxy.backends[n].metrics_text() for n in names))
+    workers = label_worker_metrics({n: t for n, t in zip(names, texts, strict=True) if t})
     resp = web.Response(body=metrics.render() + workers.encode())
     resp.headers["Content-Type"] = metrics.CONTENT_TYPE
     return resp
 
 
 async def _debug_lanes(request: web.Request) -> web.Response:
-    stage = request.app[PROXY_KEY].stage
-    if stage is None:
+    proxy = request.app[PROXY_KEY]
+    if not proxy.detecting:
         raise ApiError(404, "prefix detection is off (PREFIXD_PREFIX_DETECT=false)")
-    return web.json_response({"lanes": stage.debug_lanes()})
+    return web.json_response({"lanes": proxy.prefix.debug_lanes()})
 
 
 async def _debug_lane(request: web.Request) -> web.Response:
-    stage = request.app[PROXY_KEY].stage
-    history = stage.debug_lane(request.match_info["lane"]) if stage is not None else None
+    proxy = request.app[PROXY_KEY]
+    history = proxy.prefix.debug_lane(request.match_info["lane"]) if proxy.detecting else None
     if history is None:
         raise ApiError(404, f"no lane {request.match_info['lane']!r}", code="lane_not_found")
     return web.json_response({"lane": request.match_info["lane"], "reports": history})
@@ -139,8 +137,8 @@ def build_app(proxy: Proxy) -> web.Application:
                           middlewares=[errors_middleware, auth_middleware(key),
                                        body_limit_middleware(s.max_body_bytes)])
     app[PROXY_KEY] = proxy
-    app.router.add_post(CHAT_PATH, proxy.handle)
-    app.router.add_post(COMPLETIONS_PATH, proxy.handle)
+    for api in OPENAI_APIS:
+        app.router.add_post(api.path, proxy.handler(api))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)

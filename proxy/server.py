@@ -14,16 +14,13 @@ from prefixd.backends.base import Backend
 from prefixd.backends.parent import follow_parent, watch_parent
 from prefixd.proxy.app import build_app
 from prefixd.proxy.pipeline import Proxy
-from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.server")
 
 
 def make_proxy(settings: Settings, backends: list[Backend]) -> Proxy:
-    configs = {b.name: b for b in settings.backends}
-    stage = PrefixStage(settings) if settings.prefix_detect else None
-    return Proxy(settings, backends, configs, stage)
+    return Proxy(settings, backends, {b.name: b for b in settings.backends})
 
 
 class Server:

@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from prefixd.metrics import proxy as m
 
 log = logging.getLogger("prefixd.request")
@@ -27,7 +25,7 @@ class RequestTrace:
     queue_wait: float | None = None
     first_token_at: float | None = None
     usage: dict[str, Any] | None = None
-    response: web.StreamResponse | None = None
+    upstream_status: int | None = None
     completed: bool = False       # the last byte of the answer was sent
 
     def tokens(self) -> tuple[int | None, int | None, int | None]:

@@ -1,7 +1,10 @@
 """A fake OpenAI-compatible upstream on a loopback port: the outer boundary of the proxy tests.
 
 Behaviour per request comes from an unknown body field the proxy passes through:
-`"fake": {"chunks": N, "delay": s, "status": code, "hold": true, "usage": {...}}`.
+`"fake": {"chunks": N, "delay": s, "status": code, "hold": true, "usage": {...}}`, or a
+scripted broken upstream: `"raw": [str, ...]` (written as-is, in that many writes, with
+`"content_type"`), then `"drop": true` (abort the connection instead of ending the body);
+`"hang_headers": true` (never answer).
 It records every request it received, in order, its maximum concurrency, and when a
 stream was abandoned by its client (the proxy closing the upstream connection).
 """
@@ -61,6 +64,10 @@ class FakeUpstream:
             self.received.append(body)
             self.arrived.notify_all()
         fake = body.get("fake") or {}
+        if fake.get("hang_headers"):
+            await asyncio.Event().wait()
+        if "raw" in fake:
+            return await self._raw(request, fake)
         status = fake.get("status", 200)
         if status != 200:
             return web.json_response({"error": {"message": f"fake failure {status}",
@@ -81,6 +88,21 @@ class FakeUpstream:
         finally:
             self.active -= 1
             self.finished += 1
+
+    async def _raw(self, request: web.Request, fake: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": fake.get("content_type",
+                                                                    "text/event-stream")})
+        await resp.prepare(request)
+        for i, part in enumerate(fake["raw"]):
+            await resp.write(part.encode())
+            if i == 0 and fake.get("hold_after_first"):
+                await self.release.wait()
+        if fake.get("drop"):
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await resp.write_eof()
+        return resp
 
     async def _stream(self, request: web.Request, body: dict, fake: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -83,7 +83,14 @@ def test_1_billing_header_reported_when_rule_off() -> None:
     assert r.causes == ["anthropic_billing_header"]
     assert r.reusable_tokens < 20 < r.lost_tokens
     assert "cch=fa690" in r.spans[0].old_excerpt and "cch=0aaa9" in r.spans[0].new_excerpt
-    assert p2.header.startswith("verdict=MUTATED;cause=anthropic_billing_header;reused=")
+    assert p2.header.startswith("verdict=MUTATED;cause=anthropic_billing_header;sent=MUTATED;"
+                                "reused=")
+    # the rule that is off says what it would keep, computed by running it on a copy
+    [fix] = r.would_fix
+    assert fix["rule"] == "strip_billing_header" and fix["mode"] == "off"
+    assert 0.9 * r.lost_tokens < fix["saved_tokens"] <= r.lost_tokens
+    assert "would_fix=strip_billing_header" in p2.header
+    assert r.hint.startswith("PREFIXD_CANON_STRIP_BILLING_HEADER=on")
     assert not p2.changed
 
 
@@ -92,8 +99,11 @@ def test_1_billing_header_stripped_by_default() -> None:
     assert p1.changed and "billing" not in fwd_text(p1)
     assert p1.body["system"][0]["text"] == CC_SYSTEM        # the emptied block is dropped
     r = p2.report
-    assert r.verdict == "APPEND" and r.canonicalized == ["strip_billing_header"]
-    assert r.client_causes == ["anthropic_billing_header"]
+    # the report shows what the client did, and what prefixd did about it
+    assert r.verdict == "MUTATED" and r.causes == ["anthropic_billing_header"]
+    assert r.fixed == ["strip_billing_header"] and r.sent_verdict == "APPEND"
+    assert p2.header.startswith("verdict=MUTATED;cause=anthropic_billing_header;"
+                                "fixed=strip_billing_header;sent=APPEND;reused=")
     assert r.reusable_tokens == r.prev_prompt_tokens > 0
     assert r.saved_tokens > 0.9 * r.reusable_tokens
 
@@ -133,10 +143,11 @@ def test_2_freeze_date_pins_and_replays() -> None:
     tail = p2.body["messages"][-1]["content"]
     assert tail.startswith("run tests\n\n<context-update") and "Wed Sep 17 2025" in tail
     assert "supersedes" in tail
-    assert p2.report.verdict == "APPEND" and p2.report.canonicalized == ["freeze_date"]
+    assert p2.report.sent_verdict == "APPEND" and p2.report.fixed == ["freeze_date"]
+    assert p2.report.verdict == "MUTATED" and "js_todatestring" in p2.report.causes
     # Replay: turn 3 carries turn 2's user message with the very same block.
     assert p3.body["messages"][-3] == p2.body["messages"][-1]
-    assert p3.report.verdict == "APPEND"
+    assert p3.report.sent_verdict == "APPEND"
     assert p3.body["messages"][0] == p1.body["messages"][0]
 
 
@@ -189,7 +200,8 @@ def test_4_relocate_clock_time_keeps_the_prefix_and_states_the_time() -> None:
     p1 = play(st, chat(goose_system("2025-05-03 14:22:07"), [], "hi"), {}, ok("hello"))
     hist = [{"role": "user", "content": "hi"}, ok("hello")]
     p2 = play(st, chat(goose_system("2025-05-03 14:22:47"), hist, "and now?"), {}, ok())
-    assert p2.report.verdict == "APPEND" and p2.report.canonicalized == ["relocate_clock_time"]
+    assert p2.report.sent_verdict == "APPEND" and p2.report.fixed == ["relocate_clock_time"]
+    assert p2.report.verdict == "MUTATED" and "clock_time" in p2.report.causes
     assert p2.body["messages"][0] == p1.body["messages"][0]
     where = [i for i, m in enumerate(p2.body["messages"]) if "14:22:47" in m["content"]]
     assert where == [len(p2.body["messages"]) - 1]
@@ -228,8 +240,9 @@ def test_5_pin_tool_order_forwards_first_seen_bytes() -> None:
     hist = [{"role": "user", "content": "hi"}, ok("x")]
     p2 = play(st, chat("sys", hist, "more", tools=shuffled_tools()))
     assert json.dumps(p2.body["tools"]) == json.dumps(p1.body["tools"])
-    assert p2.report.verdict == "APPEND" and p2.report.canonicalized == ["pin_tool_order"]
-    assert {"tools_reordered", "schema_key_order"} <= set(p2.report.client_causes)
+    assert p2.report.sent_verdict == "APPEND" and p2.report.fixed == ["pin_tool_order"]
+    assert p2.report.verdict == "MUTATED"
+    assert {"tools_reordered", "schema_key_order"} <= set(p2.report.causes)
 
 
 # --- 6. Tool added mid-session ----------------------------------------------------------------
@@ -244,7 +257,8 @@ def test_6_tool_added_is_reported_even_when_pinned() -> None:
         hist += [{"role": "user", "content": f"turn {turn}"}, ok(f"r{turn}")]
     r = p.report
     assert r.verdict == "MUTATED" and r.tools_added == ["browser_navigate"]
-    assert r.causes == ["tools_added"] and r.path == "tools[12]"
+    # where the client put it; prefixd sends it last, after the twelve pinned tools
+    assert r.causes == ["tools_added"] and r.path == "tools[3]"
     assert p.body["tools"][-1]["function"]["name"] == "browser_navigate"
     tools_chars = sum(len(json.dumps(t, separators=(",", ":"))) for t in mcp_tools())
     # tools render first: all twelve old ones stay reusable, system and history are lost
@@ -382,8 +396,8 @@ def test_identical_resend_and_whitespace_pin() -> None:
     assert play(st, chat("Rules:\n- be brief\n", [], "hi")).report.verdict == "IDENTICAL"
     p3 = play(st, chat("Rules:\r\n- be brief  \n", [], "hi"))
     assert p3.body["messages"][0] == p1.body["messages"][0]
-    assert p3.report.verdict == "IDENTICAL" and p3.report.canonicalized == ["pin_whitespace"]
-    assert p3.report.client_causes == ["whitespace_only"]
+    assert p3.report.sent_verdict == "IDENTICAL" and p3.report.fixed == ["pin_whitespace"]
+    assert p3.report.causes == ["whitespace_only"]
 
 
 def test_debug_endpoints_hide_text_unless_excerpts() -> None:

@@ -251,7 +251,9 @@ async def test_prefix_report_header_debug_endpoint_and_billing_strip(upstream, s
         async with http.post(url(proxy), json=body, headers=headers) as r:
             assert r.status == 200
             verdict = r.headers["X-Prefixd-Prefix"]
-    assert verdict.startswith("verdict=APPEND")          # R1 (on by default) kept the prefix
+    # what the client did, what R1 (on by default) did about it, what the backend got
+    assert verdict.startswith("verdict=MUTATED;cause=anthropic_billing_header;"
+                              "fixed=strip_billing_header;sent=APPEND;")
     sent = [b["messages"][0]["content"] for b in upstream.received]
     assert sent[0] == sent[1] == "You are Claude Code."  # the billing line never went upstream
     async with http.get(url(proxy, "/debug/prefix")) as r:
@@ -259,8 +261,23 @@ async def test_prefix_report_header_debug_endpoint_and_billing_strip(upstream, s
     lane = lanes[0]["lane"]
     async with http.get(url(proxy, f"/debug/prefix/{lane}")) as r:
         reports = (await r.json())["reports"]
-    assert [rep["verdict"] for rep in reports] == ["NEW", "APPEND"]
+    assert [rep["verdict"] for rep in reports] == ["NEW", "MUTATED"]
+    assert [rep["sent_verdict"] for rep in reports] == ["NEW", "APPEND"]
     async with http.get(url(proxy, "/debug/prefix/nope")) as r:
+        assert r.status == 404
+
+
+async def test_detection_off_keeps_canonicalization_on(upstream, start_proxy, http):
+    """PREFIXD_PREFIX_DETECT=false removes the reports, not the rules: the billing line
+    (R1, on by default) still never goes upstream."""
+    proxy = await start_proxy(upstream.url, prefix_detect=False)
+    system = "x-anthropic-billing-header: cc_version=2.1.37; cch=fa690;\nYou are Claude Code."
+    body = {"model": "fake", "messages": [{"role": "system", "content": system},
+                                          {"role": "user", "content": "hi"}]}
+    async with http.post(url(proxy), json=body, headers={"X-Session-Id": "s-2"}) as r:
+        assert r.status == 200 and "X-Prefixd-Prefix" not in r.headers
+    assert upstream.received[-1]["messages"][0]["content"] == "You are Claude Code."
+    async with http.get(url(proxy, "/debug/prefix")) as r:
         assert r.status == 404
 
 

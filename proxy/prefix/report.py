@@ -47,10 +47,10 @@ class PrefixReport:
     reusable_tokens: int = 0
     prev_prompt_tokens: int = 0
     lost_tokens: int = 0
-    client_causes: list[str] = field(default_factory=list)   # what the client changed
-    canonicalized: list[str] = field(default_factory=list)   # rules that rewrote this request
+    sent_verdict: Verdict = Verdict.NEW      # what the backend received, after the rules
+    fixed: list[str] = field(default_factory=list)           # rules that rewrote this request
     saved_tokens: int = 0                                    # kept thanks to those rules
-    would_fix: list[dict[str, Any]] = field(default_factory=list)   # dry-run rules
+    would_fix: list[dict[str, Any]] = field(default_factory=list)   # rules not on
     backend_cached_tokens: int | None = None
     backend_prompt_tokens: int | None = None
     miss: str | None = None              # "agrees" or "unexplained"
@@ -59,7 +59,13 @@ class PrefixReport:
 
     @property
     def mutated(self) -> bool:
+        """The client's request broke the prefix (whether or not a rule repaired it)."""
         return self.verdict not in (*REUSING, Verdict.NEW)
+
+    @property
+    def sent_mutated(self) -> bool:
+        """What the backend received breaks the prefix."""
+        return self.sent_verdict not in (*REUSING, Verdict.NEW)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,14 +98,15 @@ def hint_for(causes: list[str]) -> str | None:
 
 
 def header(r: PrefixReport) -> str:
-    """`X-Prefixd-Prefix` value: verdict, causes, reused/previous tokens, where, rules."""
-    parts = [f"verdict={r.verdict.value}", f"cause={','.join(r.causes) or '-'}",
-             f"reused={r.reusable_tokens}/{r.prev_prompt_tokens}"]
+    """`X-Prefixd-Prefix` value: the client's verdict and causes, the rules that repaired it,
+    the verdict of what was sent, reused/previous tokens, where, rules that would help."""
+    parts = [f"verdict={r.verdict.value}", f"cause={','.join(r.causes) or '-'}"]
+    if r.fixed:
+        parts.append(f"fixed={','.join(r.fixed)}")
+    parts += [f"sent={r.sent_verdict.value}", f"reused={r.reusable_tokens}/{r.prev_prompt_tokens}"]
     if r.path:
         tok = f"{'' if r.token_offset_exact else '~'}{r.token_offset}"
         parts.append(f"at={r.path}+{r.char_offset}ch@{tok}tok")
-    if r.canonicalized:
-        parts.append(f"canon={','.join(r.canonicalized)}")
     if r.would_fix:
         parts.append(f"would_fix={','.join(w['rule'] for w in r.would_fix)}")
     return ";".join(parts)
@@ -114,8 +121,9 @@ def log_text(r: PrefixReport, est_prefill_s: float | None = None) -> str:
     cause = f" cause={','.join(r.causes)}" if r.causes else ""
     if r.moved_from:
         cause += f"(from {r.moved_from})"
+    sent = f" sent={r.sent_verdict.value}" if r.sent_verdict != r.verdict else ""
     lines = [f"prefix lane={r.lane} turn={r.turn} client={r.client} "
-             f"verdict={r.verdict.value}{where}{cause}"]
+             f"verdict={r.verdict.value}{where}{cause}{sent}"]
     pct = 100.0 * r.reusable_tokens / r.prev_prompt_tokens if r.prev_prompt_tokens else 100.0
     detail = f"  reusable={r.reusable_tokens}/{r.prev_prompt_tokens} tok ({pct:.1f}%)"
     if r.lost_tokens:
@@ -135,11 +143,11 @@ def log_text(r: PrefixReport, est_prefill_s: float | None = None) -> str:
         if s.old_excerpt is not None:
             lines.append(f"    - old: {s.old_excerpt!r}")
             lines.append(f"    + new: {s.new_excerpt!r}")
-    if r.canonicalized:
-        lines.append(f"  canonicalized: {', '.join(r.canonicalized)} (client changed: "
-                     f"{', '.join(r.client_causes) or 'nothing'}; kept {r.saved_tokens} tok)")
+    if r.fixed:
+        lines.append(f"  fixed by: {', '.join(r.fixed)} (kept {r.saved_tokens} tok)")
     for w in r.would_fix:
-        lines.append(f"  fix: canon_{w['rule']}=on would keep {w['saved_tokens']} more tok")
+        lines.append(f"  fix: canon_{w['rule']}=on ({w['mode']} now) would keep "
+                     f"{w['saved_tokens']} more tok")
     if r.hint:
         lines.append(f"  hint: {r.hint}")
     return "\n".join(lines)

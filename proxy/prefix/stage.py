@@ -10,6 +10,7 @@ what enabling them would keep. Owns the `LaneStore`; the proxy owns I/O and the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -35,43 +36,64 @@ Tokenize = Callable[[dict], Awaitable[list[int] | None]]
 
 @dataclass(slots=True)
 class Prepared:
-    """One request's passage through the stage; the proxy reads lane, body, changed, header."""
+    """One request's passage through the prefix steps; the pipeline reads lane, body,
+    changed and header. `canonicalize()` fills the first part, `detect()` the report."""
 
     lane: str
     body: dict
     changed: bool
-    report: PrefixReport | None
-    header: str | None
+    report: PrefixReport | None = None
+    header: str | None = None
     turn: int = 0
     segments: list[Segment] = field(default_factory=list)   # forwarded, in render order
     prev_body: dict | None = None
     prev_tokens: list[int] | None = None
     prev_had_reasoning: bool = False
+    client: str = "other"
+    raw: list[Segment] = field(default_factory=list)        # as the client sent it
+    shadow: list[Segment] | None = None                     # with every rule applied
+    res: C.CanonResult | None = None
+    shadow_res: C.CanonResult | None = None
 
 
 class PrefixStage:
+    """Lanes, canonicalization and mutation reports over one `LaneStore`.
+
+    `canonicalize()` runs on every request (the rules that are on); `detect()` only when
+    prefix detection is on. `prepare()` is both, for callers that want one step."""
+
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
         self.store = LaneStore(settings.lane_idle_s, settings.lane_max, settings.lane_max_bytes,
                                settings.prefix_history)
         self.ratio = 4.0            # chars per token, learned across lanes for new ones
-        modes = {rule: getattr(settings, name) for rule, name in RULE_SETTINGS.items()}
-        self.live = frozenset(r for r, m in modes.items() if m == "on")
-        self.dry = frozenset(r for r, m in modes.items() if m == "dry_run")
+        self.modes = {rule: getattr(settings, name) for rule, name in RULE_SETTINGS.items()}
+        self.live = frozenset(r for r, m in self.modes.items() if m == "on")
+        # Rules that are not on still run on a shadow copy, so a report can say what they
+        # would keep (`would_fix`); dry_run rules are also counted in the metrics.
+        self.hinted = frozenset(r for r in self.modes if r not in self.live)
 
     # --- before forwarding ------------------------------------------------------------------
-    def prepare(self, body: dict, headers: Mapping[str, str], *, model: str, path: str,
-                backend_kind: str) -> Prepared:
-        """Lane, canonicalized body and report for one request. Never raises: reports are
-        advice, so a body this stage cannot read is forwarded untouched."""
+    def prepare(self, body: dict, headers: Mapping[str, str], *, model: str = "", path: str = "",
+                backend_kind: str = "local") -> Prepared:
+        prepared = self.canonicalize(body, headers, backend_kind=backend_kind)
+        if self.settings.prefix_detect:
+            self.detect(prepared)
+        return prepared
+
+    def canonicalize(self, body: dict, headers: Mapping[str, str], *,
+                     backend_kind: str = "local") -> Prepared:
+        """The lane and the body to forward. Never raises: a body this step cannot read is
+        forwarded untouched."""
         try:
-            return self._prepare(body, headers, backend_kind)
+            return self._canonicalize(body, headers, backend_kind)
         except Exception:
             log.warning("prefix stage skipped a request it could not read", exc_info=True)
-            return Prepared("-", body, False, None, None)
+            return Prepared("-", body, False)
 
-    def _prepare(self, body: dict, headers: Mapping[str, str], backend_kind: str) -> Prepared:
+    def _canonicalize(self, body: dict, headers: Mapping[str, str],
+                      backend_kind: str) -> Prepared:
         client = client_family(headers)
         raw = flatten(body)
         lane = self.store.resolve(base_key(headers, body, raw, client), system_family(raw),
@@ -82,51 +104,65 @@ class PrefixStage:
         res = C.canonicalize(body, lane.canon, self.live, backend_kind=backend_kind)
         fwd = flatten(res.body) if res.changed else raw
         shadow_res, shadow = None, None
-        if self.dry:
-            shadow_res = C.canonicalize(body, lane.canon, self.live | self.dry, shadow=True,
+        if self.settings.prefix_detect and self.hinted:
+            shadow_res = C.canonicalize(body, lane.canon, self.live | self.hinted, shadow=True,
                                         backend_kind=backend_kind)
             shadow = flatten(shadow_res.body) if shadow_res.changed else raw
-        report = None
-        if self.settings.prefix_detect:
-            report = self._report(lane, client, raw, fwd, shadow, res, shadow_res)
         C.commit(lane.canon, body, res)
         if shadow_res is not None:
             C.commit(lane.canon, body, shadow_res, shadow=True)
-        prepared = Prepared(lane.id, res.body, res.changed, report,
-                            header(report) if report else None, lane.turn, fwd,
-                            lane.fwd_body, lane.fwd_tokens, _had_reasoning(lane.resp))
-        lane.raw, lane.fwd, lane.shadow, lane.fwd_body = raw, fwd, shadow, res.body
-        lane.fwd_tokens, lane.resp, lane.prompt_tokens = None, None, None
+        return Prepared(lane.id, res.body, res.changed, turn=lane.turn, segments=fwd,
+                        prev_body=lane.fwd_body, prev_tokens=lane.fwd_tokens,
+                        prev_had_reasoning=_had_reasoning(lane.resp), client=client, raw=raw,
+                        shadow=shadow, res=res, shadow_res=shadow_res)
+
+    def detect(self, prepared: Prepared) -> None:
+        """Report this request against the lane's previous one; then it becomes the previous."""
+        lane = self.store.get(prepared.lane)
+        if lane is None or lane.turn != prepared.turn or prepared.res is None:
+            return
+        try:
+            report = self._report(lane, prepared)
+        except Exception:
+            log.warning("prefix report failed for lane %s", lane.id, exc_info=True)
+            report = None
+        prepared.report = report
+        prepared.header = header(report) if report else None
+        lane.raw, lane.fwd, lane.shadow = prepared.raw, prepared.segments, prepared.shadow
+        lane.fwd_body, lane.fwd_tokens = prepared.body, None
+        lane.resp, lane.prompt_tokens = None, None
         if report is not None:
             lane.history.append(report)
         self.store.set_bytes(lane, state_bytes(lane))
         M.LANES.set(len(self.store))
         M.LANE_BYTES.set(self.store.nbytes)
-        return prepared
 
-    def _report(self, lane: LaneState, client: str, raw: list[Segment], fwd: list[Segment],
-                shadow: list[Segment] | None, res: C.CanonResult,
-                shadow_res: C.CanonResult | None) -> PrefixReport:
-        d = diff(lane.fwd, fwd, lane.resp, lane.ratio)
-        r = PrefixReport(lane.id, lane.turn, client, d.verdict, d.region, d.path, d.char_offset,
-                         causes=d.causes, moved_from=d.moved_from, moved_to=d.moved_to,
-                         tools_added=d.tools_added, tools_removed=d.tools_removed)
+    def _report(self, lane: LaneState, p: Prepared) -> PrefixReport:
+        res, shadow_res = p.res, p.shadow_res
+        assert res is not None
+        sent = diff(lane.fwd, p.segments, lane.resp, lane.ratio)
+        same_views = p.segments is p.raw and lane.fwd is lane.raw
+        d = sent if same_views else diff(lane.raw, p.raw, lane.resp, lane.ratio)
+        r = PrefixReport(lane.id, lane.turn, p.client, d.verdict, d.region, d.path,
+                         d.char_offset, causes=d.causes, moved_from=d.moved_from,
+                         moved_to=d.moved_to, tools_added=d.tools_added,
+                         tools_removed=d.tools_removed, sent_verdict=sent.verdict)
         excerpts = self.settings.prefix_excerpts
         r.spans = [span_report(s.path, s.char_offset, s.old, s.new, s.causes, excerpts)
                    for s in d.spans]
-        self._quantify(r, d, lane)
-        r.hint = hint_for(r.causes)
-        if res.changed:
-            r.canonicalized = list(res.applied)
-            if lane.raw is not None:
-                cd = diff(lane.raw, raw, lane.resp, lane.ratio)
-                r.client_causes = [] if cd.verdict in REUSING else cd.causes
-                r.saved_tokens = max(0, r.reusable_tokens - self._reusable(cd, lane))
+        self._quantify(r, sent, d, lane)
+        r.fixed = list(res.applied)
+        r.saved_tokens = max(0, r.reusable_tokens - self._reusable(d, lane))
         if shadow_res is not None and shadow_res.changed and lane.shadow is not None:
-            sd = diff(lane.shadow, shadow, lane.resp, lane.ratio)
+            sd = diff(lane.shadow, p.shadow, lane.resp, lane.ratio)
             gain = max(0, self._reusable(sd, lane) - r.reusable_tokens)
-            rules = [x for x in shadow_res.applied if x in self.dry]
-            r.would_fix = [{"rule": x, "saved_tokens": gain} for x in rules]
+            rules = [x for x in shadow_res.applied if x in self.hinted]
+            if gain > 0:
+                r.would_fix = [{"rule": x, "mode": self.modes[x], "saved_tokens": gain}
+                               for x in rules]
+        r.hint = hint_for(r.causes) if not r.would_fix else (
+            f"PREFIXD_{RULE_SETTINGS[r.would_fix[0]['rule']].upper()}=on would keep "
+            f"{r.would_fix[0]['saved_tokens']} more tokens")
         return r
 
     def _prev_tokens(self, d: Diff, lane: LaneState) -> int:
@@ -140,33 +176,44 @@ class PrefixStage:
             return prev
         return min(prev, round(d.reusable_chars / lane.ratio))
 
-    def _quantify(self, r: PrefixReport, d: Diff, lane: LaneState) -> None:
-        if d.verdict is Verdict.NEW:
+    def _quantify(self, r: PrefixReport, sent: Diff, client: Diff, lane: LaneState) -> None:
+        """Tokens the backend can reuse (from what was sent) and where the client broke the
+        prefix (from what the client sent)."""
+        if client.verdict is Verdict.NEW:
             return
-        r.prev_prompt_tokens = self._prev_tokens(d, lane)
-        r.reusable_tokens = self._reusable(d, lane)
+        r.prev_prompt_tokens = self._prev_tokens(sent, lane)
+        r.reusable_tokens = self._reusable(sent, lane)
         r.lost_tokens = r.prev_prompt_tokens - r.reusable_tokens
-        if d.verdict is Verdict.APPEND_ECHO_DRIFT:
-            r.lost_tokens += round(d.echo_lost_chars / lane.ratio)
+        if sent.verdict is Verdict.APPEND_ECHO_DRIFT:
+            r.lost_tokens += round(sent.echo_lost_chars / lane.ratio)
         if r.path:
-            r.token_offset = (r.reusable_tokens if d.verdict not in REUSING
+            r.token_offset = (self._reusable(client, lane) if client.verdict not in REUSING
                               else r.prev_prompt_tokens)
 
     # --- exact token offsets ----------------------------------------------------------------
     async def measure(self, prepared: Prepared, tokenize: Tokenize | None) -> None:
         """Replace estimates by exact counts: the token LCP of the lane's previous forwarded
-        body and this one, both rendered by the backend. Only for mutations (cheap to skip)."""
+        body and this one, both rendered by the backend. Only when what is sent diverges
+        (an append reuses the whole previous prompt, whose count the backend reported). The
+        previous turn's tokens are kept with the lane, so a run of mutated turns tokenizes
+        each prompt once."""
         r = prepared.report
-        if tokenize is None or r is None or not r.mutated or prepared.prev_body is None:
+        if (tokenize is None or r is None or not r.sent_mutated
+                or prepared.prev_body is None):
             return
-        prev = prepared.prev_tokens or await tokenize(prepared.prev_body)
-        cur = await tokenize(prepared.body)
+        if prepared.prev_tokens is not None:
+            prev, cur = prepared.prev_tokens, await tokenize(prepared.body)
+        else:
+            prev, cur = await asyncio.gather(tokenize(prepared.prev_body),
+                                             tokenize(prepared.body))
         if not prev or cur is None:
             return
         n = min(len(prev), len(cur))
         lcp = next((i for i in range(n) if prev[i] != cur[i]), n)
-        r.prev_prompt_tokens, r.reusable_tokens, r.token_offset = len(prev), lcp, lcp
-        r.lost_tokens, r.token_offset_exact = len(prev) - lcp, True
+        r.prev_prompt_tokens, r.reusable_tokens = len(prev), lcp
+        r.lost_tokens = len(prev) - lcp
+        if not r.fixed:                  # the client's break is the backend's break
+            r.token_offset, r.token_offset_exact = lcp, True
         prepared.header = header(r)
         lane = self.store.get(prepared.lane)
         if lane is not None and lane.turn == prepared.turn:
@@ -208,11 +255,11 @@ class PrefixStage:
         expected = r.reusable_tokens
         slack = BOUNDARY_TOKENS if r.token_offset_exact else max(BOUNDARY_TOKENS,
                                                                  int(0.1 * expected))
-        if r.verdict is Verdict.NEW or cached + slack >= expected:
+        if r.sent_verdict is Verdict.NEW or cached + slack >= expected:
             r.miss = "agrees"
             return
         r.miss = "unexplained"
-        if r.verdict not in REUSING:
+        if r.sent_verdict not in REUSING:
             # Reuse needs a rewind to mid-prompt: recurrent/windowed state without a
             # checkpoint there cannot be trimmed back (stock mlx-lm on hybrid models).
             r.suspects = ["checkpoint_granularity", "eviction"]
@@ -228,6 +275,7 @@ class PrefixStage:
             log.log(level, "%s", log_text(r))
         M.REQUESTS.labels(r.client, r.verdict.value).inc()
         if r.mutated or r.verdict is Verdict.APPEND_ECHO_DRIFT:
+            # what the client did, whether or not a rule repaired it
             for cause in r.causes:
                 M.MUTATIONS.labels(r.client, r.region or "messages", cause).inc()
             if r.causes and r.lost_tokens > 0:
@@ -237,13 +285,13 @@ class PrefixStage:
                                                        / r.prev_prompt_tokens))
         if r.suspects:
             M.UNEXPLAINED_MISS.labels(r.suspects[0]).inc()
-        share = r.saved_tokens // max(1, len(r.canonicalized))
-        for rule in r.canonicalized:
+        share = r.saved_tokens // max(1, len(r.fixed))
+        for rule in r.fixed:
             M.CANON_APPLIED.labels(rule, "on").inc()
             M.CANON_SAVED.labels(rule, "on").inc(share)
         for w in r.would_fix:
-            M.CANON_APPLIED.labels(w["rule"], "dry_run").inc()
-            M.CANON_SAVED.labels(w["rule"], "dry_run").inc(w["saved_tokens"])
+            M.CANON_APPLIED.labels(w["rule"], w["mode"]).inc()
+            M.CANON_SAVED.labels(w["rule"], w["mode"]).inc(w["saved_tokens"])
 
     # --- debug endpoints --------------------------------------------------------------------
     def debug_lanes(self) -> list[dict]:

@@ -1,0 +1,118 @@
+"""The one object a request carries through the pipeline: what the client sent, what each
+stage decided, the response state, and the trace that becomes its metrics and log line.
+
+Error delivery depends on the response state, and only here: before anything was sent, a
+JSON error in the client API's shape; once an SSE stream started, an error event in that
+API's stream shape, then the end of the stream; once a JSON body started, the connection is
+aborted (half a JSON document cannot be repaired, and a client must not take it as whole).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from prefixd.api.errors import ApiError, error_body, status_type
+from prefixd.api.schema import Kind, Parsed
+from prefixd.backends.base import Backend, UpstreamResponse
+from prefixd.proxy.prefix.stage import Prepared
+from prefixd.proxy.trace import RequestTrace
+
+log = logging.getLogger("prefixd.request")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class ResponseState(enum.Enum):
+    NOT_STARTED = "not_started"
+    SSE = "sse_started"
+    JSON = "json_started"
+
+
+@dataclass(frozen=True)
+class ClientApi:
+    """A client-facing API: its route, the internal request form it becomes, and (for APIs
+    other than OpenAI's own) the translator to and from that form."""
+
+    name: str                     # "chat", "completions", "anthropic", "responses"
+    path: str
+    kind: Kind                    # the internal request: "chat" or "completion"
+    translator: Any = None        # prefixd.proxy.translate Translator, None for OpenAI
+
+    def error_body(self, e: ApiError) -> dict[str, Any]:
+        type_ = e.type_ or status_type(e.status)
+        if self.translator is not None:
+            return self.translator.error_body(e.status, type_, e.message, e.param, e.code)
+        return error_body(e.message, type_, param=e.param, code=e.code)
+
+    def sse_error(self, e: ApiError, stream: Any = None) -> bytes:
+        body = self.error_body(e)
+        if stream is not None:
+            return stream.error(body)
+        return b"data: " + json.dumps(body).encode() + b"\n\n" + b"data: [DONE]\n\n"
+
+
+@dataclass
+class Exchange:
+    request: web.Request
+    api: ClientApi
+    trace: RequestTrace
+    raw: bytes = b""
+    client_body: dict[str, Any] = field(default_factory=dict)   # as the client sent it
+    parsed: Parsed | None = None        # the internal chat/completions request
+    model: str | None = None            # the served model it resolved to
+    prepared: Prepared | None = None    # lane, canonicalized body, prefix report
+    backend: Backend | None = None
+    upstream: UpstreamResponse | None = None
+    response: web.StreamResponse | None = None
+    state: ResponseState = ResponseState.NOT_STARTED
+    stream_out: Any = None              # the translator's per-response stream state
+    message: dict[str, Any] | None = None   # the assistant's answer, for the lane
+    usage: dict[str, Any] | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.parsed and self.parsed.req.stream)
+
+    def headers(self) -> dict[str, str]:
+        out = {"X-Request-Id": self.trace.request_id}
+        if self.backend is not None:
+            out["X-Prefixd-Backend"] = self.backend.name
+        if self.prepared is not None and self.prepared.header:
+            out["X-Prefixd-Prefix"] = self.prepared.header
+        return out
+
+    async def start(self, status: int, headers: dict[str, str], sse: bool) -> web.StreamResponse:
+        """Send the status line and headers; from now on errors go by `state`."""
+        assert self.response is None
+        resp = web.StreamResponse(status=status, headers={**headers, **self.headers()})
+        self.response = resp
+        self.state = ResponseState.SSE if sse else ResponseState.JSON
+        await resp.prepare(self.request)
+        return resp
+
+    async def fail(self, e: ApiError) -> web.StreamResponse:
+        """Deliver `e` the only way the response state allows."""
+        self.trace.status, self.trace.error = e.status, e.message
+        if self.state is ResponseState.NOT_STARTED:
+            resp = web.json_response(self.api.error_body(e), status=e.status,
+                                     headers={**(e.headers or {}), **self.headers()})
+            return resp
+        assert self.response is not None
+        try:
+            if self.state is ResponseState.SSE:
+                await self.response.write(self.api.sse_error(e, self.stream_out))
+                await self.response.write_eof()
+            else:
+                log.warning("request %s: %s after the JSON body started; aborting the "
+                            "connection", self.trace.request_id, e.message)
+                if self.request.transport is not None:
+                    self.request.transport.abort()
+        except (ConnectionResetError, OSError):
+            pass
+        return self.response

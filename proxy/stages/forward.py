@@ -1,0 +1,74 @@
+"""forward: start the backend if needed, send it the final request bytes, and keep the
+upstream response open while relay reads it (leaving early closes the upstream request)."""
+
+from __future__ import annotations
+
+import json
+
+from prefixd.api.errors import ApiError
+from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
+from prefixd.backends.base import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    UpstreamRequest,
+)
+from prefixd.proxy.exchange import Exchange
+from prefixd.proxy.stages import Next
+
+
+class ForwardStage:
+    name = "forward"
+
+    def __init__(self, request_timeouts: dict[str, float]) -> None:
+        self.request_timeouts = request_timeouts
+
+    async def __call__(self, ex: Exchange, call_next: Next) -> None:
+        assert ex.backend is not None and ex.parsed is not None
+        backend = ex.backend
+        try:
+            await backend.ensure_ready()
+            path = CHAT_PATH if ex.api.kind == "chat" else COMPLETIONS_PATH
+            up_req = UpstreamRequest(path=path, body=forward_body(ex), stream=ex.stream,
+                                     request_id=ex.trace.request_id,
+                                     timeout_s=self.request_timeouts[backend.name])
+            async with backend.forward(up_req) as up:
+                ex.upstream = up
+                await call_next(ex)
+        except BackendUnavailable as e:
+            raise ApiError(503, str(e), code="backend_unavailable") from None
+        except BackendTimeout as e:
+            raise ApiError(504, str(e), code="upstream_timeout") from None
+        except BackendError as e:
+            raise ApiError(502, str(e), code="upstream_error") from None
+
+
+def forward_body(ex: Exchange) -> bytes:
+    """The bytes the backend receives: the client's own bytes unless a stage changed the
+    body, with the served model filled in when omitted and stream usage requested."""
+    assert ex.parsed is not None
+    body, raw = ex.parsed.body, ex.parsed.raw
+    if ex.prepared is not None and ex.prepared.changed:
+        body = ex.prepared.body
+    if ex.parsed.req.model is None:               # an omitted model means the only one
+        body = {**body, "model": ex.model}
+    if body is not ex.parsed.body:                # untouched bodies keep the client's bytes
+        raw = json.dumps(body, ensure_ascii=False).encode()
+    if ex.stream and not ex.parsed.req.wants_usage:
+        raw = with_stream_usage(raw, body)
+    return raw
+
+
+def with_stream_usage(raw: bytes, body: dict) -> bytes:
+    """The same request asking the upstream for stream usage, other bytes untouched.
+
+    The key is spliced in after the opening brace so the rest of the client's bytes (and any
+    prefix-cache-relevant ordering) are forwarded exactly as sent. The body is UTF-8 JSON
+    (the parse stage refuses anything else), so the first `{` byte is the object's."""
+    if "stream_options" in body:
+        opts = dict(body["stream_options"] or {})
+        opts["include_usage"] = True
+        return json.dumps({**body, "stream_options": opts}, ensure_ascii=False).encode()
+    start = raw.index(b"{") + 1
+    sep = b"," if body else b""
+    return raw[:start] + b'"stream_options":{"include_usage":true}' + sep + raw[start:]

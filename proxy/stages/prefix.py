@@ -1,0 +1,50 @@
+"""canonicalize, detect and measure: the proxy's prefix stages over one `PrefixStage`
+(lanes, rules, reports; `proxy/prefix`). Canonicalization runs whether or not detection
+does; detection reports before forwarding and reconciles with the backend's usage after."""
+
+from __future__ import annotations
+
+from prefixd.proxy.exchange import Exchange
+from prefixd.proxy.prefix.stage import PrefixStage
+from prefixd.proxy.stages import Next
+
+
+class CanonicalizeStage:
+    name = "canonicalize"
+
+    def __init__(self, prefix: PrefixStage) -> None:
+        self.prefix = prefix
+
+    async def __call__(self, ex: Exchange, call_next: Next) -> None:
+        assert ex.parsed is not None
+        ex.prepared = self.prefix.canonicalize(ex.parsed.body, ex.request.headers)
+        await call_next(ex)
+
+
+class DetectStage:
+    name = "detect"
+
+    def __init__(self, prefix: PrefixStage) -> None:
+        self.prefix = prefix
+
+    async def __call__(self, ex: Exchange, call_next: Next) -> None:
+        if ex.prepared is not None:
+            self.prefix.detect(ex.prepared)
+        await call_next(ex)
+        if ex.prepared is not None and ex.trace.completed and ex.trace.status == 200:
+            self.prefix.record_response(ex.prepared, ex.message, ex.usage)
+
+
+class MeasureStage:
+    """Exact token offsets for a mutated turn, from the chosen backend's tokenizer, before
+    the request takes a queue slot (a backend that cannot tokenize now is skipped)."""
+
+    name = "measure"
+
+    def __init__(self, prefix: PrefixStage) -> None:
+        self.prefix = prefix
+
+    async def __call__(self, ex: Exchange, call_next: Next) -> None:
+        if ex.prepared is not None and ex.backend is not None:
+            await self.prefix.measure(ex.prepared, ex.backend.tokenize)
+        await call_next(ex)

@@ -1,0 +1,148 @@
+"""relay: answer the client from the upstream response — SSE event by event, or the JSON
+body as it arrives — through the client API's translator when it has one; note time to
+first token, the assistant message and usage for the later stages and the trace."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from prefixd.api.errors import ApiError
+from prefixd.proxy.exchange import SSE_HEADERS, Exchange, ResponseState
+from prefixd.proxy.sse import SSERecorder, UpstreamProtocolError, loads, parse_json_body
+from prefixd.proxy.stages import Next
+
+MAX_ERROR_BODY = 1 << 20
+_DROP = ("server", "date", "content-length", "content-type")
+
+
+class RelayStage:
+    name = "relay"
+
+    async def __call__(self, ex: Exchange, call_next: Next) -> None:
+        up = ex.upstream
+        assert up is not None and ex.parsed is not None
+        ex.trace.upstream_status = up.status
+        is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+        try:
+            if up.status != 200:
+                await self._error(ex)
+            elif is_sse:
+                await self._sse(ex)
+            else:
+                await self._json(ex)
+        except UpstreamProtocolError as e:
+            raise ApiError(502, f"backend {ex.trace.backend!r}: {e}",
+                           code="upstream_error") from None
+        await call_next(ex)
+
+    async def _error(self, ex: Exchange) -> None:
+        """An upstream's own error: passed through as it is to an OpenAI client that has
+        no response yet; otherwise in the client API's error shape."""
+        up = ex.upstream
+        assert up is not None
+        body = await _read(up.chunks, MAX_ERROR_BODY)
+        if ex.state is not ResponseState.NOT_STARTED or ex.api.translator is not None:
+            raise ApiError(up.status, _error_message(body, up.status), code="upstream_error")
+        resp = await ex.start(up.status, _headers(up.headers, "application/json"), sse=False)
+        ex.trace.status = up.status
+        await resp.write(body)
+        await _end(ex)
+
+    async def _sse(self, ex: Exchange) -> None:
+        up = ex.upstream
+        assert up is not None and ex.parsed is not None
+        if ex.state is ResponseState.NOT_STARTED:
+            headers = (SSE_HEADERS if ex.api.translator is not None
+                       else _headers(up.headers, up.headers.get("Content-Type", "")))
+            await ex.start(200, headers, sse=True)
+        elif ex.state is not ResponseState.SSE:
+            raise AssertionError("a JSON response cannot carry a stream")
+        resp = ex.response
+        assert resp is not None
+        ex.trace.status = 200
+        rec = SSERecorder(strip_usage=ex.stream and not ex.parsed.req.wants_usage,
+                          translate=ex.stream_out)
+        async for chunk in up.chunks:
+            out = rec.feed(chunk)
+            if out:
+                await resp.write(out)
+            if rec.done and not ex.trace.completed and ex.api.translator is None:
+                # The client has every byte that matters: whatever it does next (close at
+                # once, say), this request completed, with its usage.
+                ex.trace.completed = True
+                ex.trace.first_token_at = rec.first_content_at
+                ex.usage = ex.trace.usage = rec.usage
+        tail = rec.flush()
+        if ex.stream_out is not None:
+            tail += ex.stream_out.finish()
+        if tail:
+            await resp.write(tail)
+        ex.trace.first_token_at = rec.first_content_at
+        ex.message, ex.usage = rec.builder.message(), rec.usage
+        await _end(ex)
+
+    async def _json(self, ex: Exchange) -> None:
+        up = ex.upstream
+        assert up is not None
+        if ex.state is ResponseState.SSE:        # a queued stream, but the upstream did not
+            body = await _read(up.chunks, MAX_ERROR_BODY)
+            raise ApiError(502, "the upstream answered a streaming request with "
+                           f"{up.headers.get('Content-Type') or 'no content type'}: "
+                           f"{body[:200].decode(errors='replace')}", code="upstream_error")
+        if ex.api.translator is not None:
+            body = await _read(up.chunks, None)
+            obj = loads(body)
+            if not isinstance(obj, dict):
+                raise ApiError(502, "the upstream's answer is not a JSON object",
+                               code="upstream_error")
+            ex.trace.first_token_at = time.monotonic()
+            ex.message, ex.usage = parse_json_body(body)
+            out = json.dumps(ex.api.translator.response(obj), ensure_ascii=False).encode()
+            resp = await ex.start(200, {"Content-Type": "application/json"}, sse=False)
+            ex.trace.status = 200
+            await resp.write(out)
+            await _end(ex)
+            return
+        resp = await ex.start(200, _headers(up.headers, "application/json"), sse=False)
+        ex.trace.status = 200
+        parts = []
+        async for chunk in up.chunks:
+            if ex.trace.first_token_at is None:
+                ex.trace.first_token_at = time.monotonic()
+            parts.append(chunk)
+            await resp.write(chunk)
+        ex.message, ex.usage = parse_json_body(b"".join(parts))
+        await _end(ex)
+
+
+async def _end(ex: Exchange) -> None:
+    assert ex.response is not None
+    await ex.response.write_eof()
+    ex.trace.completed = True
+
+
+def _headers(upstream: dict[str, str], content_type: str) -> dict[str, str]:
+    out = {k: v for k, v in upstream.items() if k.lower() not in _DROP}
+    out["Content-Type"] = content_type or "application/octet-stream"
+    return out
+
+
+async def _read(chunks, limit: int | None) -> bytes:  # type: ignore[no-untyped-def]
+    parts, size = [], 0
+    async for chunk in chunks:
+        parts.append(chunk)
+        size += len(chunk)
+        if limit is not None and size > limit:
+            break
+    return b"".join(parts)[: limit or None]
+
+
+def _error_message(body: bytes, status: int) -> str:
+    obj = loads(body)
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    if isinstance(err, str):
+        return err
+    return f"upstream answered HTTP {status}: {body[:200].decode(errors='replace')}"
