@@ -6,8 +6,8 @@ A client API shows one output block at a time (an Anthropic content block, a Res
 item), while a chat stream may interleave parallel tool calls. `BlockSequencer` reconciles the
 two: a block streams live while nothing else is happening; once a tool call is open, anything
 else that arrives (another tool call, text, thinking) is collected and emitted whole, in order
-of first appearance, when the open block ends. A tool call streams live only once its name is
-known (the client API needs it up front).
+of first appearance, when the stream ends. A tool call streams live only once its name is
+known (the client API needs it up front); one that never gets a name is dropped.
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ def read_delta(delta: dict) -> tuple[list[tuple[Kind, str]], list[ToolPiece]]:
         if not isinstance(index, int) or isinstance(index, bool):
             continue
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-        tools.append(ToolPiece(index, _str(tc.get("id")), _str(fn.get("name")),
-                               _str(fn.get("arguments"))))
+        piece = ToolPiece(index, _str(tc.get("id")), _str(fn.get("name")),
+                          _str(fn.get("arguments")))
+        if piece.call_id or piece.name or piece.arguments:
+            tools.append(piece)
     return texts, tools
 
 
@@ -172,10 +174,13 @@ class BlockSequencer:
         return events
 
     def finish(self) -> list[Event]:
-        """Close the open block and emit the held ones whole."""
+        """Close the open block and emit the held ones whole (a tool call that never got a
+        name cannot be called: it is dropped)."""
         events = self._close()
         held, self._held = self._held, []
         for block in held:
+            if block.kind == "tool" and not block.name:
+                continue
             events += self._start(block, block.text)
             events += self._close()
         return events
