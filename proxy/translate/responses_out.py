@@ -28,7 +28,8 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 def usage(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
-    return {"input_tokens": u.prompt, "input_tokens_details": {"cached_tokens": u.cached},
+    return {"input_tokens": u.prompt,
+            "input_tokens_details": {"cached_tokens": u.cached, "cache_write_tokens": 0},
             "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt + u.completion}
 
