@@ -1,5 +1,6 @@
 """The aiohttp application: routes, the error/auth middleware, and the informational
-endpoints (/v1/models, /health, /ready, /status, /metrics, /debug/prefix)."""
+endpoints (/v1/models, /health, /ready, /status, /metrics, /debug/prefix); the status page
+at / comes from `prefixd.proxy.ui`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prefixd.metrics.federate import label_worker_metrics
 from prefixd.proxy.errors import ApiError, errors_middleware
 from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.request import CHAT_PATH, COMPLETIONS_PATH
+from prefixd.proxy.ui import add_routes as add_ui_routes
 
 log = logging.getLogger("prefixd.app")
 
@@ -24,10 +26,17 @@ PROXY_KEY = web.AppKey("proxy", Proxy)
 WARMUPS_KEY = web.AppKey("warmups", list)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+
+def needs_key(path: str) -> bool:
+    """Routes that reveal traffic (the API, status, metrics, prefix reports) need the key;
+    /health, /ready and the status page's own files (/, /ui/*) stay open."""
+    return path.startswith(("/v1/", "/debug/")) or path in ("/status", "/metrics")
+
+
 def auth_middleware(api_key: str | None) -> Callable:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path.startswith("/v1/"):
+        if api_key and needs_key(request.path):
             got = request.headers.get("Authorization", "")
             token = got[7:] if got.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):
@@ -148,6 +157,7 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/debug/prefix", _debug_lanes)
     app.router.add_get("/debug/prefix/{lane}", _debug_lane)
+    add_ui_routes(app)
     app.on_startup.append(_start_backends)
     app.on_cleanup.append(_stop_backends)
     return app

@@ -89,8 +89,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
                                 description="Largest request body accepted (larger: 413).",
                                 json_schema_extra=WORKER)
-    api_key: SecretStr | None = Field(None, description="If set, every /v1/* route requires "
-                                      "`Authorization: Bearer <api_key>`; /health stays open.")
+    api_key: SecretStr | None = Field(None, description="If set, /v1/*, /status, /metrics and "
+                                      "/debug/* require `Authorization: Bearer <api_key>`; "
+                                      "/health, /ready and the status page (/, /ui/*) stay open.")
     log_format: Literal["text", "json"] = Field("text", description="Log line format.",
                                                 json_schema_extra=WORKER)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
