@@ -1,5 +1,6 @@
 """The aiohttp application: routes, the error/auth middleware, and the informational
-endpoints (/v1/models, /health, /ready, /status, /metrics, /debug/prefix)."""
+endpoints (/v1/models, /health, /ready, /status, /metrics, /debug/prefix); the status page
+at / comes from `prefixd.proxy.ui`."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
 from prefixd import metrics
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.metrics.federate import label_worker_metrics
-from prefixd.proxy.pipeline import OPENAI_APIS, Proxy
+from prefixd.proxy.pipeline import API_BY_PATH, CLIENT_APIS, Proxy
+from prefixd.proxy.tokens import count_tokens
+from prefixd.proxy.ui import add_routes as add_ui_routes
 
 log = logging.getLogger("prefixd.app")
 
@@ -23,15 +26,34 @@ PROXY_KEY = web.AppKey("proxy", Proxy)
 WARMUPS_KEY = web.AppKey("warmups", list)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+
+def needs_key(path: str) -> bool:
+    """Routes that reveal traffic (the API, status, metrics, prefix reports) need the key;
+    /health, /ready and the status page's own files (/, /ui/*) stay open."""
+    return path.startswith(("/v1/", "/debug/")) or path in ("/status", "/metrics")
+
+
+def presented_key(headers: Mapping[str, str]) -> bytes:
+    """The key a client presents: `Authorization: Bearer <key>` or (Anthropic clients)
+    `x-api-key: <key>`, as bytes (a header that is not UTF-8 compares as its raw bytes)."""
+    got = headers.get("Authorization", "")
+    token = got[7:] if got.lower().startswith("bearer ") else headers.get("x-api-key", "")
+    return token.strip().encode("utf-8", "surrogateescape")
+
+
 def auth_middleware(api_key: str | None) -> Callable:
+    expected = (api_key or "").encode()
+
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path.startswith("/v1/"):
-            got = request.headers.get("Authorization", "")
-            token = got[7:] if got.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                               code="invalid_api_key")
+        if (api_key and needs_key(request.path)
+                and not hmac.compare_digest(presented_key(request.headers), expected)):
+            e = ApiError(401, "missing or wrong API key (Authorization: Bearer ... or "
+                         "x-api-key)", code="invalid_api_key")
+            api = API_BY_PATH.get(request.path.removesuffix("/count_tokens"))
+            if api is None:
+                raise e
+            return web.json_response(api.error_body(e), status=401)
         return await handler(request)
     return auth
 
@@ -137,8 +159,9 @@ def build_app(proxy: Proxy) -> web.Application:
                           middlewares=[errors_middleware, auth_middleware(key),
                                        body_limit_middleware(s.max_body_bytes)])
     app[PROXY_KEY] = proxy
-    for api in OPENAI_APIS:
+    for api in CLIENT_APIS:
         app.router.add_post(api.path, proxy.handler(api))
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
@@ -146,6 +169,7 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/debug/prefix", _debug_lanes)
     app.router.add_get("/debug/prefix/{lane}", _debug_lane)
+    add_ui_routes(app)
     app.on_startup.append(_start_backends)
     app.on_cleanup.append(_stop_backends)
     return app

@@ -1,4 +1,4 @@
-"""`prefixd` command line: serve, config, worker, tiny-model, demo.
+"""`prefixd` command line: serve, config, explain, worker, tiny-model, demo.
 
 Settings are built here, once; a bad value exits with status 2 and names the variable.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -78,6 +79,20 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from prefixd.proxy.explain import ExplainError, run, target
+
+    url, key = target(load_settings(args.env_file), args.url, args.api_key)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty()
+                                       and "NO_COLOR" not in os.environ)
+    try:
+        sys.stdout.write(run(url, key, args.lane, args.n, color))
+    except ExplainError as e:
+        print(f"prefixd explain: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     import importlib
 
@@ -94,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int)
     c = sub.add_parser("config", help="print the effective configuration, secrets redacted")
     c.add_argument("--env-file")
+    e = sub.add_parser("explain", help="print a conversation's last prefix reports from a "
+                       "running prefixd as a diff, with the setting that would fix each break")
+    e.add_argument("lane", nargs="?", metavar="LANE",
+                   help="lane id, as in /debug/prefix (default: the most recently active)")
+    e.add_argument("-n", type=int, default=5, help="how many reports (default 5)")
+    e.add_argument("--url", help="prefixd's base URL (default: http://HOST:PORT of the settings)")
+    e.add_argument("--api-key", help="bearer key (default: PREFIXD_API_KEY)")
+    e.add_argument("--env-file", help="settings file (default: ./prefixd.env if present)")
+    e.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the diff (auto: when stdout is a terminal and NO_COLOR is unset)")
     sub.add_parser("worker", help="run one mlx worker (normally started by `serve`)",
                    add_help=False)
     sub.add_parser("tiny-model", help="write a tiny random-weight model folder", add_help=False)
@@ -115,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "explain":
+            return _explain(args)
         return _config(args)
     except ConfigError as e:
         print(f"prefixd: {e}", file=sys.stderr)

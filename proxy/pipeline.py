@@ -33,10 +33,14 @@ from prefixd.proxy.stages.relay import RelayStage
 from prefixd.proxy.stages.route import RouteStage
 from prefixd.proxy.stages.translate import TranslateStage
 from prefixd.proxy.trace import RequestTrace
+from prefixd.proxy.translate import AnthropicTranslator, ResponsesTranslator
 
 log = logging.getLogger("prefixd.proxy")
-OPENAI_APIS = (ClientApi("chat", CHAT_PATH, "chat"),
-               ClientApi("completions", COMPLETIONS_PATH, "completion"))
+CLIENT_APIS = (ClientApi("chat", CHAT_PATH, "chat"),
+               ClientApi("completions", COMPLETIONS_PATH, "completion"),
+               ClientApi("anthropic", "/v1/messages", "chat", AnthropicTranslator()),
+               ClientApi("responses", "/v1/responses", "chat", ResponsesTranslator()))
+API_BY_PATH = {api.path: api for api in CLIENT_APIS}
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -52,6 +56,7 @@ class Proxy:
                        for b in backends}
         self.index = models_index({b.name: b.models for b in backends})
         self.prefix = PrefixStage(settings)
+        self.router = RouteStage(self.backends, self.queues, self.index, settings.model_aliases)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
 
@@ -93,7 +98,7 @@ def build_stages(proxy: Proxy) -> list[Stage]:
                            CanonicalizeStage(proxy.prefix)]
     if s.prefix_detect:
         stages.append(DetectStage(proxy.prefix))
-    stages.append(RouteStage(proxy.backends, proxy.queues, proxy.index))
+    stages.append(proxy.router)
     if s.prefix_detect:
         stages.append(MeasureStage(proxy.prefix))
     stages += [QueueStage(proxy.queues),

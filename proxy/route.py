@@ -7,6 +7,7 @@ longer than the best alternative's; otherwise the least loaded healthy backend i
 
 from __future__ import annotations
 
+import fnmatch
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,10 +29,18 @@ def models_index(backends: dict[str, list[str]]) -> dict[str, list[str]]:
     return index
 
 
-def resolve_model(requested: str | None, index: dict[str, list[str]]) -> str | None:
-    """The served model a request means: its own `model`, or the only model when omitted."""
+def resolve_model(requested: str | None, index: dict[str, list[str]],
+                  aliases: dict[str, str] | None = None) -> str | None:
+    """The served model a request means: its own `model` if served, else the first alias
+    pattern (shell-style wildcards, in configuration order) that matches it and names a
+    served model; the only model when `model` is omitted."""
     if requested:
-        return requested if requested in index else None
+        if requested in index:
+            return requested
+        for pattern, target in (aliases or {}).items():
+            if fnmatch.fnmatchcase(requested, pattern) and target in index:
+                return target
+        return None
     return next(iter(index)) if len(index) == 1 else None
 
 

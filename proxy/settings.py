@@ -39,8 +39,15 @@ class Settings(WorkerSettings):
         description="JSON list of backends: {name, kind: openai|mlx, url (openai), model (mlx), "
         "models, max_concurrency, queue_depth, queue_timeout_s, request_timeout_s, ...}. "
         "Empty: one managed mlx backend on `default_model`.")
-    api_key: SecretStr | None = Field(None, description="If set, every /v1/* route requires "
-                                      "`Authorization: Bearer <api_key>`; /health stays open.")
+    api_key: SecretStr | None = Field(None, description="If set, /v1/*, /status, /metrics and "
+                                      "/debug/* require `Authorization: Bearer <api_key>` (or "
+                                      "`x-api-key`); /health, /ready and the status page "
+                                      "(/, /ui/*) stay open.")
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict, description="JSON object of model-name patterns (shell-style "
+        "wildcards, first match wins) -> a served model, for clients that send their own "
+        "vendor's names: {\"claude-*haiku*\": \"small\", \"claude-*\": \"coder\", "
+        "\"gpt-*\": \"coder\"}.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
                                       "in-flight requests may run before they are cut.")
     # --- prefix reports and canonicalization (proxy/prefix) -----------------------------

@@ -14,26 +14,30 @@ class RouteStage:
     name = "route"
 
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
-                 index: dict[str, list[str]]) -> None:
+                 index: dict[str, list[str]], aliases: dict[str, str] | None = None) -> None:
         self.backends, self.queues, self.index = backends, queues, index
+        self.aliases = aliases or {}
         self.affinity = AffinityMap()
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.parsed is not None
-        requested = ex.parsed.req.model
-        model = resolve_model(requested, self.index)
-        if model is None:
-            if requested is None:
-                raise ApiError(400, "'model' is required: this proxy serves "
-                               f"{sorted(self.index)}", param="model", code="missing_field")
-            raise ApiError(404, f"model {requested!r} is not served here; available: "
-                           f"{sorted(self.index)}", param="model", code="model_not_found",
-                           type_="invalid_request_error")
-        ex.model = ex.trace.model = model
+        ex.model = ex.trace.model = self.model_for(ex.parsed.req.model)
         lane = ex.prepared.lane if ex.prepared is not None else None
-        ex.backend = self.pick(model, lane)
+        ex.backend = self.pick(ex.model, lane)
         ex.trace.backend = ex.backend.name
         await call_next(ex)
+
+    def model_for(self, requested: str | None) -> str:
+        """The served model for a request's `model`; 400/404 naming what is served."""
+        model = resolve_model(requested, self.index, self.aliases)
+        if model is not None:
+            return model
+        if requested is None:
+            raise ApiError(400, "'model' is required: this proxy serves "
+                           f"{sorted(self.index)}", param="model", code="missing_field")
+        raise ApiError(404, f"model {requested!r} is not served here; available: "
+                       f"{sorted(self.index)} (PREFIXD_MODEL_ALIASES maps other names)",
+                       param="model", code="model_not_found", type_="invalid_request_error")
 
     def pick(self, model: str, lane: str | None) -> Backend:
         cands = []

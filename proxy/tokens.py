@@ -1,0 +1,38 @@
+"""`POST /v1/messages/count_tokens` (Anthropic): the prompt's token count, exact where the
+backend that would serve it can tokenize, else an estimate marked `X-Prefixd-Estimate`."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from prefixd.api.errors import ApiError
+from prefixd.api.schema import decode_json, validate
+from prefixd.proxy.stages.translate import translate_request
+
+CHARS_PER_TOKEN = 4
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    from prefixd.proxy.app import PROXY_KEY
+    from prefixd.proxy.pipeline import API_BY_PATH
+
+    proxy = request.app[PROXY_KEY]
+    api = API_BY_PATH["/v1/messages"]
+    try:
+        body = decode_json(await request.read())
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+        body = {"max_tokens": 1, **body}     # count_tokens bodies carry no max_tokens
+        chat = translate_request(api.translator, body)
+        validate("chat", chat)
+        model = proxy.router.model_for(chat.get("model"))
+        backend = proxy.router.pick(model, None)
+        tokens = await backend.tokenize({**chat, "model": model})
+    except ApiError as e:
+        return web.json_response(api.error_body(e), status=e.status)
+    if tokens is not None:
+        return web.json_response({"input_tokens": len(tokens)})
+    estimate = len(json.dumps(chat, ensure_ascii=False)) // CHARS_PER_TOKEN
+    return web.json_response({"input_tokens": estimate}, headers={"X-Prefixd-Estimate": "chars/4"})

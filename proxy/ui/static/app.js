@@ -1,0 +1,178 @@
+// prefixd status page. Polls /status, /debug/prefix and /debug/prefix/{lane} every 2 s; the
+// DOM is built by render.js. No build step: an ES module the browser loads as is.
+
+import {
+  DASH, REUSING, el, num, plural, bytes, idle, sent,
+  badge, verdicts, bars, meter, turnCard,
+} from "./render.js";
+
+const POLL_MS = 2000;
+const KEY = "prefixd.apiKey";
+const MAX_LANES = 20;          // the most recently active lanes get a per-turn chart
+const $ = (sel) => document.querySelector(sel);
+let timer = null;
+let gen = 0;
+
+class Unauthorized extends Error {}
+
+async function getJSON(path) {
+  const headers = { Accept: "application/json" };
+  const key = sessionStorage.getItem(KEY);
+  if (key) headers.Authorization = "Bearer " + key;
+  const r = await fetch(path, { headers, cache: "no-store" });
+  if (r.status === 401) throw new Unauthorized("unauthorized");
+  const body = await r.json().catch(() => null);
+  if (!r.ok) {
+    const err = new Error((body && body.error && body.error.message) || "HTTP " + r.status);
+    err.status = r.status;
+    throw err;
+  }
+  return body;
+}
+
+// Totals over the reports on the page: reuse, tokens lost, tokens kept by the rules.
+function totals(histories) {
+  const reports = histories.flat().filter(Boolean);
+  const sum = (f) => reports.reduce((s, r) => s + (f(r) || 0), 0);
+  const prev = sum((r) => (r.verdict === "NEW" ? 0 : r.prev_prompt_tokens));
+  const reused = sum((r) => (r.verdict === "NEW" ? 0 : r.reusable_tokens));
+  const broke = reports.filter((r) => r.verdict !== "NEW" && !REUSING.has(sent(r))).length;
+  const stat = (value, label) => el("div", { class: "stat" }, el("strong", {}, value),
+    el("span", { class: "muted" }, label));
+  return [stat(num(reports.length), "turns reported"),
+    stat(prev ? `${Math.round((100 * reused) / prev)}%` : DASH, "of previous prompts reused"),
+    stat(num(broke), "turns broke the prefix"),
+    stat(`${num(sum((r) => r.lost_tokens))} tok`, "lost to changes"),
+    stat(`${num(sum((r) => r.saved_tokens))} tok`, "kept by canonicalization")];
+}
+
+function cacheCell(c) {
+  if (!c) return el("span", { class: "muted" }, DASH);
+  const budget = c.budget ?? c.bytes_budget;
+  const count = (x) => (Array.isArray(x) ? x.length : x);
+  return el("div", { class: "cache" }, meter(c.bytes_used, budget),
+    el("span", {}, `${bytes(c.bytes_used)} / ${bytes(budget)}`),
+    el("div", { class: "muted small" }, `${plural(count(c.entries), "entry", "entries")} · ` +
+      `${plural(count(c.checkpoints), "checkpoint")} · ${num(c.hit_tokens_total)} hit tok`));
+}
+
+function backendRow(b) {
+  const models = (b.models || []).join(", ");
+  const state = b.state === "ready" && b.up === false ? "unhealthy" : b.state;
+  return el("tr", { "data-backend": b.name },
+    el("td", {}, el("strong", {}, b.name), " ", el("span", { class: "muted small" }, b.kind)),
+    el("td", {}, el("span", { class: "state s-" + state }, state)),
+    el("td", {}, models || DASH,
+      b.model && b.model !== models ? el("div", { class: "muted small" }, b.model) : null),
+    el("td", { class: "num" }, num(b.queue_depth)),
+    el("td", { class: "num" }, `${num(b.in_flight)} / ${num(b.max_concurrency)}`),
+    el("td", {}, cacheCell(b.cache)),
+    el("td", { class: "error small", title: b.last_error || "" },
+      b.last_error ? String(b.last_error).slice(0, 90) : el("span", { class: "muted" }, DASH)));
+}
+
+function laneRow(lane, reports) {
+  const last = reports && reports.length ? reports[reports.length - 1] : null;
+  const saved = (reports || []).reduce((s, r) => s + (r.saved_tokens || 0), 0);
+  const causes = last && last.causes && last.causes.length ? last.causes.join(", ") : "";
+  return el("tr", { "data-lane": lane.lane },
+    el("td", { class: "lane" }, el("a", { href: "#lane=" + encodeURIComponent(lane.lane) },
+      lane.lane)),
+    el("td", {}, lane.client || (last && last.client) || DASH),
+    el("td", { class: "num" }, num(lane.turn)),
+    el("td", { class: "num" }, idle(lane.idle_s)),
+    el("td", { class: "verdict" }, last ? verdicts(last) : badge(lane.last_verdict),
+      causes ? el("span", { class: "causes small" }, " " + causes) : null),
+    el("td", {}, reports ? bars(reports, false) : el("span", { class: "muted" }, DASH)),
+    el("td", { class: "num" }, saved ? `${num(saved)} tok` : el("span", { class: "muted" }, "0")));
+}
+
+const emptyRow = (cols, text) => el("tr", {}, el("td", { colspan: cols, class: "muted" }, text));
+
+async function loadOverview() {
+  const [status, lanes] = await Promise.all([getJSON("/status"), getJSON("/debug/prefix")
+    .catch((e) => { if (e.status === 404) return null; throw e; })]);
+  const recent = lanes ? [...lanes.lanes].sort((a, b) => a.idle_s - b.idle_s) : [];
+  const histories = await Promise.all(recent.slice(0, MAX_LANES).map((l) =>
+    getJSON("/debug/prefix/" + encodeURIComponent(l.lane)).then((h) => h.reports)
+      .catch((e) => { if (e instanceof Unauthorized) throw e; return null; })));
+  return () => {
+    const backends = status.backends || [];
+    $("#backends tbody").replaceChildren(...(backends.length ? backends.map(backendRow)
+      : [emptyRow(7, "no backends")]));
+    const note = $("#lanes-note");
+    note.hidden = lanes !== null;
+    note.textContent = "Prefix detection is off (PREFIXD_PREFIX_DETECT=false).";
+    $("#totals").replaceChildren(...(recent.length ? totals(histories) : []));
+    $("#lanes tbody").replaceChildren(...(recent.length
+      ? recent.map((l, i) => laneRow(l, histories[i]))
+      : [emptyRow(7, lanes ? "no conversations yet" : DASH)]));
+    show("#overview");
+  };
+}
+
+async function loadLane(lane) {
+  let data = null;
+  try { data = await getJSON("/debug/prefix/" + encodeURIComponent(lane)); }
+  catch (e) { if (e.status !== 404) throw e; }
+  return () => {
+    $("#lane-title").textContent = "Conversation " + lane;
+    const reports = data ? data.reports : [];
+    const first = reports[0], last = reports[reports.length - 1];
+    const saved = reports.reduce((s, r) => s + (r.saved_tokens || 0), 0);
+    $("#lane-summary").textContent = !data
+      ? "This lane is not known (never seen, or forgotten after being idle)."
+      : `client ${last ? last.client : DASH} · turns ${first ? first.turn : DASH}–` +
+        `${last ? last.turn : DASH} · ${num(saved)} tok saved by canonicalization`;
+    $("#lane-chart").replaceChildren(bars(reports, true));
+    $("#turns").replaceChildren(...reports.slice().reverse().map(turnCard));
+    show("#lane-view");
+  };
+}
+
+function show(id) {
+  for (const s of ["#login", "#overview", "#lane-view"]) $(s).hidden = s !== id;
+}
+
+function status(text, bad) {
+  const u = $("#updated");
+  u.textContent = text;
+  u.className = bad ? "error" : "muted";
+}
+
+async function tick() {
+  const mine = ++gen;
+  clearTimeout(timer);
+  const m = /^#lane=(.+)$/.exec(location.hash);
+  let render;
+  try {
+    render = m ? await loadLane(decodeURIComponent(m[1])) : await loadOverview();
+  } catch (e) {
+    if (mine !== gen) return;
+    if (e instanceof Unauthorized) {
+      const refused = sessionStorage.getItem(KEY) !== null;
+      sessionStorage.removeItem(KEY);
+      $("#login-error").hidden = !refused;
+      $("#login-error").textContent = "That key was refused.";
+      show("#login");
+      status("API key needed", true);
+      return;                     // polling resumes when a key is entered
+    }
+    status("cannot reach prefixd: " + e.message, true);
+    timer = setTimeout(tick, POLL_MS);
+    return;
+  }
+  if (mine !== gen) return;
+  render();
+  status(`updated ${new Date().toLocaleTimeString("en-GB")} · every ${POLL_MS / 1000} s`);
+  timer = setTimeout(tick, POLL_MS);
+}
+
+$("#login-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  sessionStorage.setItem(KEY, $("#key").value);
+  $("#key").value = "";
+  tick();
+});
+window.addEventListener("hashchange", tick);
+tick();

@@ -1,0 +1,97 @@
+"""The status page's routes on a real prefixd: the files, their types and headers, no way out
+of the static folder, and which routes the API key guards. (The rendering is checked in a real
+browser: tests/test_ui_browser.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+from yarl import URL
+
+from prefixd.proxy.explain import FIXES
+from prefixd.proxy.ui import STATIC
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_page_and_assets_are_served_with_their_types(upstream, start_proxy, http):
+    proxy = await start_proxy(upstream.url)
+    base = f"http://127.0.0.1:{proxy.port}"
+    for path, ctype, marker in [("/", "text/html", b'<script type="module" src="/ui/app.js">'),
+                                ("/ui/index.html", "text/html", b"<!doctype html>"),
+                                ("/ui/app.js", "text/javascript", b"function tick()"),
+                                ("/ui/render.js", "text/javascript", b"export function el("),
+                                ("/ui/style.css", "text/css", b".badge")]:
+        async with http.get(base + path) as r:
+            assert r.status == 200, path
+            assert r.content_type == ctype and r.charset == "utf-8"
+            assert marker in await r.read()
+            assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+            assert r.headers["X-Content-Type-Options"] == "nosniff"
+
+
+async def test_no_file_outside_the_static_folder(upstream, start_proxy, http):
+    proxy = await start_proxy(upstream.url)
+    base = f"http://127.0.0.1:{proxy.port}"
+    for raw in ("/ui/..%2F__init__.py", "/ui/%2e%2e%2fapp.py", "/ui/..%2F..%2Fapp.py",
+                "/ui/__init__.py", "/ui/", "/ui/nope.js", "/ui/%2Fetc%2Fpasswd",
+                "/ui/static", "/ui/..", "/ui/app.js%00.css"):
+        async with http.get(URL(base + raw, encoded=True)) as r:
+            assert r.status == 404, raw
+            assert b"import" not in await r.read()
+
+
+async def test_the_key_guards_data_routes_not_the_page(upstream, start_proxy, http):
+    proxy = await start_proxy(upstream.url, api_key="sekret")
+    base = f"http://127.0.0.1:{proxy.port}"
+    good = {"Authorization": "Bearer sekret"}
+    for path in ("/status", "/metrics", "/debug/prefix", "/debug/prefix/x", "/v1/models"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            async with http.get(base + path, headers=headers) as r:
+                assert r.status == 401, (path, headers)
+                assert (await r.json())["error"]["code"] == "invalid_api_key"
+        async with http.get(base + path, headers=good) as r:
+            assert r.status == (404 if path == "/debug/prefix/x" else 200), path
+    for path in ("/", "/ui/app.js", "/ui/style.css", "/health", "/ready"):
+        async with http.get(base + path) as r:
+            assert r.status == 200, path
+
+
+async def test_without_a_key_everything_is_open(upstream, start_proxy, http):
+    proxy = await start_proxy(upstream.url)
+    base = f"http://127.0.0.1:{proxy.port}"
+    for path in ("/status", "/debug/prefix", "/metrics", "/"):
+        async with http.get(base + path) as r:
+            assert r.status == 200, path
+
+
+def test_the_page_and_explain_suggest_the_same_fixes():
+    js = (STATIC / "render.js").read_text()
+    table = re.search(r"const FIXES = (\{.*?\});", js, re.S)
+    assert table, "FIXES table not found in render.js"
+    assert json.loads(table.group(1)) == FIXES
+
+
+def test_every_static_file_ships_in_the_package():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    tool = project["tool"]["setuptools"]
+    assert "prefixd.proxy.ui" in tool["packages"]
+    globs = tool["package-data"]["prefixd.proxy.ui"]
+    files = {p.name for p in STATIC.iterdir()}
+    assert files == {"index.html", "app.js", "render.js", "style.css"}
+    shipped = {p.name for g in globs for p in STATIC.parent.glob(g)}
+    assert shipped == files
+
+
+def test_page_renders_data_as_text_only():
+    """Reports carry prompt text: the page must never parse data as HTML."""
+    js = (STATIC / "app.js").read_text() + (STATIC / "render.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(",
+                 "new Function"):
+        assert sink not in js, sink
+    assert "http://" not in js and "https://" not in js          # nothing from outside
+    html = (STATIC / "index.html").read_text()
+    assert not re.search(r"(src|href)=\"(https?:)?//", html)
