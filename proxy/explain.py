@@ -187,14 +187,10 @@ def report_lines(r: dict, s: Style) -> list[str]:
 
 def _fix_lines(r: dict, s: Style) -> list[str]:
     out = []
-    applied = r.get("canonicalized") or []
-    if applied:
-        client = ", ".join(r.get("client_causes") or []) or "nothing"
-        out.append(f"  {'rules':<8}{', '.join(applied)} applied, kept "
-                   f"{_tok(r.get('saved_tokens'))} tok (client changed: {client})")
     if r.get("fixed"):
-        out.append(f"  {'fixed':<8}by {', '.join(r['fixed'])}")
-    done = {*applied, *(r.get("fixed") or [])}
+        out.append(f"  {'fixed':<8}by {', '.join(r['fixed'])}, kept "
+                   f"{_tok(r.get('saved_tokens'))} tok")
+    done = set(r.get("fixed") or [])
     for w in r.get("would_fix") or []:
         done.add(w["rule"])
         out.append(f"  {'fix':<8}{s.bold(setting(w['rule']) + '=on')}  would keep "

@@ -160,9 +160,7 @@ class PrefixStage:
             if gain > 0:
                 r.would_fix = [{"rule": x, "mode": self.modes[x], "saved_tokens": gain}
                                for x in rules]
-        r.hint = hint_for(r.causes) if not r.would_fix else (
-            f"PREFIXD_{RULE_SETTINGS[r.would_fix[0]['rule']].upper()}=on would keep "
-            f"{r.would_fix[0]['saved_tokens']} more tokens")
+        r.hint = hint_for(r.causes)
         return r
 
     def _prev_tokens(self, d: Diff, lane: LaneState) -> int:

@@ -124,16 +124,14 @@ const codes = (texts) => texts.flatMap((t, i) => [i ? " " : null, el("code", {},
 // What was done about a break, and what would fix it.
 function fixRows(r) {
   const out = [];
-  if (list(r.canonicalized).length) {
-    out.push(row("rules applied", r.canonicalized.join(", "), ` · kept ${num(r.saved_tokens)} tok`,
-      list(r.client_causes).length ? ` · client changed: ${r.client_causes.join(", ")}` : ""));
+  if (list(r.fixed).length) {
+    out.push(row("fixed by", r.fixed.join(", "), ` · kept ${num(r.saved_tokens)} tok`));
   }
-  if (list(r.fixed).length) out.push(row("fixed by", r.fixed.join(", ")));
   for (const w of list(r.would_fix)) {
     out.push(row("would fix", el("code", {}, `${setting(w.rule)}=on`),
       ` keeps ${num(w.saved_tokens)} more tok (dry run)`));
   }
-  const done = new Set([...list(r.canonicalized), ...list(r.fixed),
+  const done = new Set([...list(r.fixed),
     ...list(r.would_fix).map((w) => w.rule)]);
   const rules = REUSING.has(sent(r)) ? []
     : [...new Set(list(r.causes).map((c) => FIXES[c]).filter((x) => x && !done.has(x)))];
