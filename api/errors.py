@@ -71,9 +71,8 @@ async def errors_middleware(request: web.Request,
         return await handler(request)
     except ApiError as e:
         return e.response()
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(413, f"request body larger than {e.max_size} bytes",
-                              code="request_too_large")
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, "request body is too large", code="request_too_large")
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -76,6 +76,16 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def _model(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY_KEY]
+    model = request.match_info["model"]
+    if model not in proxy.index:
+        raise ApiError(404, f"model {model!r} is not served here; available: "
+                       f"{sorted(proxy.index)}", param="model", code="model_not_found")
+    return web.json_response({"id": model, "object": "model", "created": int(time.time()),
+                              "owned_by": "prefixd", "backends": proxy.index[model]})
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -163,6 +173,7 @@ def build_app(proxy: Proxy) -> web.Application:
         app.router.add_post(api.path, proxy.handler(api))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/status", _status)

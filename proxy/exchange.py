@@ -57,7 +57,7 @@ class ClientApi:
         return b"data: " + json.dumps(body).encode() + b"\n\n" + b"data: [DONE]\n\n"
 
 
-@dataclass
+@dataclass(eq=False)       # identity-hashed: the proxy keeps a set of those in flight
 class Exchange:
     request: web.Request
     api: ClientApi
@@ -74,6 +74,7 @@ class Exchange:
     stream_out: Any = None              # the translator's per-response stream state
     message: dict[str, Any] | None = None   # the assistant's answer, for the lane
     usage: dict[str, Any] | None = None
+    failed: bool = False                # an error was delivered: nothing more is sent
 
     @property
     def stream(self) -> bool:
@@ -97,7 +98,10 @@ class Exchange:
         return resp
 
     async def fail(self, e: ApiError) -> web.StreamResponse:
-        """Deliver `e` the only way the response state allows."""
+        """Deliver `e` the only way the response state allows (once)."""
+        if self.failed and self.response is not None:
+            return self.response
+        self.failed = True
         self.trace.status, self.trace.error = e.status, e.message
         if self.state is ResponseState.NOT_STARTED:
             resp = web.json_response(self.api.error_body(e), status=e.status,

@@ -59,6 +59,7 @@ class Proxy:
         self.router = RouteStage(self.backends, self.queues, self.index, settings.model_aliases)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
+        self.inflight: set[Exchange] = set()
 
     @property
     def detecting(self) -> bool:
@@ -71,6 +72,7 @@ class Proxy:
 
     async def handle(self, request: web.Request, api: ClientApi) -> web.StreamResponse:
         ex = Exchange(request, api, RequestTrace(_request_id(request)))
+        self.inflight.add(ex)
         try:
             await self._run(ex)
             assert ex.response is not None, "the relay stage always answers"
@@ -78,7 +80,7 @@ class Proxy:
         except ApiError as e:
             return await ex.fail(e)
         except (asyncio.CancelledError, ConnectionResetError) as e:
-            if not ex.trace.completed:           # the client left before the answer ended
+            if not ex.trace.completed and not ex.failed:   # the client left before the end
                 ex.trace.status, ex.trace.error = 499, f"client went away ({type(e).__name__})"
             raise
         except Exception as e:
@@ -86,15 +88,28 @@ class Proxy:
             return await ex.fail(ApiError(500, f"internal error in prefixd ({type(e).__name__});"
                                           " see its log", code="internal_error"))
         finally:
+            self.inflight.discard(ex)
             if ex.trace.usage is None:
                 ex.trace.usage = ex.usage
             ex.trace.finish(self.settings.log_format)
 
 
+    async def cut_inflight(self) -> int:
+        """Shutdown ran out of time: end every unfinished answer the way its state allows
+        (a stream gets an error event and its end), then stop its handler."""
+        cut = [ex for ex in self.inflight if not ex.trace.completed]
+        for ex in cut:
+            await ex.fail(ApiError(503, "prefixd is shutting down; the answer was cut",
+                                   code="shutting_down"))
+            if ex.request.task is not None:
+                ex.request.task.cancel()
+        return len(cut)
+
+
 def build_stages(proxy: Proxy) -> list[Stage]:
     """The pipeline, in order; a feature that is off has no stage here."""
     s = proxy.settings
-    stages: list[Stage] = [ParseStage(s.max_body_bytes), TranslateStage(),
+    stages: list[Stage] = [ParseStage(s.max_body_bytes, s.body_timeout_s), TranslateStage(),
                            CanonicalizeStage(proxy.prefix)]
     if s.prefix_detect:
         stages.append(DetectStage(proxy.prefix))

@@ -13,6 +13,7 @@ from aiohttp import web
 from prefixd.backends.base import Backend
 from prefixd.backends.parent import follow_parent, watch_parent
 from prefixd.proxy.app import build_app
+from prefixd.proxy.guard import Guard, GuardedRunner, raise_fd_limit
 from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.settings import Settings
 
@@ -29,7 +30,9 @@ class Server:
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
         self.app = build_app(proxy)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+        s = proxy.settings
+        self.runner = GuardedRunner(self.app, Guard(s.max_connections, s.header_timeout_s),
+                                    handler_cancellation=True, access_log=None,
                                     shutdown_timeout=1.0)
         self.port: int | None = None
 
@@ -52,10 +55,12 @@ class Server:
         except TimeoutError:
             log.warning("shutdown: in-flight requests still running after %.0fs; cutting them",
                         timeout_s)
+            await self.proxy.cut_inflight()
         await self.runner.cleanup()                 # closes connections, stops backends
 
 
 async def serve(settings: Settings, backends: list[Backend]) -> int:
+    raise_fd_limit()
     server = Server(make_proxy(settings, backends))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -43,6 +43,13 @@ class Settings(WorkerSettings):
                                       "/debug/* require `Authorization: Bearer <api_key>` (or "
                                       "`x-api-key`); /health, /ready and the status page "
                                       "(/, /ui/*) stay open.")
+    max_connections: int = Field(512, ge=1, description="Most client connections open at "
+                                 "once; more are closed at once (the proxy also raises its "
+                                 "open-files limit at start).")
+    header_timeout_s: float = Field(10.0, gt=0, description="A new connection must send its "
+                                    "first request's headers within this many seconds.")
+    body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
+                                  "this many seconds (else 408).")
     model_aliases: dict[str, str] = Field(
         default_factory=dict, description="JSON object of model-name patterns (shell-style "
         "wildcards, first match wins) -> a served model, for clients that send their own "

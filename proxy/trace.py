@@ -60,8 +60,17 @@ class RequestTrace:
         if log_format == "json":
             log.log(level, json.dumps({"event": "request", **f}))
         else:
-            log.log(level, "request %s", " ".join(f"{k}={v}" for k, v in f.items()
+            log.log(level, "request %s", " ".join(f"{k}={_value(v)}" for k, v in f.items()
                                                   if v is not None or k == "status"))
+
+
+def _value(v: Any) -> str:
+    """A text-log value that cannot forge fields or lines: plain tokens as they are,
+    anything with spaces, quotes, `=` or control characters JSON-quoted."""
+    text = str(v)
+    if text and all(c.isprintable() and c not in ' "=' for c in text):
+        return text
+    return json.dumps(text)
 
 
 def _r(x: float | None) -> float | None:
