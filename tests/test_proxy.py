@@ -317,3 +317,14 @@ async def test_client_gone_mid_stream_is_logged_499(upstream, start_proxy, http)
     async with http.post(url(proxy), json=chat()) as nxt:   # the trace of the cut one is done
         assert nxt.status == 200
     assert count_499() - before == 1
+
+
+async def test_model_alias_reaches_the_backend_under_its_served_name(upstream, start_proxy,
+                                                                      http):
+    proxy = await start_proxy(upstream.url, model_aliases={"claude-*": "fake", "x": "nope"})
+    body = {"model": "claude-opus-4-5", "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(url(proxy), json=body) as r:
+        assert r.status == 200 and r.headers["X-Prefixd-Backend"] == "up"
+    assert upstream.received[-1]["model"] == "fake"
+    async with http.post(url(proxy), json={**body, "model": "x"}) as r:   # alias to nothing
+        assert r.status == 404

@@ -45,12 +45,13 @@ class ForwardStage:
 
 def forward_body(ex: Exchange) -> bytes:
     """The bytes the backend receives: the client's own bytes unless a stage changed the
-    body, with the served model filled in when omitted and stream usage requested."""
+    body, with the served model's name in place of an omitted or aliased one and stream
+    usage requested."""
     assert ex.parsed is not None
     body, raw = ex.parsed.body, ex.parsed.raw
     if ex.prepared is not None and ex.prepared.changed:
         body = ex.prepared.body
-    if ex.parsed.req.model is None:               # an omitted model means the only one
+    if ex.parsed.req.model != ex.model:           # omitted (the only one), or an alias
         body = {**body, "model": ex.model}
     if body is not ex.parsed.body:                # untouched bodies keep the client's bytes
         raw = json.dumps(body, ensure_ascii=False).encode()
