@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     canon_pin_env_block: RuleMode = Field(
         "off", description="R8 (risky): pin <env>-style blocks; restate changes in the "
         "newest user message.")
+    canon_keep_trailing_reminder: RuleMode = Field(
+        "off", description="R12: re-append a reminder the client dropped from an older user "
+        "message (Aider's edit-format rules) so its turns append.")
 
     # --- mlx worker (backends/mlx) -------------------------------------------------------
     cache_bytes: int = Field(4 * 1024**3, ge=0, description="Worker: byte budget of the "
