@@ -107,7 +107,8 @@ async def one_request(http: aiohttp.ClientSession, base: str, ledger: Ledger, ri
 
 async def bad_body(http: aiohttp.ClientSession, base: str, ledger: Ledger) -> None:
     raw = random.choice([b"{not json", b'{"messages": 5}', b"\xff\xfe", b"[]",
-                         b'{"model": "fake", "messages": [{"role": "user", "content": "\\ud800"}]}'])
+                         b'{"model": "fake", "messages": [{"role": "user", '
+                         b'"content": "\\ud800"}]}'])
     async with http.post(base + "/v1/chat/completions", data=raw,
                          headers={"Content-Type": "application/json"}) as r:
         await r.read()
@@ -171,8 +172,9 @@ async def main(args: argparse.Namespace) -> None:
     env = {**os.environ, "PREFIXD_BACKENDS": json.dumps(backends), "PREFIXD_PORT": str(port),
            "PREFIXD_LOG_LEVEL": "WARNING", "PREFIXD_CACHE_BYTES": str(64 * 2**20),
            "PREFIXD_HEADER_TIMEOUT_S": "5"}
+    log_file = open(tmp / "prefixd.log", "wb")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen([sys.executable, "-m", "prefixd.proxy.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "prefixd.log", "wb"))
+                            stdout=subprocess.DEVNULL, stderr=log_file)
     base = f"http://127.0.0.1:{port}"
     ledger = Ledger()
     kills = 0
@@ -233,6 +235,7 @@ async def main(args: argparse.Namespace) -> None:
             proc.kill()
             rc = -9
         await runner.cleanup()
+        log_file.close()
     dups = {k: v for k, v in up.seen.items() if v > 1}
     restarts = {b["name"]: b.get("restarts") for b in status["backends"]}
     print(f"\nsoak: {args.minutes:g} min, {sum(ledger.outcomes.values())} requests, "

@@ -82,6 +82,9 @@ class Settings(WorkerSettings):
     canon_pin_env_block: RuleMode = Field(
         "off", description="R8 (risky): pin <env>-style blocks; restate changes in the "
         "newest user message.")
+    canon_keep_trailing_reminder: RuleMode = Field(
+        "off", description="R12: re-append a reminder the client dropped from an older user "
+        "message (Aider's edit-format rules) so its turns append.")
 
 
 def redacted(settings: Settings) -> dict:

@@ -349,7 +349,7 @@ def test_9_compacted_history() -> None:
     play(st, chat("sys", pairs(10), "go on"), hdr, ok("x"))
     summary = [{"role": "user", "content": "Summary of the conversation so far: we fixed it."}]
     r = play(st, chat("sys", summary, "next"), hdr).report
-    assert r.verdict == "TRUNCATED" and r.causes == ["compacted"]
+    assert r.verdict == "TRUNCATED" and r.causes == ["history_compacted"]
 
 
 # --- 10. Open WebUI date + RAG in the system message -------------------------------------------

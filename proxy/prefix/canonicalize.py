@@ -7,16 +7,19 @@ sticky (pin to the lane's first-seen bytes, never to "now"); semantics kept (a p
 is restated in the newest user/tool message with "supersedes" wording, never as a second
 system message); replayable (each insertion is recorded with the fingerprint of the message
 it went into and re-applied byte-identically when that message is history); deterministic
-and idempotent. Pure: `canonicalize` reads `CanonState`, `commit` is the only writer.
+and idempotent. A pinned value is restated only when it changed since its last
+restatement. `keep_trailing_reminder` re-appends a reminder the client dropped from an older
+message (Aider). Insertions and their replay live in `insertions`. Pure: `canonicalize` reads
+`CanonState`, `commit` is the only writer.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixd.proxy.prefix import insertions as I
 from prefixd.proxy.prefix import patterns as P
 from prefixd.proxy.prefix.segments import (
     Segment,
@@ -31,10 +34,9 @@ from prefixd.proxy.prefix.segments import (
 
 STRIP, TOOLS, WS = "strip_billing_header", "pin_tool_order", "pin_whitespace"
 DATE, TIME, ENV = "freeze_date", "relocate_clock_time", "pin_env_block"
-RULES = (STRIP, TOOLS, WS, DATE, TIME, ENV)
+KEEP = "keep_trailing_reminder"
+RULES = (STRIP, TOOLS, WS, DATE, TIME, ENV, KEEP)
 _PIN_LABELS = {DATE: P.DATE_LABELS, TIME: P.TIME_LABELS}
-_MAX_INJECTIONS = 512
-OPEN, CLOSE = '\n\n<context-update source="proxy">\n', "\n</context-update>"
 
 
 @dataclass(slots=True)
@@ -43,13 +45,14 @@ class CanonState:
 
     system: dict[str, str] | None = None     # first-seen system texts by path, as sent
     tools: list[Any] | None = None           # first-seen tools, first-seen order
-    injections: dict[str, str] = field(default_factory=dict)         # fingerprint -> text
-    shadow_injections: dict[str, str] = field(default_factory=dict)  # same, dry-run view
+    tail: tuple[int, dict] | None = None     # the client's newest user message, last request
+    live: I.Book = field(default_factory=I.Book)      # insertions forwarded
+    shadow: I.Book = field(default_factory=I.Book)    # the same, dry-run view
 
     def nbytes(self) -> int:
-        texts = [*(self.system or {}).values(), *self.injections.values(),
-                 *self.shadow_injections.values()]
-        return sum(len(t) for t in texts) + sum(len(dumps(t)) for t in self.tools or ())
+        tail = len(I.last_text(self.tail[1]) or "") if self.tail else 0
+        return (tail + sum(len(t) for t in (self.system or {}).values()) + self.live.nbytes()
+                + self.shadow.nbytes() + sum(len(dumps(t)) for t in self.tools or ()))
 
 
 @dataclass(slots=True)
@@ -57,7 +60,9 @@ class CanonResult:
     body: dict
     applied: list[str] = field(default_factory=list)     # rules that changed bytes
     restated: list[str] = field(default_factory=list)    # live lines restated in the tail
+    said: dict[str, str] = field(default_factory=dict)   # their pinned line -> value
     injection: tuple[str, str] | None = None             # (fingerprint, text) to record
+    kept: tuple[str, str] | None = None                  # (fingerprint, reminder) to record
     new_tools: list[Any] = field(default_factory=list)   # tools seen for the first time
 
     @property
@@ -69,20 +74,16 @@ def strip_billing(text: str) -> str:
     return P.VOLATILE["anthropic_billing_header"].sub("", text)
 
 
-def fingerprint(index: int, message: Any) -> str:
-    """`<index>:<hash of the message as the client sent it>`; the index lets a lookup hash
-    only the messages that have a recorded insertion."""
-    digest = hashlib.sha1(canonical(message).encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{index}:{digest[:20]}"
-
-
 def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
                  shadow: bool = False, backend_kind: str = "local") -> CanonResult:
     """The body to forward under the `enabled` rules; `body` itself is never mutated."""
     res = CanonResult(body)
+    book = state.shadow if shadow else state.live
     strip = STRIP in enabled and backend_kind != "anthropic"
     segs = system_segments(body)
     target = _target(body)
+    out = _keep_reminders(res, body, book, state.tail if KEEP in enabled else None,
+                          "\n".join(s.text for s in segs))
     edits: dict[Any, str] = {}
     for s in segs:
         if s.region != "system" or s.loc is None:
@@ -92,17 +93,37 @@ def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
             _note(res, STRIP)
         base = (state.system or {}).get(s.path)
         if base is not None and (base := strip_billing(base) if strip else base) != text:
-            text = _pin_system(res, base, text, enabled, pin_values=target is not None)
+            text = _pin_system(res, s.path, base, text, enabled, book.said,
+                               pin_values=target is not None)
         if text != s.text:
             edits[s.loc] = text
-    out = replace_texts(body, edits) if edits else body
+    out = replace_texts(out, edits) if edits else out
     if strip:
         out = _drop_emptied_parts(out, [loc for loc, text in edits.items() if not text.strip()])
     out = _pin_tools(res, out, state, enabled)
-    injections = state.shadow_injections if shadow else state.injections
-    out = _inject(res, out, injections, target)
+    out = _inject(res, out, book.blocks, target)
     res.body = out if res.applied else body
     return res
+
+
+def _keep_reminders(res: CanonResult, body: dict, book: I.Book, tail: tuple[int, dict] | None,
+                    system: str) -> dict:
+    """Older messages with the trailing reminders the client dropped from them put back:
+    the ones kept on earlier requests, and the one dropped since the last request (`tail`,
+    given only when the rule is enabled)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not (book.kept or tail):
+        return body
+    edited = I.replay(messages, book.kept, I.append_text)
+    fresh = I.dropped(messages, tail, system)
+    if fresh is not None and fresh[0] not in edited:
+        k, suffix = fresh
+        res.kept = (I.fingerprint(k, messages[k]), suffix)
+        edited[k] = I.append_text(messages[k], suffix)
+    if not edited:
+        return body
+    _note(res, KEEP)
+    return {**body, "messages": [edited.get(k, m) for k, m in enumerate(messages)]}
 
 
 def _drop_emptied_parts(body: dict, emptied: list[Any]) -> dict:
@@ -139,9 +160,10 @@ def _target(body: dict) -> int | None:
     return None
 
 
-def _pin_system(res: CanonResult, base: str, text: str, enabled: frozenset[str],
-                pin_values: bool) -> str:
-    """`text` with whitespace-only or value-only changes pinned back to `base`."""
+def _pin_system(res: CanonResult, path: str, base: str, text: str, enabled: frozenset[str],
+                said: dict[str, str], pin_values: bool) -> str:
+    """`text` with whitespace-only or value-only changes pinned back to `base`. A pinned
+    line's live value is restated unless it is what the last restatement (`said`) said."""
     if WS in enabled and base.split() == text.split():
         _note(res, WS)
         return base
@@ -160,7 +182,10 @@ def _pin_system(res: CanonResult, base: str, text: str, enabled: frozenset[str],
                 out[nj] = lb[bi]
                 for r in rules:
                     _note(res, r)
-                res.restated.append(ln[nj].strip())
+                key, live = f"{path}|{lb[bi].strip()}", ln[nj].strip()
+                if said.get(key) != live:
+                    res.restated.append(live)
+                    res.said[key] = live
     return "".join(out)
 
 
@@ -223,24 +248,18 @@ def _pin_tools(res: CanonResult, body: dict, state: CanonState,
     return {**body, "tools": chosen}
 
 
-def _inject(res: CanonResult, body: dict, injections: dict[str, str],
-            target: int | None) -> dict:
-    """Replay recorded insertions into history, then restate live values in the newest turn."""
+def _inject(res: CanonResult, body: dict, blocks: dict[str, str], target: int | None) -> dict:
+    """Replay recorded restatements into history, then restate live values in the newest turn."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return body
-    edited: dict[int, Any] = {}
-    for key, text in injections.items():
-        k = int(key.split(":", 1)[0])
-        if k < len(messages) and k not in edited and fingerprint(k, messages[k]) == key:
-            edited[k] = _append(messages[k], text)
+    edited = I.replay(messages, blocks, I.append_block)
     if res.restated and target is not None and target not in edited:
-        text = OPEN + "\n".join(f"{line} (supersedes the value in the system prompt)"
-                                for line in res.restated) + CLOSE
+        text = I.restatement(res.restated)
         m = messages[target]
-        if not _ends_with(m, text):
-            edited[target] = _append(m, text)
-            res.injection = (fingerprint(target, m), text)
+        if not I.ends_with_block(m, text):
+            edited[target] = I.append_block(m, text)
+            res.injection = (I.fingerprint(target, m), text)
     if not edited:
         return body
     if any(edited[k] is not messages[k] for k in edited) and not res.applied:
@@ -248,23 +267,9 @@ def _inject(res: CanonResult, body: dict, injections: dict[str, str],
     return {**body, "messages": [edited.get(k, m) for k, m in enumerate(messages)]}
 
 
-def _append(message: dict, text: str) -> dict:
-    content = message.get("content")
-    if isinstance(content, str):
-        return {**message, "content": content + text}
-    return {**message, "content": [*content, {"type": "text", "text": text.lstrip("\n")}]}
-
-
-def _ends_with(message: dict, text: str) -> bool:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content.endswith(text)
-    last = content[-1] if content else None
-    return isinstance(last, dict) and last.get("text") == text.lstrip("\n")
-
-
 def commit(state: CanonState, body: dict, res: CanonResult, *, shadow: bool = False) -> None:
-    """Record what this request taught the lane: first-seen baselines and the insertion."""
+    """Record what this request taught the lane: first-seen baselines, the client's newest
+    user message, and the insertions."""
     if not shadow:
         if state.system is None:
             state.system = {s.path: s.text for s in system_segments(body) if _is_system_text(s)}
@@ -273,11 +278,17 @@ def commit(state: CanonState, body: dict, res: CanonResult, *, shadow: bool = Fa
             state.tools = list(tools) if isinstance(tools, list) else []
         else:
             state.tools.extend(res.new_tools)
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        state.tail = ((len(messages) - 1, last) if isinstance(last, dict)
+                      and last.get("role") == "user" and I.last_text(last) is not None else None)
+    book = state.shadow if shadow else state.live
     if res.injection is not None:
-        book = state.shadow_injections if shadow else state.injections
-        book[res.injection[0]] = res.injection[1]
-        while len(book) > _MAX_INJECTIONS:
-            book.pop(next(iter(book)))
+        book.record(book.blocks, *res.injection)
+        for key, value in res.said.items():
+            book.record(book.said, key, value)
+    if res.kept is not None:
+        book.record(book.kept, *res.kept)
 
 
 def _is_system_text(s: Segment) -> bool:

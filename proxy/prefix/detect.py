@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from prefixd.proxy.prefix import history as H
 from prefixd.proxy.prefix import patterns as P
-from prefixd.proxy.prefix.history import moved_block, pruned, reserialized
 from prefixd.proxy.prefix.segments import (
     Segment,
     canonical,
@@ -89,9 +89,28 @@ def _common_prefix(a: str, b: str) -> int:
 
 def diff(prev: list[Segment] | None, new: list[Segment], prev_resp: dict | None = None,
          ratio: float = 4.0) -> Diff:
-    """Compare `new` with the lane's previous request `prev`."""
+    """Compare `new` with the lane's previous request `prev`.
+
+    Template parameters are not part of the prompt's bytes: when only they changed, the
+    verdict follows the prompt (an append stays an APPEND) and `params_changed` is one more,
+    informational cause. A template that renders a parameter shows up in the backend's
+    cached tokens instead (an unexplained miss)."""
     if prev is None:
         return Diff(Verdict.NEW, prev_chars=0)
+    if _params(prev) == _params(new):
+        return _diff(prev, new, prev_resp, ratio)
+    d = _diff([s for s in prev if s.region != "params"], [s for s in new if s.region != "params"],
+              prev_resp, ratio)
+    d.causes.append("params_changed")
+    return d
+
+
+def _params(segs: list[Segment]) -> str | None:
+    return next((s.text for s in segs[:2] if s.region == "params"), None)
+
+
+def _diff(prev: list[Segment], new: list[Segment], prev_resp: dict | None,
+          ratio: float) -> Diff:
     prev_chars = rendered_chars(prev)
     n = min(len(prev), len(new))
     i = next((j for j in range(n) if not _same(prev[j], new[j])), n)
@@ -112,8 +131,8 @@ def diff(prev: list[Segment] | None, new: list[Segment], prev_resp: dict | None 
     region = min(a.region, b.region, key=_ORDER.__getitem__)
     d = Diff(Verdict.MUTATED, region, a.path if a.region == region else b.path, off,
              reusable_chars=before + (off if a.rendered else 0), prev_chars=prev_chars)
-    if region in ("model", "params"):
-        d.causes = [f"{region}_changed"]
+    if region == "model":
+        d.causes = ["model_changed"]
     elif region == "tools":
         _classify_tools(d, prev, new)
     elif region == "system":
@@ -205,22 +224,25 @@ def _classify_tools(d: Diff, prev: list[Segment], new: list[Segment]) -> None:
 def _classify_messages(d: Diff, prev: list[Segment], new: list[Segment], i: int) -> None:
     a, b = prev[i], new[i]
     same_slot = a.path == b.path and a.kind == b.kind
-    moved = moved_block(prev, new, i)
+    moved = H.moved_block(prev, new, i)
     if moved is not None:
         d.moved_from, d.moved_to, label = moved
         reminder = ["system_reminder_moved"] if label == "system_reminder" else []
         d.causes = ["block_moved", *reminder]
-    elif same_slot and pruned(a, b):
+    elif same_slot and H.pruned(a, b):     # the agent shortened its own history: not BRANCH
         d.verdict, d.causes = Verdict.TRUNCATED, ["tool_output_pruned"]
-    elif same_slot and reserialized(a, b):
+    elif same_slot and H.reserialized(a, b):
         d.causes = ["tool_args_reserialized"]
+    elif H.reminder_dropped(prev, new, i):
+        d.causes = ["trailing_reminder_dropped"]
+    elif cause := H.files_block_change(prev, new, i):
+        d.causes = [cause]
+    elif H.compacted(prev, new, i):
+        d.verdict, d.causes = Verdict.TRUNCATED, ["history_compacted"]
     if d.causes:
         d.spans = [Span(a.path, d.char_offset, a.text[:200], b.text[:200], list(d.causes))]
         return
     n_prev, n_new = (prev[-1].msg or 0) + 1, (new[-1].msg or 0) + 1
-    if n_new < n_prev and P.SUMMARY_MARKER.search(b.text):
-        d.verdict, d.causes = Verdict.TRUNCATED, ["compacted"]
-        return
     spans = text_spans(a, b) if same_slot else [Span(b.path, 0, a.text, b.text, [])]
     d.spans = spans
     labels = _merge([c for s in spans for c in s.causes])

@@ -76,26 +76,61 @@ ENV_LABELS = ("cwd_line", "abs_path", "os_platform")
 STRUCTURAL_CAUSES = ("model_changed", "params_changed", "tools_added", "tools_removed",
                      "tools_reordered", "schema_key_order", "schema_whitespace", "schema_changed",
                      "whitespace_only", "system_changed:unknown", "block_moved",
-                     "system_reminder_moved", "tool_output_pruned", "compacted",
+                     "system_reminder_moved", "trailing_reminder_dropped", "history_before_files",
+                     "chat_files_changed", "tool_output_pruned", "history_compacted",
                      "history_truncated", "branch_edit", "messages_changed:unknown",
                      "reasoning_dropped", "tool_args_reserialized", "whitespace_trimmed",
                      "content_edited", "env_block", "repo_map")
 CAUSES = frozenset(LABEL_ORDER) | frozenset(STRUCTURAL_CAUSES)
 
+# Placeholders agents put in place of an old tool output they prune (OpenCode and Claude Code:
+# "[Old tool result content cleared]"); a short replacement naming its own removal counts too.
 CLEARED_MARKERS = ("[Old tool result content cleared]", "content cleared", "[output truncated]",
                    "[duplicate file read", "tool result pruned")
+PLACEHOLDER = re.compile(r"(?i)\b(?:cleared|pruned|removed|omitted|truncated|elided|compacted"
+                         r"|redacted)\b")
+PLACEHOLDER_MAX = 200
+# A summary that took the place of compacted history. The preambles of known agents count
+# anywhere; the broad words only in a message that is not the newest (that is the user's).
+COMPACTION_PREAMBLE = re.compile(
+    r"(?im)This session is being continued from a previous conversation"   # Claude Code
+    r"|^What did we do so far\?\s*$"                                        # OpenCode
+    r"|Another language model started to solve this problem"               # Codex
+    r"|I spoke to you previously about a number of things")                # Aider
 SUMMARY_MARKER = re.compile(r"(?i)\b(?:summary|summari[sz]ed|compacted|conversation so far"
                             r"|previous conversation)\b")
+# First line of Aider's chat-files message (`files_content_prefix` and its no-files variants,
+# all edit formats): after an edit Aider moves its history ahead of this block.
+FILES_BLOCK = re.compile(
+    r"I have \*added these files to the chat\*|These files have been \*added these files to the "
+    r"chat\*|Here is the current content of the files?:|I am not sharing any files that you can"
+    r" edit yet\.|Don't try and edit any existing code without asking me to add the files to the"
+    r" chat!|These are some files we have been discussing")
+REMINDER_MIN = 16      # chars: shorter trailing blocks are edits, not reminders
 THINK = re.compile(r"(?s)<think>.*?</think>\s*")
 
+# The canonicalization rule (a name of canonicalize.RULES) that keeps the prefix when a cause
+# changes, for hints and for `would_fix` of rules that are off. Causes without a rule are
+# real changes or client behaviour the proxy must not undo.
+RULE_FOR_CAUSE: dict[str, str] = {
+    "anthropic_billing_header": "strip_billing_header",
+    "tools_reordered": "pin_tool_order", "schema_key_order": "pin_tool_order",
+    "whitespace_only": "pin_whitespace", "schema_whitespace": "pin_whitespace",
+    **dict.fromkeys((*DATE_LABELS, "todays_date_line"), "freeze_date"),
+    **dict.fromkeys(TIME_LABELS, "relocate_clock_time"),
+    **dict.fromkeys(("env_block", *ENV_LABELS), "pin_env_block"),
+    "trailing_reminder_dropped": "keep_trailing_reminder",
+}
+_RISKY_RULES = ("pin_env_block",)      # hint at dry_run first
+
 HINTS = {
+    **{c: f"canon_{r}={'dry_run' if r in _RISKY_RULES else 'on'}"
+       for c, r in RULE_FOR_CAUSE.items()},
     "system_reminder_moved": "client issue anomalyco/opencode#23595",
     "reasoning_dropped": "the client strips reasoning from history; R10 restore_reasoning "
                          "(future) or a template that drops it",
-    "anthropic_billing_header": "canon_strip_billing_header=on",
-    "tools_reordered": "canon_pin_tool_order=on",
-    "schema_key_order": "canon_pin_tool_order=on",
-    "whitespace_only": "canon_pin_whitespace=on",
+    "history_before_files": "Aider moves its history ahead of the re-sent files after an edit;"
+                            " report only (docs/MUTATIONS.md)",
 }
 
 _CLIENTS = (("claude-cli", "claude-cli"), ("claude-code", "claude-cli"), ("opencode", "opencode"),
@@ -163,3 +198,16 @@ def strip_volatile_lines(text: str) -> str:
             continue
         keep.append(line)
     return "\n".join(keep)
+
+
+def dropped_reminder(old: str, new: str, newest: str, system: str) -> str | None:
+    """The trailing block an older message lost (`old` became `new`), if it is a reminder the
+    client attaches to its newest turn only: the newest message ends with the very same bytes,
+    or the system prompt carries the block (Aider puts its system_reminder in both)."""
+    if len(new) >= len(old) or not old.startswith(new):
+        return None
+    suffix = old[len(new):]
+    block = suffix.strip()
+    if len(block) < REMINDER_MIN or not (newest.endswith(suffix) or block in system):
+        return None
+    return suffix

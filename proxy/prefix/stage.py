@@ -30,7 +30,8 @@ log = logging.getLogger("prefixd.prefix")
 # rule -> Settings field
 RULE_SETTINGS = {C.STRIP: "canon_strip_billing_header", C.TOOLS: "canon_pin_tool_order",
                  C.WS: "canon_pin_whitespace", C.DATE: "canon_freeze_date",
-                 C.TIME: "canon_relocate_clock_time", C.ENV: "canon_pin_env_block"}
+                 C.TIME: "canon_relocate_clock_time", C.ENV: "canon_pin_env_block",
+                 C.KEEP: "canon_keep_trailing_reminder"}
 Tokenize = Callable[[dict], Awaitable[list[int] | None]]
 
 
