@@ -82,12 +82,13 @@ def test_keep_trailing_reminder_makes_aider_turns_append() -> None:
     ps = conversation(st, [("add a cache to Store.get", "Which size?"),
                            ("128 entries", "LRU or FIFO?"), ("LRU", "Here is the plan."),
                            ("go ahead", "Done.")])
-    assert [p.report.verdict for p in ps] == ["NEW", "APPEND", "APPEND", "APPEND"]
+    assert [p.report.sent_verdict for p in ps] == ["NEW", "APPEND", "APPEND", "APPEND"]
     for prev, cur in itertools.pairwise(ps):
         n = len(prev.body["messages"])
         assert json.dumps(cur.body["messages"][:n]) == json.dumps(prev.body["messages"])
-        assert cur.report.canonicalized == ["keep_trailing_reminder"]
-        assert cur.report.client_causes == ["trailing_reminder_dropped"]
+        assert cur.report.fixed == ["keep_trailing_reminder"]
+        assert cur.report.verdict == "MUTATED"
+        assert cur.report.causes == ["trailing_reminder_dropped"]
         assert cur.report.saved_tokens > len(REMINDER) / 8
     users = [m["content"] for m in ps[-1].body["messages"] if m["role"] == "user"
              and m["content"].startswith(("add a cache", "128 entries", "LRU", "go ahead"))]
@@ -102,7 +103,8 @@ def test_keep_trailing_reminder_dry_run_and_default_off() -> None:
     [fix] = p2.report.would_fix
     assert fix["rule"] == "keep_trailing_reminder" and fix["saved_tokens"] > len(REMINDER) / 8
     _, p2 = conversation(make_stage(), [("add a cache to Store.get", "Which size?"), ("128", "k")])
-    assert not p2.changed and p2.report.would_fix == []
+    [fix] = p2.report.would_fix            # off: still measured on a copy, as a hint
+    assert not p2.changed and fix["rule"] == "keep_trailing_reminder" and fix["mode"] == "off"
 
 
 def test_kept_reminder_and_date_restatement_replay_together() -> None:
@@ -114,7 +116,7 @@ def test_kept_reminder_and_date_restatement_replay_together() -> None:
     for question, day in (("128", "04"), ("LRU", "04"), ("go", "05")):
         body = json.loads(json.dumps(s.send(question)).replace("2026-08-03", f"2026-08-{day}"))
         ps.append(play(st, body, HEADERS, s.reply("ok")))
-    assert [p.report.verdict for p in ps] == ["NEW", "APPEND", "APPEND", "APPEND"]
+    assert [p.report.sent_verdict for p in ps] == ["NEW", "APPEND", "APPEND", "APPEND"]
     for prev, cur in itertools.pairwise(ps):
         n = len(prev.body["messages"])
         assert json.dumps(cur.body["messages"][:n]) == json.dumps(prev.body["messages"])

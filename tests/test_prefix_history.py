@@ -23,7 +23,7 @@ def test_params_only_change_follows_the_prompt() -> None:
     r = p.report
     assert r.verdict == "APPEND" and r.causes == ["params_changed"]
     assert r.reusable_tokens == r.prev_prompt_tokens > 0 and r.lost_tokens == 0
-    assert p.header.startswith("verdict=APPEND;cause=params_changed;reused=")
+    assert p.header.startswith("verdict=APPEND;cause=params_changed;sent=APPEND;reused=")
     assert "at=" not in p.header
 
 

@@ -51,7 +51,7 @@ def test_a_value_is_restated_once_per_change() -> None:
     days = ["Tue Sep 16 2025", "Wed Sep 17 2025", "Wed Sep 17 2025", "Wed Sep 17 2025",
             "Thu Sep 18 2025"]
     ps = turns(stage(canon_freeze_date="on"), [(d, "10:00") for d in days])
-    assert [p.report.verdict for p in ps] == ["NEW", "APPEND", "APPEND", "APPEND", "APPEND"]
+    assert [p.report.sent_verdict for p in ps] == ["NEW", "APPEND", "APPEND", "APPEND", "APPEND"]
     newest = ["<context-update" in p.body["messages"][-1]["content"] for p in ps]
     assert newest == [False, True, False, False, True]
     assert len(blocks(ps[-1])) == 2 and "Thu Sep 18 2025" in blocks(ps[-1])[1]
@@ -139,7 +139,7 @@ def test_kept_reminders_append_are_idempotent_and_off_is_identity(turns: list) -
         assert json.dumps(body) == before and q.body is body and not q.changed
         assert json.dumps(p.body) == json.dumps(res.body)
         if prev is not None:
-            assert p.report.verdict == "APPEND"
+            assert p.report.sent_verdict == "APPEND"
             n = len(prev.body["messages"])
             assert json.dumps(p.body["messages"][:n]) == json.dumps(prev.body["messages"])
         for st_, prep in ((on, p), (off, q)):
