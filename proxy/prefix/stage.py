@@ -198,8 +198,8 @@ class PrefixStage:
         each prompt once."""
         r = prepared.report
         if (tokenize is None or r is None or not r.sent_mutated
-                or prepared.prev_body is None):
-            return
+                or prepared.prev_body is None or r.region in ("model", "params")):
+            return                     # a model change is not a prompt the tokenizer can show
         if prepared.prev_tokens is not None:
             prev, cur = prepared.prev_tokens, await tokenize(prepared.body)
         else:
