@@ -1,11 +1,12 @@
-"""Shared fixtures: proxy + fake upstream (tests/proxy_fixtures.py) and tiny models
-(tests/tiny_fixtures.py)."""
+"""Shared fixtures: proxy + fake upstream (tests/proxy_fixtures.py), tiny models
+(tests/tiny_fixtures.py) and the in-process worker (tests/worker_fixtures.py)."""
 
 import os
 
 from hypothesis import settings as _hyp
 from proxy_fixtures import *  # noqa: F403
 from tiny_fixtures import *  # noqa: F403
+from worker_fixtures import *  # noqa: F403
 
 # CI runs derandomized property tests: a submission lands or not on its own merits.
 _hyp.register_profile("ci", derandomize=True, deadline=None, print_blob=True)

@@ -19,10 +19,9 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.engine import Engine, PromptStats
-from prefixd.backends.mlx.store import common_prefix, placement
+from prefixd.backends.mlx.engine import Engine, EngineConfig, PromptStats
+from prefixd.backends.mlx.placement import common_prefix, placement
 from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
-from prefixd.proxy.settings import Settings
 
 LOGPROB_ATOL = 1e-4  # float32 tiny models; observed up to 2.3e-5 (gemma3_text), ~2e-6 others
 MAX_TOKENS = 4
@@ -46,9 +45,9 @@ class CountingModel:
         return getattr(self.model, name)
 
 
-def _settings(**kw: Any) -> Settings:
+def _settings(**kw: Any) -> EngineConfig:
     base = {"checkpoint_interval": 16, "prefill_chunk": 16, "checkpoint_tail": 2}
-    return Settings(_env_file=None, **{**base, **kw})
+    return EngineConfig(**{**base, **kw})
 
 
 def _run(engine: Engine, prompt: list[int], bounds: Sequence[int] = (),
@@ -352,3 +351,28 @@ def test_auto_interval_is_sized_from_the_checkpoint_bytes(
     tight = Engine(model, _settings(checkpoint_interval=None, cache_bytes=estimate * 16))
     assert tight.cache_info()["checkpoint_interval"] == 4096
     assert Engine(model, _settings()).cache_info()["checkpoint_interval"] == 16  # explicit
+
+
+def test_a_failing_commit_costs_the_cache_entry_not_the_reply(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The cache is stored after the reply was sent: if storing raises, the reply stands, the
+    entry is dropped (not left in progress for good) and the failure is logged and counted."""
+    model = build_model("qwen3", seed=3)
+    engine = Engine(model, _settings())
+    prompt = _words(random.Random(20), 40)
+    cold = _run(Engine(model, _settings(cache_bytes=0)), prompt)
+
+    def broken(self: Any) -> int:
+        raise RuntimeError("nbytes failed")
+
+    # The outermost boundary: mlx-lm's own cache class, as if measuring its size failed.
+    monkeypatch.setattr(KVCache, "nbytes", property(broken))
+    with caplog.at_level(logging.ERROR, logger="prefixd.worker.cache"):
+        reply = _run(engine, prompt)  # the generator closes (and commits) without raising
+    _assert_same(reply, cold)
+    assert engine.store.entries == [] and engine.store.bytes_used == 0
+    assert engine.cache_info()["fallbacks"] == {"commit_error": 1}
+    assert "storing this request's prompt cache failed" in caplog.text
+    monkeypatch.undo()
+    _run(engine, prompt)  # the next request caches again
+    assert [len(e.tokens) for e in engine.store.entries] == [len(prompt) + MAX_TOKENS]

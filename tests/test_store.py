@@ -7,13 +7,10 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixd.backends.mlx.placement import auto_interval, common_prefix, placement, placement_marks
 from prefixd.backends.mlx.store import (
     CheckpointStore,
     Entry,
-    auto_interval,
-    common_prefix,
-    placement,
-    placement_marks,
 )
 
 

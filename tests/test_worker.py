@@ -7,68 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from mlx_lm.tool_parsers import mistral as mistral_tools
+from worker_fixtures import HELLO, NAME, SETTINGS, chat, post, post_get, stream, streamed_text
 
-from prefixd.backends.mlx.chat import GenRequest, Sampling, build_prompt, parse_request
+from prefixd.backends.mlx.chat import GenRequest, Sampling, parse_request
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.oai import ChatOutput, StopMatcher, ToolFormat, extract_tool_calls
+from prefixd.backends.mlx.prompt import Renderer
 from prefixd.backends.mlx.worker import create_app
-from prefixd.proxy.settings import Settings
-
-SETTINGS = Settings(_env_file=None, max_tokens_default=6, use_system_blas=False)
-NAME = "tiny-qwen3"
-HELLO = [{"role": "system", "content": "You are a cache."},
-         {"role": "user", "content": "Tell me about the river."}]
-
-
-@pytest.fixture(scope="module")
-def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[Generator]:
-    gen = Generator(SETTINGS)
-    gen.load_blocking(str(tiny_model_dir("qwen3")))
-    yield gen
-    gen.close()
-
-
-@pytest.fixture
-async def client(generator: Generator) -> AsyncIterator[TestClient]:
-    async with TestClient(TestServer(create_app(generator, NAME, SETTINGS))) as c:
-        yield c
-
-
-def chat(messages: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"model": NAME, "messages": messages or HELLO, "temperature": 0, **extra}
-
-
-async def post(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/completions"
-               ) -> dict[str, Any]:
-    resp = await client.post(path, json=body)
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
-
-
-async def stream(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/completions"
-                 ) -> list[Any]:
-    """Every SSE `data:` payload, parsed (`[DONE]` stays a string)."""
-    resp = await client.post(path, json={**body, "stream": True})
-    assert resp.status == 200
-    assert resp.headers["Content-Type"].startswith("text/event-stream")
-    events = []
-    async for line in resp.content:
-        if line.startswith(b"data: "):
-            data = line[6:].strip()
-            events.append(data.decode() if data == b"[DONE]" else json.loads(data))
-    return events
-
-
-def streamed_text(events: list[Any]) -> str:
-    return "".join(e["choices"][0]["delta"].get("content") or ""
-                   for e in events[:-1] if e["choices"])
 
 
 async def test_chat_non_stream_shape(client: TestClient) -> None:
@@ -163,7 +113,7 @@ BAD_BODIES: list[tuple[bytes | dict[str, Any], str | None]] = [
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
@@ -175,7 +125,30 @@ BAD_BODIES: list[tuple[bytes | dict[str, Any], str | None]] = [
     ({"messages": HELLO, "tools": {"a": 1}}, "tools"),
     ({"messages": HELLO, "stream": "yes"}, "stream"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": {}}]}]},
-     "messages[0].tool_calls[0]"),
+     "messages[0].tool_calls[0].function.name"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
+    ({"messages": HELLO, "seed": 2**63}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 4097}, "messages"),
+    # parameters the schema accepts and this worker cannot honour
+    ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    ({"messages": HELLO, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": HELLO, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ({"messages": HELLO, "logprobs": 3}, "logprobs"),
+    ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": HELLO, "logit_bias": {"the": 5}}, "logit_bias"),
+    ({"messages": HELLO, "logit_bias": {"99999999": 5}}, "logit_bias"),
+]
+
+BAD_COMPLETIONS: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [99999999]}, "prompt"),
+    ({"prompt": "The river", "echo": True}, "echo"),
+    ({"prompt": "The river", "suffix": "and the sea"}, "suffix"),
+    ({"prompt": "The river", "logprobs": True}, "logprobs"),
+    ({"prompt": "The river", "logprobs": 21}, "logprobs"),
 ]
 
 
@@ -191,9 +164,15 @@ async def test_bad_input_is_400(client: TestClient, body: bytes | dict[str, Any]
     assert err["param"] == param
 
 
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+async def test_bad_completions_are_400(client: TestClient, body: dict[str, Any],
+                                       param: str) -> None:
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == param
+
+
 async def test_other_bad_requests(client: TestClient) -> None:
-    resp = await client.post("/v1/completions", json={"prompt": ""})
-    assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
     long_text = " river" * 5000  # past the tiny model's 4096-token context
     resp = await client.post("/v1/chat/completions",
                              json={"messages": [{"role": "user", "content": long_text}]})
@@ -232,8 +211,8 @@ def test_tool_calls_reach_the_template_as_dicts(generator: Generator) -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
-    req = parse_request({"messages": messages, "tools": tools}, "chat")
-    prompt = build_prompt(generator.loaded.tokenizer, req)
+    req = parse_request("chat", {"messages": messages, "tools": tools})
+    prompt = Renderer(generator.loaded.tokenizer).build(req)
     text = generator.loaded.tokenizer.decode(prompt.tokens)
     assert '"arguments": {"city": "Oslo"}' in text and "<tool_response>\nsunny" in text
     # two message ends, and where the tool result's content starts (inside <tool_response>)
@@ -250,7 +229,7 @@ def test_boundary_where_a_prefix_renders_differently(generator: Generator) -> No
     messages = [{"role": "user", "content": "Hi there."},
                 {"role": "assistant", "content": "The river.", "reasoning_content": "Hmm."},
                 {"role": "user", "content": "And?"}]
-    prompt = build_prompt(tok, parse_request({"messages": messages}, "chat"))
+    prompt = Renderer(tok).build(parse_request("chat", {"messages": messages}))
     heads = [tok.decode(prompt.tokens[:b]) for b in prompt.boundaries]
     assert heads[0].endswith("Hi there.<|im_end|>\n")
     assert heads[1].endswith("<|im_start|>assistant\n")    # the assistant text starts here
@@ -335,12 +314,6 @@ async def test_loading_worker_says_so() -> None:
         gen.close()
 
 
-async def post_get(client: TestClient, path: str) -> Any:
-    resp = await client.get(path)
-    assert resp.status == 200
-    return await resp.json()
-
-
 async def test_cache_endpoint_counts_hits(client: TestClient) -> None:
     messages = [{"role": "user", "content": "Cache test: the state of the window layer."}]
     before = await post_get(client, "/v1/cache")
@@ -398,11 +371,11 @@ async def test_client_disconnect_stops_generation(client: TestClient) -> None:
 
 
 def test_parse_request_defaults() -> None:
-    req = parse_request({"messages": HELLO}, "chat")
+    req = parse_request("chat", {"messages": HELLO})
     assert isinstance(req, GenRequest) and not req.stream and not req.include_usage
     assert req.sampling == Sampling(temperature=1.0, top_p=1.0)
-    req = parse_request({"messages": [{"role": "developer", "content": "x"},
-                                      {"role": "assistant", "content": None,
-                                       "reasoning": "hmm"}]}, "chat")
+    req = parse_request("chat", {"messages": [{"role": "developer", "content": "x"},
+                                              {"role": "assistant", "content": None,
+                                               "reasoning": "hmm"}]})
     assert req.messages[0]["role"] == "system"
     assert req.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}

@@ -77,6 +77,7 @@ class Worker:
     proc: subprocess.Popen[str]
     url: str
     log: Lines
+    headers: dict[str, str]  # Authorization, when started with PREFIXD_WORKER_TOKEN
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -100,14 +101,18 @@ def start_worker(model: Path, **env: str) -> Worker:
          "--served-name", "tiny", "--host", "127.0.0.1", "--port", str(port)],
         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=full_env)
     assert proc.stderr is not None
-    return Worker(proc, f"http://127.0.0.1:{port}", Lines(proc.stderr))
+    token = env.get("PREFIXD_WORKER_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return Worker(proc, f"http://127.0.0.1:{port}", Lines(proc.stderr), headers)
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir: Callable[[str], Path]) -> Iterator[tuple[Worker, Worker]]:
-    """(warm, cold): the same model with the default cache budget and with a budget of 0."""
+    """(warm, cold): the same model with the default cache budget and with a budget of 0 (and a
+    per-start token)."""
     model = tiny_model_dir("qwen3_next")
-    started = [start_worker(model), start_worker(model, PREFIXD_CACHE_BYTES="0")]
+    started = [start_worker(model), start_worker(model, PREFIXD_CACHE_BYTES="0",
+                                                 PREFIXD_WORKER_TOKEN="cold-secret")]
     try:
         for w in started:  # loading in parallel
             w.log.wait_for("worker: serving", START_TIMEOUT_S)
@@ -117,12 +122,12 @@ def workers(tiny_model_dir: Callable[[str], Path]) -> Iterator[tuple[Worker, Wor
     assert codes == [0, 0]
 
 
-async def ask(url: str, messages: list[dict[str, Any]], stream: bool = False) -> dict[str, Any]:
+async def ask(w: Worker, messages: list[dict[str, Any]], stream: bool = False) -> dict[str, Any]:
     """One greedy chat turn; for a stream, the joined text and the include_usage chunk."""
     body = {"model": "tiny", "messages": messages, "temperature": 0, "stream": stream,
             "stream_options": {"include_usage": True}}
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions",
-                                                    json=body) as resp:
+    async with aiohttp.ClientSession(headers=w.headers) as s, s.post(
+            w.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         if not stream:
             out = await resp.json()
@@ -143,8 +148,8 @@ async def test_multi_turn_chat_reuses_the_conversation(workers: tuple[Worker, Wo
         {"role": "user", "content": "Tell me about the river and the sea."}]
     prev: dict[str, int] | None = None
     for turn in range(4):
-        hot = await ask(warm.url, messages, stream=turn == 3)
-        ref = await ask(cold.url, messages)
+        hot = await ask(warm, messages, stream=turn == 3)
+        ref = await ask(cold, messages)
         assert hot["text"] == ref["text"]  # warm == cold, greedy
         assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         usage = hot["usage"]
@@ -155,6 +160,17 @@ async def test_multi_turn_chat_reuses_the_conversation(workers: tuple[Worker, Wo
         prev = usage
         messages += [{"role": "assistant", "content": hot["text"]},
                      {"role": "user", "content": f"Turn {turn + 2}: and the city?"}]
+
+
+async def test_a_worker_started_with_a_token_requires_it(workers: tuple[Worker, Worker]) -> None:
+    _, cold = workers
+    async with aiohttp.ClientSession() as s:
+        async with s.get(cold.url + "/health") as resp:
+            assert resp.status == 200
+        async with s.get(cold.url + "/v1/models") as resp:
+            assert resp.status == 401
+        async with s.get(cold.url + "/v1/models", headers=cold.headers) as resp:
+            assert resp.status == 200
 
 
 async def test_sigterm_mid_stream_exits_promptly(tiny_model_dir: Callable[[str], Path]) -> None:

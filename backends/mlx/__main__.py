@@ -1,10 +1,12 @@
 """`python -m prefixd.backends.mlx` / `prefixd worker`: run one mlx worker process.
 
 Owns: the worker's command line, its process lifecycle (BLAS re-exec, signals, following its
-parent's death, ordered shutdown) and the listening socket. WorkerSettings come from the environment
-(PREFIXD_*; the supervisor passes worker settings that way). The HTTP server starts first and
-answers /health with 503 until the model is loaded, so a supervisor can tell "loading" from
-"dead". SIGTERM/SIGINT, or the parent process going away, stop it within a couple of seconds.
+parent's death, ordered shutdown) and the listening socket (`--port`, or `--unix-socket`).
+WorkerSettings come from the environment (PREFIXD_*; the supervisor passes worker settings that
+way), and so does the optional per-start token `PREFIXD_WORKER_TOKEN` (see `worker.py`). The
+HTTP server starts first and answers /health with 503 until the model is loaded, so a
+supervisor can tell "loading" from "dead". SIGTERM/SIGINT, or the parent process going away,
+stop it within a couple of seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from aiohttp import web
 from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.worker import TOKEN_ENV, create_app
 from prefixd.backends.parent import follow_parent, watch_parent
 
 log = logging.getLogger("prefixd.worker")
@@ -80,8 +82,10 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(watch_parent(parent, stop)) if parent else None
-    runner = web.AppRunner(create_app(generator, name, settings), handler_cancellation=True,
-                           shutdown_timeout=2.0, access_log=None)
+    # A per-start secret from the supervisor (env, never argv: other users can read argv).
+    token = os.environ.get(TOKEN_ENV) or None
+    runner = web.AppRunner(create_app(generator, name, settings, token),
+                           handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     if args.unix_socket:
         site: web.BaseSite = web.UnixSite(runner, str(args.unix_socket))

@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.store import CheckpointStore, Entry, auto_interval, placement_marks
+from prefixd.backends.mlx.placement import auto_interval, placement_marks
+from prefixd.backends.mlx.run import Run
+from prefixd.backends.mlx.store import CheckpointStore, Entry
 from prefixd.metrics import worker as metrics
 
 if TYPE_CHECKING:
@@ -28,6 +30,21 @@ if TYPE_CHECKING:
     from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker.cache")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the Engine reads of the worker's settings (same names, same meaning)."""
+
+    cache_bytes: int = 4 * 1024**3
+    checkpoint_interval: int | None = None  # None: sized automatically at start-up
+    checkpoint_tail: int = 4
+    prefill_chunk: int = 512
+    kv_bits: int | None = None
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings) -> EngineConfig:
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -43,15 +60,15 @@ class PromptStats:
 class Engine:
     """One model, one checkpoint store, one generation at a time."""
 
-    def __init__(self, model: nn.Module, settings: WorkerSettings) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
         self.model = model
-        self.settings = settings
-        self.store = CheckpointStore(settings.cache_bytes)
+        self.config = config
+        self.store = CheckpointStore(config.cache_bytes)
         self.last_stats: PromptStats | None = None
         self.totals = {"requests": 0, "cached_tokens": 0, "recomputed_tokens": 0}
         self.fallbacks: dict[str, int] = {}
         self._evicted = (0, 0, 0)
-        self._kv = self._kv_quantization(settings.kv_bits)
+        self._kv = self._kv_quantization(config.kv_bits)
         template = self._fresh_cache()
         self._unsupported = snapshot.unsupported(template)
         if self._unsupported:
@@ -60,7 +77,7 @@ class Engine:
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
         self.checkpoint_bytes: int | None = None  # estimated size of one checkpoint
         self.interval = self._choose_interval()
-        metrics.CACHE_BUDGET.set(settings.cache_bytes)
+        metrics.CACHE_BUDGET.set(config.cache_bytes)
         self._update_gauges()
 
     # --- setup -------------------------------------------------------------------------------
@@ -87,7 +104,7 @@ class Engine:
 
     def _choose_interval(self) -> int:
         """`checkpoint_interval` if set, else sized to the model's checkpoints and the budget."""
-        s = self.settings
+        s = self.config
         if s.checkpoint_interval is not None:
             return s.checkpoint_interval
         if not self._snap_idx or not s.cache_bytes:
@@ -142,16 +159,63 @@ class Engine:
         cache, start, fallback = self._restore(prompt)
         restore_s = time.perf_counter() - t0
         entry = None if self._unsupported else self.store.begin(prompt)
-        run = _Run(self, cache, prompt, start, entry, should_stop)
+        run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop)
+
+        def capture(pos: int, interval: bool) -> None:
+            self._capture(entry, run, pos, interval)
+
         try:
-            logits = run.prefill(boundaries)
+            logits = run.prefill(self._marks(len(prompt), start, boundaries), capture)
             self._finish_stats(PromptStats(len(prompt), start, run.pos - start, restore_s,
                                            time.perf_counter() - t0 - restore_s, fallback))
             if logits is not None:
                 yield from run.decode(logits, sampler, logits_processors or [], max_tokens)
         finally:
-            run.commit()
+            self._commit(entry, run)
             self._update_gauges()
+
+    # --- checkpoints and commit ---------------------------------------------------------------
+    def _marks(self, n: int, start: int, boundaries: Sequence[int]) -> dict[int, bool]:
+        """Checkpoint positions of this prompt; none for all-KV models (the entry's KV trims to
+        any prefix), so their prefill is never cut."""
+        if not self._snap_idx:
+            return {}
+        return placement_marks(n, start, boundaries, self.interval, self.config.checkpoint_tail)
+
+    def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool) -> None:
+        """Checkpoint the live cache at `pos`. A failure costs the checkpoint, not the reply."""
+        if entry is None:
+            return
+        try:
+            payload, size = snapshot.take(run.cache, self._snap_idx)
+            self.store.add_checkpoint(entry, pos, payload, size, interval=interval,
+                                      trimmable=snapshot.snapshot_trimmable(payload))
+        except Exception:
+            log.exception("checkpoint at %d failed; continuing without it", pos)
+            self._count_fallback("checkpoint_error")
+
+    def _commit(self, entry: Entry | None, run: Run) -> None:
+        """Store what the KV state holds (the last yielded token fed first, unless should_stop()
+        ended the request); drop the entry if the state is unknown or nothing is new. Never
+        raises: the reply has been sent, so a failure here costs the cache entry, not the reply
+        (logged and counted as `fallback="commit_error"`)."""
+        if entry is None:
+            return
+        try:
+            if self.store.budget:
+                run.feed_pending()
+        except Exception:  # the run is broken now, so the entry is discarded below
+            log.exception("feeding the last generated token failed; not caching this request")
+        try:
+            if run.broken or not run.advanced:  # unknown state, or nothing the store lacks
+                self.store.discard(entry)
+                return
+            self.store.finish(entry, run.tokens, run.cache, snapshot.nbytes(run.cache),
+                              snapshot.trimmable(run.cache), self._end_snapshot)
+        except Exception:
+            log.exception("storing this request's prompt cache failed; the reply is unaffected")
+            self._count_fallback("commit_error")
+            self.store.discard(entry)
 
     def _finish_stats(self, stats: PromptStats) -> None:
         self.last_stats = stats
@@ -203,103 +267,5 @@ class Engine:
             "kv_bits": self._kv[0] if self._kv else None,
             "checkpoint_interval": self.interval,  # effective (the setting may be auto)
             "checkpoint_bytes_estimate": self.checkpoint_bytes,
-            "settings": {k: getattr(self.settings, k) for k in (
-                "cache_bytes", "checkpoint_interval", "checkpoint_tail", "prefill_chunk")},
+            "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
         }
-
-
-class _Run:
-    """The live state of one generation: its cache, how far it got, and its store entry."""
-
-    def __init__(self, engine: Engine, cache: list[Any], prompt: list[int], start: int,
-                 entry: Entry | None, should_stop: Callable[[], bool]) -> None:
-        self.engine, self.cache, self.prompt, self.entry = engine, cache, prompt, entry
-        self.start, self.should_stop = start, should_stop
-        self.pos = start  # prompt tokens in the KV state
-        self.fed: list[int] = []  # generated tokens in the KV state
-        self.pending: int | None = None  # the last yielded token, not yet fed to the model
-        self.broken = False  # an exception hit mid-forward: the cache state is unknown
-
-    def _forward(self, tokens: list[int]) -> mx.array:
-        self.broken = True
-        out = self.engine.model(mx.array(tokens)[None], cache=self.cache)
-        snapshot.evaluate(self.cache)
-        self.broken = False
-        return out
-
-    def _checkpoint(self, marks: dict[int, bool]) -> None:
-        e = self.engine
-        if self.entry is None or not e._snap_idx or self.pos not in marks:
-            return
-        payload, size = snapshot.take(self.cache, e._snap_idx)
-        e.store.add_checkpoint(self.entry, self.pos, payload, size, interval=marks[self.pos],
-                               trimmable=snapshot.snapshot_trimmable(payload))
-
-    def prefill(self, boundaries: Sequence[int]) -> mx.array | None:
-        """Run prompt[pos:] through the model; the last token's logits, None if stopped."""
-        s = self.engine.settings
-        n = len(self.prompt)
-        # All-KV models need no checkpoints (the entry's KV trims to any prefix): no extra cuts.
-        marks = (placement_marks(n, self.pos, boundaries, self.engine.interval,
-                                 s.checkpoint_tail) if self.engine._snap_idx else {})
-        cuts = sorted(p for p in marks if p < n - 1)
-        while self.pos < n - 1:
-            if self.should_stop():
-                return None
-            end = min([n - 1, self.pos + s.prefill_chunk, *(p for p in cuts if p > self.pos)])
-            # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
-            self._forward(self.prompt[self.pos:end])
-            self.pos = end
-            self._checkpoint(marks)
-            mx.clear_cache()
-        if self.should_stop():
-            return None
-        logits = self._forward(self.prompt[n - 1:])[:, -1, :]
-        self.pos = n
-        self._checkpoint(marks)
-        return logits
-
-    def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
-               processors: list, max_tokens: int) -> Iterator[int]:
-        for i in range(max_tokens):
-            if processors:
-                history = mx.array(self.prompt + self.fed)
-                for proc in processors:
-                    logits = proc(history, logits)
-            token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)).item())
-            self.pending = token
-            yield token
-            if i == max_tokens - 1 or self.should_stop():
-                return
-            logits = self._forward([token])[:, -1, :]
-            self.fed.append(token)
-            self.pending = None
-
-    def _feed_pending(self) -> None:
-        """Feed the last yielded token on a normal end (max_tokens, or the caller closing the
-        generator at EOS or a stop string), so the stored entry covers the whole reply and the
-        next turn starts after it. Not when should_stop() ended the request (the client left)."""
-        token, self.pending = self.pending, None
-        if token is None or self.broken or not self.engine.store.budget or self.should_stop():
-            return
-        try:
-            self._forward([token])
-        except Exception:  # the entry is then discarded (self.broken); the reply was sent
-            log.exception("feeding the last generated token failed; not caching this request")
-            return
-        self.fed.append(token)
-
-    def commit(self) -> None:
-        """Store what the KV state holds (end-of-generation checkpoint), the last yielded token
-        fed first unless should_stop() ended the request; drop it if the state is unknown."""
-        e = self.engine
-        if self.entry is None:
-            return
-        self._feed_pending()
-        if self.broken or (self.pos == self.start and not self.fed):
-            # Unknown state, or nothing the store does not already hold.
-            e.store.discard(self.entry)
-            return
-        tokens = self.prompt[:self.pos] + self.fed
-        e.store.finish(self.entry, tokens, self.cache, snapshot.nbytes(self.cache),
-                       snapshot.trimmable(self.cache), e._end_snapshot)

@@ -5,7 +5,8 @@ Owns: every mlx call of the worker process. Model loading, Engine construction, 
 Engine and its checkpoint store need no locks, and the executor's FIFO is the request queue.
 A `Job` carries a prompt in and text deltas out (through an asyncio.Queue, thread-safely); its
 `cancel` flag is the Engine's `should_stop`, so a client that goes away stops generation within
-one decode step. The HTTP side lives in `worker.py`.
+one decode step. Nothing here speaks HTTP: failures are `Failed` events or `WorkerClosed`, which
+`worker.py` turns into responses.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixd.api.errors import ApiError
-from prefixd.backends.mlx.chat import Prompt, Sampling
-from prefixd.backends.mlx.oai import StopMatcher
+from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.output import Delta, LogprobTap, TextOut, sampling_functions
+from prefixd.backends.mlx.prompt import Prompt, Renderer
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker")
+
+
+class WorkerClosed(RuntimeError):
+    """The generation thread is shut down: no new job can run."""
 
 
 @dataclass(frozen=True)
@@ -41,13 +46,14 @@ class Failed:
     message: str
 
 
-Event = str | Finished | Failed  # str: a text delta
+Event = Delta | Finished | Failed  # Delta: a text delta
 
 
 @dataclass
 class Loaded:
     model: Any
     tokenizer: Any
+    renderer: Renderer
     engine: Any
     max_context: int | None
 
@@ -57,6 +63,7 @@ class Job:
     prompt: Prompt
     sampling: Sampling
     max_tokens: int
+    logprobs: int | None  # None: none; else how many alternatives per token
     _emit: Callable[[Event], None]
     _queue: asyncio.Queue[Event]
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -73,7 +80,7 @@ class Job:
         while True:
             event = await self._queue.get()
             yield event
-            if not isinstance(event, str):
+            if not isinstance(event, Delta):
                 return
 
 
@@ -107,19 +114,20 @@ class Generator:
         return self._executor.submit(self._load, spec).result()
 
     def _load(self, spec: str) -> Loaded:
-        from prefixd.backends.mlx.engine import Engine
+        from prefixd.backends.mlx.engine import Engine, EngineConfig
         from prefixd.backends.mlx.provision import load_model
 
         model, tokenizer = load_model(spec, self.settings.cache_dir, progress=log.info,
                                       dequantize=wants_dequantize(self.settings.dequantize, spec))
-        engine = Engine(model, self.settings)
+        engine = Engine(model, EngineConfig.from_settings(self.settings))
         self.cache_info = engine.cache_info()
-        self.loaded = Loaded(model, tokenizer, engine, max_context(model))
+        self.loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
         log.info("worker: model %s loaded (%s, max context %s)", spec,
                  type(model).__module__.rsplit(".", 1)[-1], self.loaded.max_context)
         return self.loaded
 
-    def submit(self, prompt: Prompt, sampling: Sampling, max_tokens: int) -> Job:
+    def submit(self, prompt: Prompt, sampling: Sampling, max_tokens: int,
+               logprobs: int | None = None) -> Job:
         """Queue a generation; its events arrive through `job.events()` in order."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -130,12 +138,12 @@ class Generator:
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 job.cancel()
 
-        job = Job(prompt, sampling, max_tokens, emit, queue)
+        job = Job(prompt, sampling, max_tokens, logprobs, emit, queue)
         self._pending.add(job)
         try:
             self._executor.submit(self._run, job)
-        except RuntimeError:
-            raise ApiError(503, "the worker is shutting down", type_="server_error") from None
+        except RuntimeError:  # the executor is shut down
+            raise WorkerClosed("the worker is shutting down") from None
         return job
 
     def cancel_all(self) -> None:
@@ -170,22 +178,18 @@ class Generator:
 
     def _generate(self, job: Job) -> Finished:
         import mlx.core as mx
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         assert self.loaded is not None
         engine, tokenizer = self.loaded.engine, self.loaded.tokenizer
         s = job.sampling
         if s.seed is not None:
             mx.random.seed(s.seed)
-        sampler = make_sampler(s.temperature, s.top_p, s.min_p, top_k=s.top_k)
-        processors = make_logits_processors(
-            s.logit_bias, s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty)
-        detok = tokenizer.detokenizer
-        stops = StopMatcher(s.stop)
+        sampler, processors = sampling_functions(s)
+        tap = None if job.logprobs is None else LogprobTap(sampler, job.logprobs, tokenizer)
+        text = TextOut(job._emit, s.stop, tokenizer.detokenizer)
         eos = tokenizer.eos_token_ids
         n, finish, t0 = 0, "length", time.perf_counter()
-        tokens = engine.generate(job.prompt.tokens, sampler=sampler,
+        tokens = engine.generate(job.prompt.tokens, sampler=tap or sampler,
                                  logits_processors=processors or None,
                                  max_tokens=job.max_tokens, boundaries=job.prompt.boundaries,
                                  should_stop=job._cancel.is_set)
@@ -195,10 +199,8 @@ class Generator:
                     finish = "stop"
                     break
                 n += 1
-                detok.add_token(token)
-                if text := stops.feed(detok.last_segment):
-                    job._emit(text)
-                if stops.hit:
+                text.add(token, tap.take(token) if tap else None)
+                if text.stops.hit:
                     finish = "stop"
                     break
                 if job.cancelled:
@@ -207,10 +209,8 @@ class Generator:
             tokens.close()  # the Engine commits what is in the KV state on any exit
         if job.cancelled:
             finish = "cancelled"
-        elif not stops.hit:
-            detok.finalize()
-            if text := stops.feed(detok.last_segment) + stops.flush():
-                job._emit(text)
+        else:
+            text.finish()
         # last_stats is set before the first token; a job cancelled during prefill may not have
         # reached that point, and then reports nothing cached.
         stats = getattr(engine, "last_stats", None)
@@ -249,3 +249,4 @@ def wants_dequantize(mode: str, spec: str) -> bool:
     from prefixd.backends.mlx.provision import BUILTIN_MODELS
 
     return spec in BUILTIN_MODELS and not mx.metal.is_available()
+

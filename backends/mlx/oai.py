@@ -49,10 +49,11 @@ class Shapes:
 
     def final(self, text: str, finish_reason: str, usage_: dict[str, Any],
               tool_calls: list[dict[str, Any]] | None = None,
-              reasoning: str | None = None) -> dict[str, Any]:
+              reasoning: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole non-streamed response."""
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
                                       "finish_reason": finish_reason}
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -60,16 +61,17 @@ class Shapes:
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": None,
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         return {**self._envelope(False), "choices": [choice], "usage": usage_}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
               role: bool = False, tool_calls: list[dict[str, Any]] | None = None,
-              reasoning: str | None = None) -> dict[str, Any]:
+              reasoning: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One stream chunk: a text delta, the opening role delta, or the closing finish_reason."""
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": logprobs,
                                       "finish_reason": finish_reason}
         else:
             delta: dict[str, Any] = {}
@@ -82,7 +84,7 @@ class Shapes:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         return {**self._envelope(True), "choices": [choice]}
 

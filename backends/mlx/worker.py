@@ -1,36 +1,47 @@
 """The mlx worker's HTTP app: the OpenAI endpoints and the worker's own (health, cache, tokenize).
 
-Owns: routes, reading and answering requests, streaming SSE, noticing a client that went away.
-Parsing lives in `chat.py`, response shapes in `oai.py`, everything mlx in `generation.py`.
-A handler never raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a
-generation failure is a 500 or, once a stream has started, an SSE error event.
+Owns: routes, the optional per-start token (`PREFIXD_WORKER_TOKEN`: every route but /health then
+needs `Authorization: Bearer <token>`), reading requests (the shared schema `api.schema`, then
+`chat.gen_request`), building prompts beside generation, and noticing a client that went away.
+Answers are written by `respond.py`; everything mlx lives in `generation.py`. A handler never
+raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a generation failure is a
+500 or, once a stream has started, an SSE error event.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import logging
+import threading
 import time
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from prefixd.api.errors import ApiError, error_response, errors_middleware
-from prefixd.backends.mlx.chat import GenRequest, Prompt, build_prompt, encode, parse_request
-from prefixd.backends.mlx.generation import Failed, Finished, Generator, Job, Loaded
-from prefixd.backends.mlx.oai import DONE, ChatOutput, Shapes, ToolFormat, sse, usage
+from prefixd.api.errors import ApiError, errors_middleware
+from prefixd.api.schema import Kind, decode_json, parse_body
+from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
+from prefixd.backends.mlx.generation import Generator, Loaded, WorkerClosed
+from prefixd.backends.mlx.oai import ChatOutput, Shapes
+from prefixd.backends.mlx.prompt import Prompt, Renderer, encode
+from prefixd.backends.mlx.respond import Reply
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.metrics import CONTENT_TYPE, render
 
 log = logging.getLogger("prefixd.worker")
 GENERATOR = web.AppKey("generator", Generator)
 MODEL_NAME = web.AppKey("model_name", str)
+TOKEN_ENV = "PREFIXD_WORKER_TOKEN"  # a secret per worker start, set by its supervisor
+OPEN_PATHS = frozenset({"/health"})
 
 
-def create_app(generator: Generator, model_name: str, settings: WorkerSettings) -> web.Application:
-    """The worker app around a `Generator` (loaded now or later: /health says which)."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=settings.max_body_bytes)
+def create_app(generator: Generator, model_name: str, settings: WorkerSettings,
+               token: str | None = None) -> web.Application:
+    """The worker app around a `Generator` (loaded now or later: /health says which). With a
+    `token`, every route but /health requires `Authorization: Bearer <token>`."""
+    middlewares = [errors_middleware] + ([_auth(token)] if token else [])
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GENERATOR] = generator
     app[MODEL_NAME] = model_name
     app.router.add_post("/v1/chat/completions", _chat)
@@ -43,12 +54,22 @@ def create_app(generator: Generator, model_name: str, settings: WorkerSettings) 
     return app
 
 
-async def _json(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, expected):
+                raise ApiError(401, "this worker needs its token: Authorization: Bearer <token>",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return auth
 
 
 def _loaded(request: web.Request) -> Loaded:
@@ -81,30 +102,42 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
-async def _generate(request: web.Request, kind: Literal["chat", "completion"]
-                    ) -> web.StreamResponse:
-    req = parse_request(await _json(request), kind)
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    req = gen_request(parse_body(kind, await request.read()))
     loaded = _loaded(request)
+    check_vocab(req, len(loaded.tokenizer))
     generator = request.app[GENERATOR]
-    # Tokenizing (and rendering message prefixes) runs beside generation, not behind it.
-    prompt = await asyncio.to_thread(build_prompt, loaded.tokenizer, req)
+    prompt = await _build(loaded.renderer, req)
     max_tokens = _max_tokens(loaded, req, prompt, generator.settings.max_tokens_default)
     shapes = Shapes(kind, request.app[MODEL_NAME])
-    output = _output(loaded.tokenizer, req, prompt)
-    job = generator.submit(prompt, req.sampling, max_tokens)
     try:
-        if req.stream:
-            return await _stream(request, req, shapes, job, output)
-        return await _collect(shapes, job, output)
+        job = generator.submit(prompt, req.sampling, max_tokens, req.logprobs)
+    except WorkerClosed:
+        raise ApiError(503, "the worker is shutting down", type_="server_error") from None
+    reply = Reply(req, shapes, job, _output(loaded, req, prompt))
+    try:
+        return await (reply.stream(request) if req.stream else reply.collect())
     finally:
         job.cancel()  # no-op after the end; stops generation if the client left (cancellation)
 
 
-def _output(tokenizer: Any, req: GenRequest, prompt: Prompt) -> ChatOutput:
+async def _build(renderer: Renderer, req: GenRequest, boundaries: bool = True) -> Prompt:
+    """Render and tokenize on a thread, beside generation. If the client leaves meanwhile
+    (aiohttp cancels the handler), rendering message prefixes stops at the next one."""
+    left = threading.Event()
+    try:
+        return await asyncio.to_thread(renderer.build, req, boundaries=boundaries,
+                                       should_stop=left.is_set)
+    finally:
+        left.set()
+
+
+def _output(loaded: Loaded, req: GenRequest, prompt: Prompt) -> ChatOutput:
     """How this reply's text is split into reasoning, content and tool calls."""
     if req.kind != "chat":
         return ChatOutput()
-    tools = ToolFormat.of(tokenizer) if req.tools else None
+    tokenizer = loaded.tokenizer
+    tools = loaded.renderer.tool_format() if req.tools else None
     if not getattr(tokenizer, "has_thinking", False):
         return ChatOutput(tools, req.tools)
     # A generation prompt that opens a think block (and does not close it) starts in reasoning.
@@ -113,90 +146,28 @@ def _output(tokenizer: Any, req: GenRequest, prompt: Prompt) -> ChatOutput:
     return ChatOutput(tools, req.tools, (tokenizer.think_start, tokenizer.think_end), thinking)
 
 
-def _usage(job: Job, end: Finished) -> dict[str, Any]:
-    return usage(len(job.prompt.tokens), end.completion_tokens, end.cached_tokens)
-
-
-def _stopped() -> ApiError:
-    return ApiError(503, "the worker stopped this generation (shutting down)",
-                    type_="server_error")
-
-
-async def _collect(shapes: Shapes, job: Job, output: ChatOutput) -> web.Response:
-    reasoning: list[str] = []
-    content: list[str] = []
-    async for event in job.events():
-        if isinstance(event, str):
-            r, c = output.feed(event)
-            reasoning.append(r)
-            content.append(c)
-        elif isinstance(event, Failed):
-            return error_response(500, event.message)
-        elif event.finish_reason == "cancelled":
-            return _stopped().response()
-        else:
-            r, c, calls = output.finish()
-            finish = "tool_calls" if calls else event.finish_reason
-            return web.json_response(shapes.final(
-                "".join(content) + c, finish, _usage(job, event), tool_calls=calls,
-                reasoning="".join(reasoning) + r))
-    raise AssertionError("a job's events end with Finished or Failed")
-
-
-async def _stream(request: web.Request, req: GenRequest, shapes: Shapes, job: Job,
-                  output: ChatOutput) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    try:
-        if req.kind == "chat":
-            await resp.write(sse(shapes.chunk(role=True)))
-        async for event in job.events():
-            if isinstance(event, str):
-                r, c = output.feed(event)
-                if r or c:
-                    await resp.write(sse(shapes.chunk(c, reasoning=r)))
-            elif isinstance(event, Failed):
-                await resp.write(ApiError(500, event.message, type_="server_error").sse_event())
-                return resp
-            elif event.finish_reason == "cancelled":  # shutdown; a gone client reads nothing
-                await resp.write(_stopped().sse_event())
-                return resp
-            else:
-                await _stream_end(resp, req, shapes, output, job, event)
-        await resp.write(DONE)
-        await resp.write_eof()
-    except ConnectionResetError:
-        log.info("worker: client went away mid-stream; generation stopped")
-    return resp
-
-
-async def _stream_end(resp: web.StreamResponse, req: GenRequest, shapes: Shapes,
-                      output: ChatOutput, job: Job, end: Finished) -> None:
-    r, c, calls = output.finish()
-    if r or c:
-        await resp.write(sse(shapes.chunk(c, reasoning=r)))
-    if calls:
-        await resp.write(sse(shapes.chunk(tool_calls=calls)))
-    await resp.write(sse(shapes.chunk(finish_reason="tool_calls" if calls
-                                      else end.finish_reason)))
-    if req.include_usage:
-        await resp.write(sse(shapes.usage_chunk(_usage(job, end))))
-
-
 async def _tokenize(request: web.Request) -> web.Response:
     """{"messages": [...], "tools": [...]} → the chat prompt's ids (with the generation
-    prompt), or {"content": "text", "add_special": false} → the text's ids."""
-    body = await _json(request)
+    prompt) and message boundaries (`"boundaries": false` skips them: only the ids), or
+    {"content": "text", "add_special": false} → the text's ids."""
+    body = decode_json(await request.read())
     loaded = _loaded(request)
-    if isinstance(body, dict) and "messages" not in body:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+    if "messages" not in body:
         content = body.get("content")
         if not isinstance(content, str):
             raise ApiError(400, "give 'messages' or a string 'content'", param="content")
         tokens = await asyncio.to_thread(encode, loaded.tokenizer, content,
                                          bool(body.get("add_special", False)))
         return web.json_response({"tokens": tokens})
-    prompt = await asyncio.to_thread(build_prompt, loaded.tokenizer, parse_request(body, "chat"))
+    want = body.get("boundaries", True)
+    if not isinstance(want, bool):
+        raise ApiError(400, "'boundaries' must be a boolean", param="boundaries",
+                       code="invalid_type")
+    prompt = await _build(loaded.renderer, parse_request("chat", body), boundaries=want)
+    if not want:
+        return web.json_response({"tokens": prompt.tokens})
     return web.json_response({"tokens": prompt.tokens, "boundaries": prompt.boundaries})
 
 

@@ -1,0 +1,99 @@
+"""One generation's live model state: prefill (cut at checkpoint positions) and decode.
+
+Owns: the live cache of the running request, how far it got (`pos` prompt tokens and the `fed`
+generated tokens are in it), and whether an exception left it in an unknown state (`broken`).
+Knows nothing of the checkpoint store: the Engine says where to capture (`marks`) and what to do
+there (`capture`), and commits `tokens` with `cache` when the run ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from prefixd.backends.mlx import snapshot
+
+# Called at each mark the prefill reaches: (position, is an in-message interval mark).
+Capture = Callable[[int, bool], None]
+
+
+class Run:
+    """The live state of one generation."""
+
+    def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
+                 chunk: int, should_stop: Callable[[], bool]) -> None:
+        self.model, self.cache, self.prompt, self.chunk = model, cache, prompt, chunk
+        self.start, self.should_stop = start, should_stop
+        self.pos = start  # prompt tokens in the KV state
+        self.fed: list[int] = []  # generated tokens in the KV state
+        self.pending: int | None = None  # the last yielded token, not yet fed to the model
+        self.broken = False  # an exception hit mid-forward: the cache state is unknown
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token the cache holds."""
+        return self.prompt[:self.pos] + self.fed
+
+    @property
+    def advanced(self) -> bool:
+        """Whether the cache holds more than the state it was restored from."""
+        return self.pos > self.start or bool(self.fed)
+
+    def _forward(self, tokens: list[int]) -> mx.array:
+        self.broken = True
+        out = self.model(mx.array(tokens)[None], cache=self.cache)
+        snapshot.evaluate(self.cache)
+        self.broken = False
+        return out
+
+    def prefill(self, marks: dict[int, bool], capture: Capture) -> mx.array | None:
+        """Run prompt[pos:] through the model, ending a chunk at every mark and calling
+        `capture` there; the last token's logits, or None if should_stop() ended it."""
+        n = len(self.prompt)
+        cuts = sorted(p for p in marks if self.pos < p < n - 1)
+        while self.pos < n - 1:
+            if self.should_stop():
+                return None
+            end = min([n - 1, self.pos + self.chunk, *(p for p in cuts if p > self.pos)])
+            # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
+            self._forward(self.prompt[self.pos:end])
+            self.pos = end
+            if end in marks:
+                capture(end, marks[end])
+            mx.clear_cache()
+        if self.should_stop():
+            return None
+        logits = self._forward(self.prompt[n - 1:])[:, -1, :]
+        self.pos = n
+        if n in marks:
+            capture(n, marks[n])
+        return logits
+
+    def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
+               processors: list, max_tokens: int) -> Iterator[int]:
+        for i in range(max_tokens):
+            if processors:
+                history = mx.array(self.prompt + self.fed)
+                for proc in processors:
+                    logits = proc(history, logits)
+            token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)).item())
+            self.pending = token
+            yield token
+            if i == max_tokens - 1 or self.should_stop():
+                return
+            logits = self._forward([token])[:, -1, :]
+            self.fed.append(token)
+            self.pending = None
+
+    def feed_pending(self) -> None:
+        """Feed the last yielded token on a normal end (max_tokens, or the caller closing the
+        generator at EOS or a stop string), so the cache covers the whole reply and the next
+        turn starts after it. Not when should_stop() ended the request (the client left).
+        Raises what the model raises (the run is then `broken`)."""
+        token, self.pending = self.pending, None
+        if token is None or self.broken or self.should_stop():
+            return
+        self._forward([token])
+        self.fed.append(token)

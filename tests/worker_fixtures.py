@@ -1,0 +1,74 @@
+"""The in-process mlx worker of the worker tests: a tiny real qwen3 model behind the real app
+on a loopback server (fixtures `generator`, `client`; star-imported by tests/conftest.py, one
+model load per test module that uses them), and the request helpers the tests import."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.worker import create_app
+from prefixd.proxy.settings import Settings
+
+__all__ = ["client", "generator"]
+
+SETTINGS = Settings(_env_file=None, max_tokens_default=6, use_system_blas=False)
+NAME = "tiny-qwen3"
+HELLO = [{"role": "system", "content": "You are a cache."},
+         {"role": "user", "content": "Tell me about the river."}]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[Generator]:
+    gen = Generator(SETTINGS)
+    gen.load_blocking(str(tiny_model_dir("qwen3")))
+    yield gen
+    gen.close()
+
+
+@pytest.fixture
+async def client(generator: Generator) -> AsyncIterator[TestClient]:
+    async with TestClient(TestServer(create_app(generator, NAME, SETTINGS))) as c:
+        yield c
+
+
+def chat(messages: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"model": NAME, "messages": messages or HELLO, "temperature": 0, **extra}
+
+
+async def post(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/completions"
+               ) -> dict[str, Any]:
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def stream(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/completions"
+                 ) -> list[Any]:
+    """Every SSE `data:` payload, parsed (`[DONE]` stays a string)."""
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            events.append(data.decode() if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def streamed_text(events: list[Any]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1] if e["choices"])
+
+
+async def post_get(client: TestClient, path: str) -> Any:
+    resp = await client.get(path)
+    assert resp.status == 200
+    return await resp.json()
