@@ -42,3 +42,15 @@ CACHED_TOKENS = Counter("prefixd_cached_prompt_tokens_total",
 COMPLETION_TOKENS = Counter("prefixd_completion_tokens_total",
                             "Completion tokens reported by backends.", ["backend", "model"],
                             registry=REGISTRY)
+ROUTE_DECISIONS = Counter("prefixd_route_decisions_total",
+                          "Routing decisions by backend and reason (affinity, index_hit, balance, "
+                          "failover, new).", ["backend", "reason"], registry=REGISTRY)
+ROUTE_PREDICTED_TOKENS = Counter("prefixd_route_predicted_cached_tokens_total",
+                                 "Cached prompt tokens the prefix index predicted.",
+                                 ["backend"], registry=REGISTRY)
+ROUTE_MISPREDICTIONS = Counter("prefixd_route_mispredictions_total",
+                               "Requests whose backend reported fewer cached tokens than "
+                               "predicted (its index entries beyond that were dropped).",
+                               ["backend"], registry=REGISTRY)
+INDEX_ENTRIES = Gauge("prefixd_route_index_entries", "Prefix boundaries indexed per backend.",
+                      ["backend"], registry=REGISTRY)

@@ -98,6 +98,7 @@ def _statuses(proxy: Proxy) -> list[dict]:
         out.append({"name": name, "kind": st.kind, "state": st.state, "up": st.up,
                     "models": st.models, "queue_depth": q.waiting, "in_flight": q.in_flight,
                     "max_concurrency": q.max_concurrency, "last_error": st.last_error,
+                    **proxy.router.status(name),
                     **st.detail})
     return out
 

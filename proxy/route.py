@@ -1,13 +1,16 @@
 """Routing policy: which backend serves a request. Pure: decisions over plain data.
 
-A model picks the candidate backends. Among several, cache affinity wins (the backend that
-served this lane last holds its prefix) unless that backend is down or its queue is much
-longer than the best alternative's; otherwise the least loaded healthy backend is chosen.
+A model picks the candidate backends. Among several, the one holding the longest prefix of
+the request (the prefix index) wins, then the one that served the conversation last, unless
+that backend is down or its queue is much longer than the least loaded one's (`Balance`). A
+conversation no backend knows goes to a rendezvous-hash choice on its stable head, so two
+proxies that share no state still send it to the same backend, and new ones spread evenly.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,6 +21,25 @@ class Candidate:
     up: bool
     load: int            # waiting + in flight
     max_concurrency: int
+    cached: int = 0      # tokens of this conversation's own prefix the index says it holds
+    shared: int = 0      # tokens it holds of the request's prefix, shared ones included
+
+
+@dataclass(frozen=True)
+class Decision:
+    name: str
+    reason: str          # affinity | index_hit | balance | failover | new
+    predicted: int       # cached tokens expected on that backend
+
+
+@dataclass(frozen=True)
+class Balance:
+    """When affinity yields to load: the chosen backend's queue exceeds the least loaded
+    one's by more than `slack` requests per slot AND by more than `ratio` times."""
+
+    slack: int = 2
+    ratio: float = 2.0
+    min_hit_tokens: int = 32     # a shorter shared prefix is not worth a longer wait
 
 
 def models_index(backends: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -44,12 +66,55 @@ def resolve_model(requested: str | None, index: dict[str, list[str]],
     return next(iter(index)) if len(index) == 1 else None
 
 
-def choose(candidates: list[Candidate], affinity: str | None, slack: int = 2) -> Candidate:
-    """Pick one of `candidates` (non-empty).
+def _per_slot(c: Candidate) -> float:
+    return c.load / c.max_concurrency
 
-    Affinity holds while its backend is up and its load is within `slack` requests per slot
-    of the least loaded up backend: recomputing a long prefix costs more than a short wait.
-    """
+
+def rendezvous(key: str, names: list[str]) -> str:
+    """The highest-random-weight choice: the same for every proxy that knows the same
+    backends, stable when one is added or removed (only its share moves)."""
+    return max(names, key=lambda n: hashlib.blake2b(f"{key}|{n}".encode(),
+                                                    digest_size=8).digest())
+
+
+def decide(candidates: list[Candidate], affinity: str | None, conversation: str,
+           policy: Balance = Balance()) -> Decision:
+    """Pick one of `candidates` (non-empty): the longest indexed prefix, else the lane's
+    last backend, else a rendezvous choice for a new conversation — each unless it is
+    overloaded against the least loaded backend; down backends only if all are down."""
+    up = [c for c in candidates if c.up]
+    if not up:
+        return Decision(candidates[0].name, "failover", 0)
+    least = min(up, key=lambda c: (_per_slot(c), candidates.index(c)))
+
+    def fits(c: Candidate) -> bool:
+        extra = c.load - least.load
+        return not (extra > policy.slack * c.max_concurrency
+                    and c.load > policy.ratio * max(1, least.load))
+
+    by_name = {c.name: c for c in candidates}
+    hit = max(up, key=lambda c: (c.cached, -_per_slot(c), -candidates.index(c)))
+    if hit.cached >= policy.min_hit_tokens and fits(hit):
+        return Decision(hit.name, "affinity" if hit.name == affinity else "index_hit",
+                        hit.shared)
+    lane = by_name.get(affinity) if affinity else None
+    if lane is not None and lane.up and fits(lane):
+        return Decision(lane.name, "affinity", lane.shared)
+    if hit.cached >= policy.min_hit_tokens or (lane is not None and lane.up):
+        return Decision(least.name, "balance", least.shared)
+    if lane is not None:                  # its backend is down
+        return Decision(least.name, "failover", least.shared)
+    # A conversation no backend knows (a shared system prompt alone does not count: every
+    # backend soon holds it): the same choice on every proxy, spread over the backends.
+    fresh = by_name[rendezvous(conversation, [c.name for c in up])]
+    if fits(fresh):
+        return Decision(fresh.name, "new", fresh.shared)
+    return Decision(least.name, "balance", least.shared)
+
+
+def choose(candidates: list[Candidate], affinity: str | None, slack: int = 2) -> Candidate:
+    """The lane-only policy (kept for comparison in benchmarks): the lane's last backend
+    while it is up and within `slack` requests per slot of the least loaded."""
     up = [c for c in candidates if c.up] or candidates
     best = min(up, key=lambda c: (c.load / c.max_concurrency, candidates.index(c)))
     if affinity is not None:

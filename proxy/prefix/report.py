@@ -51,6 +51,7 @@ class PrefixReport:
     fixed: list[str] = field(default_factory=list)           # rules that rewrote this request
     saved_tokens: int = 0                                    # kept thanks to those rules
     would_fix: list[dict[str, Any]] = field(default_factory=list)   # rules not on
+    predicted_cached_tokens: int | None = None   # what routing expected the backend to hold
     backend_cached_tokens: int | None = None
     backend_prompt_tokens: int | None = None
     miss: str | None = None              # "agrees" or "unexplained"
@@ -104,6 +105,8 @@ def header(r: PrefixReport) -> str:
     if r.fixed:
         parts.append(f"fixed={','.join(r.fixed)}")
     parts += [f"sent={r.sent_verdict.value}", f"reused={r.reusable_tokens}/{r.prev_prompt_tokens}"]
+    if r.predicted_cached_tokens is not None:
+        parts.append(f"predicted={r.predicted_cached_tokens}")
     if r.path:
         tok = f"{'' if r.token_offset_exact else '~'}{r.token_offset}"
         parts.append(f"at={r.path}+{r.char_offset}ch@{tok}tok")

@@ -1,13 +1,22 @@
-"""route: the requested model → its backends → one of them (policy in `proxy/route.py`)."""
+"""route: the requested model → its backends → one of them. The decision is pure policy
+(`proxy/route.py`) over what the prefix index (`proxy/index.py`) says each backend holds;
+after the answer, the backend's reported usage corrects the index (backend truth)."""
 
 from __future__ import annotations
 
+import time
+
 from prefixd.api.errors import ApiError
 from prefixd.backends.base import Backend
+from prefixd.metrics import proxy as m
 from prefixd.proxy.exchange import Exchange
+from prefixd.proxy.index import Chain, PrefixIndex, boundaries
+from prefixd.proxy.prefix.report import header
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.route import AffinityMap, Candidate, choose, resolve_model
+from prefixd.proxy.route import AffinityMap, Candidate, Decision, decide, resolve_model
 from prefixd.proxy.stages import Next
+
+MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
 
 
 class RouteStage:
@@ -18,14 +27,23 @@ class RouteStage:
         self.backends, self.queues, self.index = backends, queues, index
         self.aliases = aliases or {}
         self.affinity = AffinityMap()
+        self.prefixes = PrefixIndex()
+        self._epochs: dict[str, object] = {}
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.parsed is not None
         ex.model = ex.trace.model = self.model_for(ex.parsed.req.model)
+        chain = boundaries(ex.prepared.segments if ex.prepared is not None else [])
         lane = ex.prepared.lane if ex.prepared is not None else None
-        ex.backend = self.pick(ex.model, lane)
-        ex.trace.backend = ex.backend.name
+        decision = self.decide(ex.model, lane, chain)
+        ex.backend = self.backends[decision.name]
+        ex.trace.backend = decision.name
+        if ex.prepared is not None and ex.prepared.report is not None:
+            ex.prepared.report.predicted_cached_tokens = decision.predicted
+            ex.prepared.header = header(ex.prepared.report)
         await call_next(ex)
+        if ex.trace.status == 200 and chain.bounds:
+            self.learn(decision, chain, ex.usage)
 
     def model_for(self, requested: str | None) -> str:
         """The served model for a request's `model`; 400/404 naming what is served."""
@@ -39,12 +57,50 @@ class RouteStage:
                        f"{sorted(self.index)} (PREFIXD_MODEL_ALIASES maps other names)",
                        param="model", code="model_not_found", type_="invalid_request_error")
 
-    def pick(self, model: str, lane: str | None) -> Backend:
+    def decide(self, model: str, lane: str | None, chain: Chain) -> Decision:
+        now = time.monotonic()
+        names = self.index[model]
+        for n in names:
+            self._check_epoch(n)
+        held = self.prefixes.longest(chain, now) if chain.bounds else {}
         cands = []
-        for n in self.index[model]:
+        for n in names:
             q = self.queues[n]
+            tokens, own = held.get(n, (0, False))
             cands.append(Candidate(n, self.backends[n].status().available,
-                                   q.waiting + q.in_flight, q.max_concurrency))
-        picked = choose(cands, self.affinity.get(lane)).name
-        self.affinity.set(lane, picked)
-        return self.backends[picked]
+                                   q.waiting + q.in_flight, q.max_concurrency,
+                                   tokens if own else 0, tokens))
+        decision = decide(cands, self.affinity.get(lane), chain.key or str(lane))
+        self.affinity.set(lane, decision.name)
+        m.ROUTE_DECISIONS.labels(decision.name, decision.reason).inc()
+        m.ROUTE_PREDICTED_TOKENS.labels(decision.name).inc(decision.predicted)
+        return decision
+
+    def pick(self, model: str, lane: str | None) -> Backend:
+        return self.backends[self.decide(model, lane, Chain([], 0)).name]
+
+    def learn(self, decision: Decision, chain: Chain, usage: dict | None) -> None:
+        """The backend now holds this prompt; what it reported corrects the prediction."""
+        usage = usage or {}
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int) and cached + MISPREDICT_SLACK < decision.predicted:
+            m.ROUTE_MISPREDICTIONS.labels(decision.name).inc()
+            self.prefixes.forget(decision.name, chain, after_tokens=cached)
+        self.prefixes.record(decision.name, chain, time.monotonic(),
+                             prompt if isinstance(prompt, int) else None)
+        m.INDEX_ENTRIES.labels(decision.name).set(self.prefixes.size(decision.name))
+
+    def _check_epoch(self, name: str) -> None:
+        """A backend that restarted or went down lost its cache: forget its entries."""
+        st = self.backends[name].status()
+        epoch = (st.detail.get("restarts"), st.up, st.state)
+        old = self._epochs.get(name)
+        if old is not None and old != epoch and (not st.up or epoch[0] != old[0]):  # type: ignore[index]
+            self.prefixes.forget(name)
+            m.INDEX_ENTRIES.labels(name).set(0)
+        self._epochs[name] = epoch
+
+    def status(self, name: str) -> dict:
+        return {"index_entries": self.prefixes.size(name)}

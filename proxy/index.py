@@ -1,0 +1,131 @@
+"""The prefix index: which backend holds which prompt prefix, as far as the proxy knows.
+
+A request is a chain of boundaries over its canonical (post-canonicalization) render order —
+model, tools, system, then message by message (`proxy/prefix/segments.py`). Each boundary
+has a key, the hash of everything before it, and a token count (exact where the backend
+reported or tokenized it, else estimated from characters). After a backend served a request,
+its boundaries are recorded for that backend; the next request's boundaries are looked up to
+find, per backend, the longest prefix it holds. Entries expire (TTL), are capped in count
+(least recently used go first), and are dropped when a backend restarts.
+
+Pure data, no I/O: the route stage owns one `PrefixIndex` and feeds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prefixd.proxy.prefix.segments import Segment
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    key: str          # hash of the render order up to here
+    tokens: int       # prompt tokens before this boundary (estimated unless exact)
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    bounds: list[Boundary]
+    head: int         # bounds[:head] end with the first user message: the conversation's own
+
+    @property
+    def key(self) -> str:
+        """What stays the same across a conversation's turns (tools, system, first user
+        message): spreads new conversations consistently."""
+        return self.bounds[self.head - 1].key if self.head else ""
+
+
+def boundaries(segments: Iterable[Segment], chars_per_token: float = 4.0) -> Chain:
+    """The chain of a request: one boundary after each rendered segment (the model and the
+    sampling parameters enter the hash but hold no tokens)."""
+    out: list[Boundary] = []
+    h = hashlib.blake2b(digest_size=12)
+    chars, head = 0, 0
+    for seg in segments:
+        h.update(seg.region.encode())
+        h.update(seg.kind.encode())
+        h.update(seg.text.encode("utf-8", "surrogatepass"))
+        if not seg.rendered:
+            continue
+        chars += len(seg.text)
+        out.append(Boundary(h.copy().hexdigest(), round(chars / chars_per_token)))
+        if not head and seg.region == "messages" and seg.role == "user" and seg.kind != "meta":
+            head = len(out)
+    return Chain(out, head or len(out))
+
+
+@dataclass(slots=True)
+class _Entry:
+    tokens: int
+    seen: float
+
+
+class PrefixIndex:
+    """backend -> boundary key -> tokens; bounded per backend by count and age."""
+
+    def __init__(self, max_entries: int = 100_000, ttl_s: float = 7200.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._by_backend: dict[str, OrderedDict[str, _Entry]] = {}
+
+    def record(self, backend: str, chain: Chain, now: float,
+               exact_tokens: int | None = None) -> None:
+        """`backend` now holds every prefix of `chain`; `exact_tokens`, when the backend
+        reported the prompt's size, corrects the estimate of the last boundary."""
+        table = self._by_backend.setdefault(backend, OrderedDict())
+        bounds = chain.bounds
+        scale = 1.0
+        if exact_tokens and bounds and bounds[-1].tokens > 0:
+            scale = exact_tokens / bounds[-1].tokens
+        for b in bounds:
+            table[b.key] = _Entry(round(b.tokens * scale), now)
+            table.move_to_end(b.key)
+        while len(table) > self.max_entries:
+            table.popitem(last=False)
+
+    def longest(self, chain: Chain, now: float) -> dict[str, tuple[int, bool]]:
+        """backend -> (tokens of the longest prefix of `chain` it holds, whether that prefix
+        reaches past the chain's head, i.e. is this conversation's own and not only a
+        prefix many conversations share, such as a system prompt)."""
+        out: dict[str, tuple[int, bool]] = {}
+        for backend, table in self._by_backend.items():
+            self._expire(table, now)
+            best = (0, False)
+            for depth in range(len(chain.bounds), 0, -1):
+                b = chain.bounds[depth - 1]
+                entry = table.get(b.key)
+                if entry is not None:
+                    best = (entry.tokens, depth >= chain.head)
+                    entry.seen = now
+                    table.move_to_end(b.key)
+                    break
+            out[backend] = best
+        return out
+
+    def forget(self, backend: str, chain: Chain | None = None,
+               after_tokens: int = 0) -> None:
+        """Drop what `backend` holds: everything (it restarted), or the boundaries of `chain`
+        beyond `after_tokens` (it reported fewer cached tokens than predicted)."""
+        table = self._by_backend.get(backend)
+        if table is None:
+            return
+        if chain is None:
+            table.clear()
+            return
+        for b in chain.bounds:
+            if b.tokens > after_tokens:
+                table.pop(b.key, None)
+
+    def size(self, backend: str) -> int:
+        return len(self._by_backend.get(backend, ()))
+
+    def _expire(self, table: OrderedDict[str, _Entry], now: float) -> None:
+        while table:
+            key, entry = next(iter(table.items()))
+            if now - entry.seen <= self.ttl_s:
+                return
+            del table[key]

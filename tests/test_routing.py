@@ -1,0 +1,171 @@
+"""Cache-affinity routing (issue 17): the prefix index, the pure decision table, rendezvous
+spreading that two proxies agree on without sharing state, and the whole thing in front of
+three upstreams with conversations that send no session id."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from fake_upstream import FakeUpstream
+
+from prefixd.proxy.index import PrefixIndex, boundaries
+from prefixd.proxy.prefix.segments import flatten
+from prefixd.proxy.route import Balance, Candidate, decide, rendezvous
+
+
+def C(name: str, load: int = 0, cached: int = 0, up: bool = True, slots: int = 1) -> Candidate:
+    return Candidate(name, up, load, slots, cached, cached)
+
+
+@pytest.mark.parametrize(("cands", "affinity", "want"), [
+    # the longest indexed prefix wins; named affinity when it is also the lane's backend
+    ([C("a", cached=500), C("b", cached=900), C("c")], None, ("b", "index_hit", 900)),
+    ([C("a", cached=500), C("b", cached=900), C("c")], "b", ("b", "affinity", 900)),
+    # a hit too short to matter does not beat the lane
+    ([C("a", cached=10), C("b")], "b", ("b", "affinity", 0)),
+    # the hit's queue is longer by > 2 per slot and > 2x: balance to the least loaded
+    ([C("a", load=6, cached=900), C("b", load=1), C("c", load=2)], None, ("b", "balance", 0)),
+    # ... but a moderately longer queue keeps affinity
+    ([C("a", load=3, cached=900), C("b", load=1)], None, ("a", "index_hit", 900)),
+    # the lane's backend is down: failover to the least loaded
+    ([C("a", up=False), C("b", load=2), C("c", load=1)], "a", ("c", "failover", 0)),
+    # everything down: the first, as a failover attempt
+    ([C("a", up=False), C("b", up=False)], None, ("a", "failover", 0)),
+])
+def test_decision_table(cands, affinity, want):
+    d = decide(cands, affinity, "conv", Balance())
+    assert (d.name, d.reason, d.predicted) == want
+
+
+def test_new_conversations_spread_evenly_and_consistently():
+    names = ["a", "b", "c"]
+    picks = collections.Counter(rendezvous(f"conv-{i}", names) for i in range(600))
+    assert set(picks) == set(names) and min(picks.values()) > 150   # even within ~25%
+    # order does not matter, and a removed backend only moves its own share
+    assert all(rendezvous(f"k{i}", names) == rendezvous(f"k{i}", names[::-1])
+               for i in range(100))
+    moved = [i for i in range(300) if rendezvous(f"k{i}", names) != "c"
+             and rendezvous(f"k{i}", ["a", "b"]) != rendezvous(f"k{i}", names)]
+    assert moved == []
+    d = decide([C("a"), C("b"), C("c")], None, "conv-1")
+    assert d.reason == "new" and d.name == rendezvous("conv-1", names)
+
+
+def body(system: str, turns: list[str]) -> dict:
+    msgs = [{"role": "system", "content": system}]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user", "content": t})
+        if i < len(turns) - 1:
+            msgs.append({"role": "assistant", "content": f"answer {i}"})
+    return {"model": "m", "messages": msgs}
+
+
+def test_prefix_index_longest_forget_and_expiry():
+    idx = PrefixIndex(max_entries=1000, ttl_s=100.0)
+    t1 = boundaries(flatten(body("sys " * 200, ["one " * 50])))
+    t2 = boundaries(flatten(body("sys " * 200, ["one " * 50, "two"])))
+    other = boundaries(flatten(body("sys " * 200, ["else " * 50])))
+    idx.record("a", t1, now=0.0, exact_tokens=280)
+    assert idx.longest(t2, now=1.0)["a"] == (280, True)   # all of turn 1, its own, exact
+    shared, own = idx.longest(other, now=1.0)["a"]
+    assert 0 < shared < 240 and not own                    # the shared system prompt only
+    idx.forget("a", t1, after_tokens=100)                  # it reported fewer cached tokens
+    assert idx.longest(t2, now=2.0)["a"][0] <= 100
+    idx.record("b", t1, now=0.0)
+    assert idx.longest(t2, now=500.0)["b"] == (0, False)   # expired
+    idx.forget("a")
+    assert idx.size("a") == 0
+    assert t1.key == t2.key != other.key                   # the conversation's stable head
+
+
+@pytest.fixture
+async def three():
+    ups = [FakeUpstream() for _ in range(3)]
+    for u in ups:
+        await u.start()
+    yield ups
+    for u in ups:
+        u.release.set()
+        await u.stop()
+
+
+def backends(ups: list[FakeUpstream]) -> list[dict]:
+    return [{"name": f"b{i}", "kind": "openai", "url": u.url, "models": ["m"]}
+            for i, u in enumerate(ups)]
+
+
+async def play(http, proxy, convs: int, turns: int) -> dict[str, list[str]]:
+    """Interleaved conversations with one shared system prompt and no session id;
+    conversation -> the backend of each turn."""
+    seen: dict[str, list[str]] = collections.defaultdict(list)
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+    for t in range(turns):
+        for c in range(convs):
+            b = body("You are a coding agent. " * 40, [f"task {c}: step {k}" for k in range(t + 1)])
+            async with http.post(base, json=b) as r:
+                assert r.status == 200
+                seen[f"c{c}"].append(r.headers["X-Prefixd-Backend"])
+    return seen
+
+
+async def test_conversations_stick_and_spread_across_backends(three, start_proxy, http):
+    proxy = await start_proxy(backends=backends(three), prefix_detect=False)
+    seen = await play(http, proxy, convs=9, turns=3)
+    assert all(len(set(v)) == 1 for v in seen.values()), seen     # each stays where it began
+    firsts = collections.Counter(v[0] for v in seen.values())
+    assert len(firsts) == 3                                        # new ones spread
+
+
+async def test_two_replicas_route_a_conversation_the_same_way(three, start_proxy, http):
+    """Two proxies that share nothing, turns alternating between them."""
+    p1 = await start_proxy(backends=backends(three))
+    p2 = await start_proxy(backends=backends(three))
+    for c in range(6):
+        got = []
+        for t in range(4):
+            proxy = (p1, p2)[t % 2]
+            b = body("shared system prompt " * 30, [f"conv {c} turn {k}" for k in range(t + 1)])
+            async with http.post(f"http://127.0.0.1:{proxy.port}/v1/chat/completions",
+                                 json=b) as r:
+                got.append(r.headers["X-Prefixd-Backend"])
+        assert len(set(got)) == 1, (c, got)
+
+
+async def test_a_backend_that_goes_down_fails_over_and_is_forgotten(three, start_proxy, http):
+    proxy = await start_proxy(backends=backends(three), prefix_detect=False)
+    seen = await play(http, proxy, convs=6, turns=1)
+    victim = seen["c0"][0]
+    ups = dict(zip(["b0", "b1", "b2"], three, strict=True))
+    await ups[victim].stop()
+    await proxy.proxy.backends[victim].probe_once()             # the health probe notices
+    seen2 = await play(http, proxy, convs=6, turns=2)
+    assert all(v[-1] != victim for v in seen2.values())
+    assert proxy.proxy.router.prefixes.size(victim) == 0
+
+
+async def test_backend_truth_corrects_the_index(three, start_proxy, http):
+    """A backend that reports fewer cached tokens than predicted is counted, and the index
+    stops claiming that prefix for it; the header shows the prediction."""
+    from prefixd.metrics import proxy as m
+
+    proxy = await start_proxy(backends=backends(three[:1]))
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+    before = m.ROUTE_MISPREDICTIONS.labels("b0")._value.get()
+    turns = ["first question " * 20]
+    first = {**body("sys " * 100, turns), "fake": {"usage": {"prompt_tokens": 300,
+                                                            "cached_tokens": 0}}}
+    async with http.post(base, json=first) as r:
+        assert r.status == 200
+    turns.append("second")
+    forgetful = {**body("sys " * 100, turns), "fake": {"usage": {"prompt_tokens": 400,
+                                                                "cached_tokens": 0}}}
+    async with http.post(base, json=forgetful) as r:
+        assert r.status == 200
+        predicted = int(r.headers["X-Prefixd-Prefix"].split("predicted=")[1].split(";")[0])
+    assert predicted > 100
+    assert m.ROUTE_MISPREDICTIONS.labels("b0")._value.get() == before + 1
+    # what it holds now is what it just computed, at the size it reported
+    held = proxy.proxy.router.prefixes.longest(boundaries(flatten(body("sys " * 100, turns))),
+                                               now=0.0)
+    assert held["b0"] == (400, True)
