@@ -17,9 +17,10 @@ class BackendConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    kind: Literal["openai", "mlx"] = "openai"
-    url: str | None = Field(None, description="openai: base URL of the upstream, "
-                            "e.g. http://127.0.0.1:8080")
+    kind: Literal["openai", "mlx", "prefixd"] = "openai"
+    url: str | None = Field(None, description="openai/prefixd: base URL of the upstream, "
+                            "e.g. http://127.0.0.1:8080 (prefixd: a `prefixd worker` on "
+                            "another machine)")
     model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
     models: list[str] = Field(default_factory=list, description="model names this backend serves")
     max_concurrency: Annotated[int, Field(ge=1)] = 1
@@ -27,7 +28,8 @@ class BackendConfig(BaseModel):
     queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
     health_interval_s: Annotated[float, Field(gt=0)] = 10.0
-    api_key: SecretStr | None = Field(None, description="openai: bearer token sent upstream")
+    api_key: SecretStr | None = Field(None, description="openai/prefixd: bearer token sent "
+                                      "upstream")
     # mlx (managed worker) only
     cache_bytes: Annotated[int, Field(ge=0)] | None = None
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
@@ -38,9 +40,9 @@ class BackendConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> BackendConfig:
-        if self.kind == "openai":
+        if self.kind in ("openai", "prefixd"):
             if not self.url:
-                raise ValueError(f"backend {self.name!r}: kind 'openai' needs 'url'")
+                raise ValueError(f"backend {self.name!r}: kind {self.kind!r} needs 'url'")
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError(f"backend {self.name!r}: url must start with http(s)://")
             if not self.models:

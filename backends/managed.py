@@ -146,6 +146,20 @@ class ManagedBackend(BackendBase):
         except (aiohttp.ClientError, OSError, TimeoutError):
             return None
 
+    async def cache_info(self) -> dict | None:
+        """The worker's /v1/cache (its checkpoint store), or None when it is not running."""
+        base = self._sup.base_url
+        if self._sup.state is not ProcState.READY or base is None:
+            return None
+        if self._session is None:
+            self._session = local_session()
+        try:
+            async with self._session.get(base + "/v1/cache",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+
     def status(self) -> BackendStatus:
         sup, w = self._sup, self._sup.worker
         alive = w is not None and not w.exited.is_set()

@@ -6,6 +6,7 @@ from prefixd.backends.base import Backend
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.openai import OpenAIBackend
+from prefixd.backends.remote import RemoteWorkerBackend
 
 
 def build_backends(configs: list[BackendConfig], worker: WorkerSettings) -> list[Backend]:
@@ -14,6 +15,8 @@ def build_backends(configs: list[BackendConfig], worker: WorkerSettings) -> list
     for config in configs:
         if config.kind == "openai":
             out.append(OpenAIBackend(config))
+        elif config.kind == "prefixd":
+            out.append(RemoteWorkerBackend(config))
         else:
             from prefixd.backends.managed import ManagedBackend
 

@@ -98,9 +98,20 @@ def _statuses(proxy: Proxy) -> list[dict]:
         out.append({"name": name, "kind": st.kind, "state": st.state, "up": st.up,
                     "models": st.models, "queue_depth": q.waiting, "in_flight": q.in_flight,
                     "max_concurrency": q.max_concurrency, "last_error": st.last_error,
-                    **proxy.router.status(name),
-                    **st.detail})
+                    **proxy.router.status(name), **st.detail})
     return out
+
+
+def cache_summary(info: dict | None) -> dict | None:
+    """The part of a worker's /v1/cache that the status page shows."""
+    if not info:
+        return None
+    entries = info.get("entries")
+    return {"bytes_used": info.get("bytes_used"), "budget": info.get("bytes_budget"),
+            "entries": len(entries) if isinstance(entries, list) else entries,
+            "checkpoints": info.get("checkpoints"),
+            "hit_tokens_total": info.get("hit_tokens_total"),
+            "recomputed_tokens_total": info.get("recomputed_tokens_total")}
 
 
 async def _ready(request: web.Request) -> web.Response:
@@ -113,7 +124,12 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response({"backends": _statuses(request.app[PROXY_KEY])})
+    proxy = request.app[PROXY_KEY]
+    statuses = _statuses(proxy)
+    infos = await asyncio.gather(*(proxy.backends[s["name"]].cache_info() for s in statuses))
+    for status, info in zip(statuses, infos, strict=True):
+        status["cache"] = cache_summary(info)
+    return web.json_response({"backends": statuses})
 
 
 async def _metrics(request: web.Request) -> web.Response:

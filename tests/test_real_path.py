@@ -71,3 +71,26 @@ async def test_proxy_over_real_worker(tiny_model_dir: Callable[[str], Path],
         assert any(s.labels.get("backend") == "tiny" and s.value > 0 for s in cached)
     finally:
         await server.shutdown(1.0)
+
+
+async def test_status_shows_the_workers_cache(tiny_model_dir: Callable[[str], Path],
+                                              http: aiohttp.ClientSession) -> None:
+    settings = Settings(_env_file=None, backends=[
+        {"name": "tiny", "kind": "mlx", "model": str(tiny_model_dir("qwen3")),
+         "models": ["tiny"], "cache_bytes": 50_000_000}])
+    managed = ManagedBackend(settings.backends[0], settings)
+    server = Server(make_proxy(settings, [managed]))
+    await server.start("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        await managed.wait_for(ProcState.READY, timeout=120)
+        async with http.post(base + "/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hello " * 20}]}) as r:
+            assert r.status == 200
+        async with http.get(base + "/status") as r:
+            cache = (await r.json())["backends"][0]["cache"]
+        assert cache["budget"] == 50_000_000 and cache["entries"] == 1
+        assert 0 < cache["bytes_used"] <= cache["budget"]
+    finally:
+        await server.shutdown(1.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -32,6 +33,16 @@ log = logging.getLogger("prefixd.worker")
 # Set by the supervisor to its own pid: the worker exits when that process is gone.
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost; anything else (0.0.0.0, a LAN address) is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixd worker",
                                 description="Serve one mlx-lm model with prefix checkpoints "
@@ -40,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: PREFIXD_DEFAULT_MODEL)")
     p.add_argument("--served-name", help="model id in /v1/models and responses "
                    "(default: the folder name or the --model value)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback needs an API key")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but "
+                   "/health (default: $PREFIXD_WORKER_API_KEY); for a worker other machines use")
     p.add_argument("--port", type=int, default=8401)
     p.add_argument("--unix-socket", type=Path, help="listen on this socket instead of a port")
     return p
@@ -82,8 +96,14 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(watch_parent(parent, stop)) if parent else None
-    # A per-start secret from the supervisor (env, never argv: other users can read argv).
-    token = os.environ.get(TOKEN_ENV) or None
+    # A per-start secret from the supervisor (env, never argv: other users can read argv),
+    # or the key of a worker that serves other machines.
+    token = args.api_key or os.environ.get("PREFIXD_WORKER_API_KEY") or os.environ.get(TOKEN_ENV)
+    if not token and not args.unix_socket and not is_loopback(args.host):
+        log.error("worker: refusing to listen on %s without an API key (--api-key or "
+                  "PREFIXD_WORKER_API_KEY): anyone who can reach it could use the model",
+                  args.host)
+        return 2, True
     runner = web.AppRunner(create_app(generator, name, settings, token),
                            handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
