@@ -31,3 +31,18 @@ FALLBACKS = Counter("prefixd_worker_cache_fallbacks_total",
                     "Requests (or settings) that bypassed the cache, by reason "
                     "(unsupported_cache, restore_error, kv_quant_unsupported).",
                     ["reason"], registry=REGISTRY)
+STAGE_SECONDS = Histogram("prefixd_worker_stage_seconds",
+                          "Time of each stage of one request in the worker (template, tokenize, "
+                          "boundaries, queue, lookup, restore, prefill, checkpoint, "
+                          "first_token, commit).", ["stage"],
+                          buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                   0.25, 0.5, 1, 2.5, 5, 10, 30, 120), registry=REGISTRY)
+PREFILL_PASSES = Histogram("prefixd_worker_prefill_passes",
+                           "Forward passes one prompt prefill took (chunks, cut at checkpoint "
+                           "positions).", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128),
+                           registry=REGISTRY)
+CHECKPOINTS_TAKEN = Counter("prefixd_worker_checkpoints_taken_total",
+                            "Checkpoints taken during prefills.", registry=REGISTRY)
+CHECKPOINT_TAKEN_BYTES = Counter("prefixd_worker_checkpoint_taken_bytes_total",
+                                 "Bytes of the checkpoints taken during prefills.",
+                                 registry=REGISTRY)

@@ -19,8 +19,9 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.engine import Engine, EngineConfig, PromptStats
+from prefixd.backends.mlx.engine import Engine, EngineConfig
 from prefixd.backends.mlx.placement import common_prefix, placement
+from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
 
 LOGPROB_ATOL = 1e-4  # float32 tiny models; observed up to 2.3e-5 (gemma3_text), ~2e-6 others
@@ -34,11 +35,13 @@ class CountingModel:
     def __init__(self, model: Any, make_cache: Any = None) -> None:
         self.model = model
         self.tokens = 0
+        self.calls = 0
         if make_cache is not None:
             self.make_cache = make_cache
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         self.tokens += inputs.shape[1]
+        self.calls += 1
         return self.model(inputs, cache=cache)
 
     def __getattr__(self, name: str) -> Any:
@@ -376,3 +379,18 @@ def test_a_failing_commit_costs_the_cache_entry_not_the_reply(
     monkeypatch.undo()
     _run(engine, prompt)  # the next request caches again
     assert [len(e.tokens) for e in engine.store.entries] == [len(prompt) + MAX_TOKENS]
+
+
+def test_stats_account_for_every_pass_and_checkpoint(model: CountingModel) -> None:
+    engine = Engine(model, _settings())
+    prompt = _words(random.Random(21), 150)
+    model.tokens = model.calls = 0
+    _run(engine, prompt, BOUNDS[:1], max_tokens=1)
+    stats = engine.last_stats
+    (entry,) = engine.store.entries
+    # max_tokens=1: no decode pass; the one generated token is fed at the end
+    assert len(stats.segments) == model.calls - 1
+    assert sum(n for n, _ in stats.segments) == stats.recomputed_tokens == model.tokens - 1 == 150
+    assert stats.checkpoints == len(entry.checkpoints)
+    assert stats.checkpoint_bytes == sum(c.nbytes for c in entry.checkpoints.values())
+    assert all(v >= 0 for v in stats.seconds().values())

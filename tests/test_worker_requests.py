@@ -19,6 +19,7 @@ from worker_fixtures import HELLO, NAME, SETTINGS, chat, post, post_get, stream
 from prefixd.backends.mlx.chat import parse_request
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.prompt import BOUNDARY_RENDER_FACTOR, MAX_BOUNDARY_MESSAGES, Renderer
+from prefixd.backends.mlx.stats import STAGES
 from prefixd.backends.mlx.worker import create_app
 
 LOGPROB_ATOL = 1e-4
@@ -177,3 +178,26 @@ def test_boundary_rendering_is_bounded_and_stops_when_the_client_leaves(
     counting.renders, counting.limit = 0, 2
     renderer.build(req, should_stop=counting.left)
     assert counting.renders == 2  # the full prompt, one prefix, then it noticed and stopped
+
+
+async def test_responses_carry_the_turn_breakdown(client: TestClient) -> None:
+    body = chat([{"role": "user", "content": "Breakdown test: the river."}], max_tokens=3)
+    first = await post(client, body)
+    out = await post(client, body)  # warm
+    for resp in (first, out):
+        turn, usage = resp["prefixd"], resp["usage"]
+        assert set(turn["timings_ms"]) == set(STAGES)
+        assert all(v >= 0 for v in turn["timings_ms"].values())
+        assert turn["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+        assert turn["cached_tokens"] + turn["recomputed_tokens"] == usage["prompt_tokens"]
+        assert sum(s["tokens"] for s in turn["prefill_segments"]) == turn["recomputed_tokens"]
+        assert turn["checkpoints"] == {"count": 0, "bytes": 0}  # all-KV: nothing to snapshot
+    assert out["prefixd"]["cached_tokens"] > 0
+    events = await stream(client, {**body, "stream_options": {"include_usage": True}})
+    assert events[-2]["prefixd"]["cached_tokens"] == events[-2]["usage"][
+        "prompt_tokens_details"]["cached_tokens"]
+    assert all("prefixd" not in e for e in events[:-2])
+    plain = await stream(client, body)
+    assert all("prefixd" not in e for e in plain[:-1])
+    metrics = await (await client.get("/metrics")).text()
+    assert 'prefixd_worker_stage_seconds_count{stage="prefill"}' in metrics

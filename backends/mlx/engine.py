@@ -21,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx import snapshot
 from prefixd.backends.mlx.placement import auto_interval, placement_marks
 from prefixd.backends.mlx.run import Run
+from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.store import CheckpointStore, Entry
 from prefixd.metrics import worker as metrics
 
@@ -45,16 +46,6 @@ class EngineConfig:
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> EngineConfig:
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
-
-
-@dataclass
-class PromptStats:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens restored from the cache (not recomputed)
-    recomputed_tokens: int  # prompt tokens actually run through the model
-    restore_s: float
-    prefill_s: float
-    fallback: str | None = None  # why the cache was bypassed, else None
 
 
 class Engine:
@@ -123,21 +114,28 @@ class Engine:
         metrics.FALLBACKS.labels(reason).inc()
 
     # --- restore -----------------------------------------------------------------------------
-    def _restore(self, prompt: list[int]) -> tuple[list[Any], int, str | None]:
-        """(live cache, tokens already in it, fallback reason)."""
+    def _restore(self, prompt: list[int], stats: PromptStats) -> tuple[list[Any], int]:
+        """(live cache, tokens already in it); the fallback reason and times go to `stats`."""
+        t0 = time.perf_counter()
         if self._unsupported:
             self._count_fallback("unsupported_cache")
-            return self._fresh_cache(), 0, "unsupported_cache"
+            stats.fallback = "unsupported_cache"
+            return self._fresh_cache(), 0
         match = self.store.lookup(prompt)
+        t1 = time.perf_counter()
+        stats.lookup_s = t1 - t0
         if match is None:
-            return self._fresh_cache(), 0, None
+            return self._fresh_cache(), 0
         snap = match.checkpoint.payload if match.checkpoint else None
         try:
-            return snapshot.restore(match.entry.payload, snap, match.pos), match.pos, None
+            cache = snapshot.restore(match.entry.payload, snap, match.pos)
         except Exception:
             log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
             self._count_fallback("restore_error")
-            return self._fresh_cache(), 0, "restore_error"
+            stats.fallback = "restore_error"
+            return self._fresh_cache(), 0
+        stats.restore_s = time.perf_counter() - t1
+        return cache, match.pos
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
@@ -150,29 +148,33 @@ class Engine:
         or when the caller closes the generator. On a normal end (max_tokens, or the caller
         closing the generator) the last yielded token is fed through the model once more, so
         the KV covers prompt + every generated token; then, on every exit, the tokens actually
-        in the KV state are committed. `self.last_stats` is set before the first token.
+        in the KV state are committed. `self.last_stats` is this request's from its start
+        (cached and recomputed tokens once the prefill ended; the commit time at the end).
         """
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
-        t0 = time.perf_counter()
-        cache, start, fallback = self._restore(prompt)
-        restore_s = time.perf_counter() - t0
+        stats = self.last_stats = PromptStats(len(prompt))
+        cache, start = self._restore(prompt, stats)
         entry = None if self._unsupported else self.store.begin(prompt)
         run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop)
 
         def capture(pos: int, interval: bool) -> None:
-            self._capture(entry, run, pos, interval)
+            self._capture(entry, run, pos, interval, stats)
 
         try:
+            t0 = time.perf_counter()
             logits = run.prefill(self._marks(len(prompt), start, boundaries), capture)
-            self._finish_stats(PromptStats(len(prompt), start, run.pos - start, restore_s,
-                                           time.perf_counter() - t0 - restore_s, fallback))
+            stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
+            self._finish_stats(stats, start, run.pos - start)
             if logits is not None:
-                yield from run.decode(logits, sampler, logits_processors or [], max_tokens)
+                yield from run.decode(logits, sampler, logits_processors or [], max_tokens,
+                                      stats)
         finally:
+            t0 = time.perf_counter()
             self._commit(entry, run)
             self._update_gauges()
+            stats.commit_s = time.perf_counter() - t0
 
     # --- checkpoints and commit ---------------------------------------------------------------
     def _marks(self, n: int, start: int, boundaries: Sequence[int]) -> dict[int, bool]:
@@ -182,17 +184,22 @@ class Engine:
             return {}
         return placement_marks(n, start, boundaries, self.interval, self.config.checkpoint_tail)
 
-    def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool) -> None:
+    def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
+                 stats: PromptStats) -> None:
         """Checkpoint the live cache at `pos`. A failure costs the checkpoint, not the reply."""
         if entry is None:
             return
+        t0 = time.perf_counter()
         try:
             payload, size = snapshot.take(run.cache, self._snap_idx)
-            self.store.add_checkpoint(entry, pos, payload, size, interval=interval,
-                                      trimmable=snapshot.snapshot_trimmable(payload))
+            if self.store.add_checkpoint(entry, pos, payload, size, interval=interval,
+                                         trimmable=snapshot.snapshot_trimmable(payload)):
+                stats.checkpoints += 1
+                stats.checkpoint_bytes += size
         except Exception:
             log.exception("checkpoint at %d failed; continuing without it", pos)
             self._count_fallback("checkpoint_error")
+        stats.checkpoint_s += time.perf_counter() - t0
 
     def _commit(self, entry: Entry | None, run: Run) -> None:
         """Store what the KV state holds (the last yielded token fed first, unless should_stop()
@@ -217,19 +224,15 @@ class Engine:
             self._count_fallback("commit_error")
             self.store.discard(entry)
 
-    def _finish_stats(self, stats: PromptStats) -> None:
-        self.last_stats = stats
+    def _finish_stats(self, stats: PromptStats, cached: int, recomputed: int) -> None:
+        stats.cached_tokens, stats.recomputed_tokens = cached, recomputed
         self.totals["requests"] += 1
-        self.totals["cached_tokens"] += stats.cached_tokens
-        self.totals["recomputed_tokens"] += stats.recomputed_tokens
-        metrics.CACHED_TOKENS.inc(stats.cached_tokens)
-        metrics.RECOMPUTED_TOKENS.inc(stats.recomputed_tokens)
-        metrics.RESTORE_SECONDS.observe(stats.restore_s)
+        self.totals["cached_tokens"] += cached
+        self.totals["recomputed_tokens"] += recomputed
+        metrics.CACHED_TOKENS.inc(cached)
+        metrics.RECOMPUTED_TOKENS.inc(recomputed)
+        metrics.RESTORE_SECONDS.observe(stats.lookup_s + stats.restore_s)
         metrics.PREFILL_SECONDS.observe(stats.prefill_s)
-        log.debug("prompt %d tokens: %d cached, %d recomputed, restore %.4fs, prefill %.3fs%s",
-                  stats.prompt_tokens, stats.cached_tokens, stats.recomputed_tokens,
-                  stats.restore_s, stats.prefill_s,
-                  f", fallback {stats.fallback}" if stats.fallback else "")
 
     def _end_snapshot(self, entry: Entry) -> tuple[Any, int, bool] | None:
         if not self._snap_idx:

@@ -24,6 +24,7 @@ from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.output import Delta, LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.prompt import Prompt, Renderer
 from prefixd.backends.mlx.settings import WorkerSettings
+from prefixd.backends.mlx.stats import PromptStats, breakdown, observe
 
 log = logging.getLogger("prefixd.worker")
 
@@ -34,11 +35,13 @@ class WorkerClosed(RuntimeError):
 
 @dataclass(frozen=True)
 class Finished:
-    """The last event of a job. `finish_reason`: stop, length, or cancelled (client gone)."""
+    """The last event of a job. `finish_reason`: stop, length, or cancelled (client gone).
+    `prefixd`: where the time went (`stats.breakdown`), for the response."""
 
     finish_reason: str
     completion_tokens: int
     cached_tokens: int
+    prefixd: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Job:
     _emit: Callable[[Event], None]
     _queue: asyncio.Queue[Event]
     _cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    queue_s: float = 0.0  # how long it waited for the generation thread
 
     def cancel(self) -> None:
         """Stop generating (idempotent; harmless once the job has finished)."""
@@ -155,6 +160,7 @@ class Generator:
         """One job, on the generation thread. Never raises, and always ends the job's events
         (with `Finished` or `Failed`), so no handler waits forever."""
         result: Event = Failed("generation failed")
+        job.queue_s = time.perf_counter() - job.submitted
         try:
             result = Finished("cancelled", 0, 0) if job.cancelled else self._generate(job)
         except Exception as e:
@@ -211,17 +217,16 @@ class Generator:
             finish = "cancelled"
         else:
             text.finish()
-        # last_stats is set before the first token; a job cancelled during prefill may not have
-        # reached that point, and then reports nothing cached.
-        stats = getattr(engine, "last_stats", None)
-        same = stats is not None and stats.prompt_tokens == len(job.prompt.tokens)
-        cached = stats.cached_tokens if same else 0
-        prefill_s = stats.restore_s + stats.prefill_s if same else 0.0
+        stats = engine.last_stats
+        before = {**job.prompt.timings, "queue": job.queue_s}
+        turn = observe_turn(stats, before)
+        cached = stats.cached_tokens if stats else 0
+        prefill_s = stats.lookup_s + stats.restore_s + stats.prefill_s if stats else 0.0
         decode_s = time.perf_counter() - t0 - prefill_s
         log.info("worker: prompt %d tokens (%d cached) in %.3fs; %d generated in %.3fs (%.1f/s); "
                  "finish %s", len(job.prompt.tokens), cached, prefill_s, n, decode_s,
                  n / decode_s if decode_s > 0 else 0.0, finish)
-        return Finished(finish, n, cached)
+        return Finished(finish, n, cached, turn)
 
     async def drain(self, timeout: float) -> bool:
         """Cancel every job and wait (at most `timeout` s) until the thread is idle. False if it
@@ -250,3 +255,9 @@ def wants_dequantize(mode: str, spec: str) -> bool:
 
     return spec in BUILTIN_MODELS and not mx.metal.is_available()
 
+
+
+def observe_turn(stats: PromptStats | None, before: dict[str, float]) -> dict[str, Any]:
+    """Record the request's breakdown (metrics, DEBUG log) and return its JSON."""
+    observe(stats, before)
+    return breakdown(stats, before)

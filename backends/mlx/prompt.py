@@ -11,8 +11,9 @@ client has left.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefixd.api.errors import ApiError
@@ -39,6 +40,7 @@ Tools = list[dict[str, Any]] | None
 class Prompt:
     tokens: list[int]
     boundaries: list[int]
+    timings: dict[str, float] = field(default_factory=dict)  # template/tokenize/boundaries, s
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -84,21 +86,25 @@ class Renderer:
     def build(self, req: GenRequest, *, boundaries: bool = True,
               should_stop: Callable[[], bool] = never) -> Prompt:
         """The prompt token ids and (for chat, if asked) the message boundaries."""
-        tok = self.tokenizer
+        tok, t0 = self.tokenizer, time.perf_counter()
         if req.kind == "completion":
             assert req.prompt is not None
             if isinstance(req.prompt, list):
                 return Prompt(list(req.prompt), [])
-            return Prompt(encode(tok, req.prompt, add_special_tokens=True), [])
+            tokens = encode(tok, req.prompt, add_special_tokens=True)
+            return Prompt(tokens, [], {"tokenize": time.perf_counter() - t0})
         if not self.has_template:
             raise bad("this model has no chat template; use /v1/completions", "messages")
         messages, tools = self.template_input(req)
         text = self.render(req, messages, tools)
+        t1 = time.perf_counter()
         tokens = encode(tok, text)
+        t2 = time.perf_counter()
+        timings = {"template": t1 - t0, "tokenize": t2 - t1}
         if not boundaries:
-            return Prompt(tokens, [])
+            return Prompt(tokens, [], timings)
         found = self.boundaries(req, messages, tools, text, tokens, should_stop)
-        return Prompt(tokens, found)
+        return Prompt(tokens, found, {**timings, "boundaries": time.perf_counter() - t2})
 
     def boundaries(self, req: GenRequest, messages: Messages, tools: Tools, text: str,
                    tokens: list[int], should_stop: Callable[[], bool] = never) -> list[int]:

@@ -1,8 +1,9 @@
 """Answering one generation job over HTTP: the whole response, or an SSE stream.
 
 Owns: turning a `Job`'s events into OpenAI responses: text through `ChatOutput` (reasoning,
-content, tool calls), log-probabilities sent with the chunk their text goes out in, usage, the
-`finish_reason`, and errors once a stream has started (SSE error events). Never raises to
+content, tool calls), log-probabilities sent with the chunk their text goes out in, usage and
+the worker's `prefixd` breakdown (with the whole response, or with the usage chunk of a stream),
+the `finish_reason`, and errors once a stream has started (SSE error events). Never raises to
 aiohttp for a generation failure: a 500, or an SSE error event mid-stream.
 """
 
@@ -26,6 +27,12 @@ log = logging.getLogger("prefixd.worker")
 def _stopped() -> ApiError:
     return ApiError(503, "the worker stopped this generation (shutting down)",
                     type_="server_error")
+
+
+def _with_breakdown(body: dict[str, Any], end: Finished) -> dict[str, Any]:
+    """`body` with the worker's per-turn breakdown (`prefixd`: timings, checkpoints, cached
+    and recomputed tokens; see `stats.py`) beside `usage`."""
+    return {**body, "prefixd": end.prefixd} if end.prefixd is not None else body
 
 
 class Reply:
@@ -67,9 +74,9 @@ class Reply:
             else:
                 r, c, calls = self.output.finish()
                 finish = "tool_calls" if calls else event.finish_reason
-                return web.json_response(self.shapes.final(
+                return web.json_response(_with_breakdown(self.shapes.final(
                     "".join(content) + c, finish, self._usage(event), tool_calls=calls,
-                    reasoning="".join(reasoning) + r, logprobs=self._take_logprobs()))
+                    reasoning="".join(reasoning) + r, logprobs=self._take_logprobs()), event))
         raise AssertionError("a job's events end with Finished or Failed")
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -111,4 +118,4 @@ class Reply:
         await resp.write(sse(self.shapes.chunk(finish_reason="tool_calls" if calls
                                                else end.finish_reason)))
         if self.req.include_usage:
-            await resp.write(sse(self.shapes.usage_chunk(self._usage(end))))
+            await resp.write(sse(_with_breakdown(self.shapes.usage_chunk(self._usage(end)), end)))

@@ -8,12 +8,14 @@ there (`capture`), and commits `tokens` with `cache` when the run ends.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
 
 from prefixd.backends.mlx import snapshot
+from prefixd.backends.mlx.stats import PromptStats
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark).
 Capture = Callable[[int, bool], None]
@@ -30,6 +32,7 @@ class Run:
         self.fed: list[int] = []  # generated tokens in the KV state
         self.pending: int | None = None  # the last yielded token, not yet fed to the model
         self.broken = False  # an exception hit mid-forward: the cache state is unknown
+        self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
 
     @property
     def tokens(self) -> list[int]:
@@ -58,27 +61,34 @@ class Run:
                 return None
             end = min([n - 1, self.pos + self.chunk, *(p for p in cuts if p > self.pos)])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
+            t0 = time.perf_counter()
             self._forward(self.prompt[self.pos:end])
+            self.segments.append((end - self.pos, time.perf_counter() - t0))
             self.pos = end
             if end in marks:
                 capture(end, marks[end])
             mx.clear_cache()
         if self.should_stop():
             return None
+        t0 = time.perf_counter()
         logits = self._forward(self.prompt[n - 1:])[:, -1, :]
+        self.segments.append((1, time.perf_counter() - t0))
         self.pos = n
         if n in marks:
             capture(n, marks[n])
         return logits
 
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
-               processors: list, max_tokens: int) -> Iterator[int]:
+               processors: list, max_tokens: int, stats: PromptStats) -> Iterator[int]:
         for i in range(max_tokens):
+            t0 = time.perf_counter()
             if processors:
                 history = mx.array(self.prompt + self.fed)
                 for proc in processors:
                     logits = proc(history, logits)
             token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)).item())
+            if i == 0:
+                stats.first_token_s = time.perf_counter() - t0
             self.pending = token
             yield token
             if i == max_tokens - 1 or self.should_stop():

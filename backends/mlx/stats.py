@@ -1,0 +1,85 @@
+"""Where one request's time went in the worker: the per-turn breakdown.
+
+Owns: `PromptStats` (filled by the Engine while it restores, prefills, checkpoints, samples the
+first token and commits), the `prefixd` JSON object the worker adds to its responses (the final
+non-streamed response and the usage chunk of a stream), the stage histograms, and the DEBUG log
+line. Stages, in request order:
+
+- `template`, `tokenize`, `boundaries`: building the prompt (beside generation, on a thread);
+- `queue`: waiting for the generation thread (another request was running);
+- `lookup`, `restore`: finding the cached prefix and rebuilding the live cache from it;
+- `prefill`: the forward passes over the prompt tokens not cached (`prefill_segments`: tokens
+  and milliseconds of each pass), `checkpoint`: taking checkpoints between them;
+- `first_token`: sampling the first token (the last forward pass's logits are computed here);
+- `commit`: storing the cache after the reply (not part of the time to first token).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixd.metrics import worker as metrics
+
+log = logging.getLogger("prefixd.worker.cache")
+
+STAGES = ("template", "tokenize", "boundaries", "queue", "lookup", "restore", "prefill",
+          "checkpoint", "first_token", "commit")
+
+
+@dataclass
+class PromptStats:
+    """One request's prompt: how much was cached, and the time of each stage (seconds)."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens restored from the cache (not recomputed)
+    recomputed_tokens: int = 0  # prompt tokens actually run through the model
+    fallback: str | None = None  # why the cache was bypassed, else None
+    lookup_s: float = 0.0
+    restore_s: float = 0.0
+    prefill_s: float = 0.0  # the whole prefill loop, checkpoints included
+    segments: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) per pass
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    checkpoint_s: float = 0.0
+    first_token_s: float = 0.0
+    commit_s: float = 0.0
+
+    def seconds(self) -> dict[str, float]:
+        """The engine's stages (forward passes and checkpoints counted apart)."""
+        return {"lookup": self.lookup_s, "restore": self.restore_s,
+                "prefill": max(0.0, self.prefill_s - self.checkpoint_s),
+                "checkpoint": self.checkpoint_s, "first_token": self.first_token_s,
+                "commit": self.commit_s}
+
+
+def breakdown(stats: PromptStats | None, before: dict[str, float]) -> dict[str, Any]:
+    """The `prefixd` object of a response: `before` holds the stages outside the Engine
+    (template, tokenize, boundaries, queue), in seconds."""
+    seconds = {**before, **(stats.seconds() if stats else {})}
+    out: dict[str, Any] = {
+        "timings_ms": {k: round(seconds[k] * 1000, 3) for k in STAGES if k in seconds},
+        "cached_tokens": stats.cached_tokens if stats else 0,
+        "recomputed_tokens": stats.recomputed_tokens if stats else 0,
+    }
+    if stats is not None:
+        out["prefill_segments"] = [{"tokens": n, "ms": round(s * 1000, 3)}
+                                   for n, s in stats.segments]
+        out["checkpoints"] = {"count": stats.checkpoints, "bytes": stats.checkpoint_bytes}
+        if stats.fallback:
+            out["fallback"] = stats.fallback
+    return out
+
+
+def observe(stats: PromptStats | None, before: dict[str, float]) -> None:
+    """Record one finished request in the stage histograms and the DEBUG log."""
+    seconds = {**before, **(stats.seconds() if stats else {})}
+    for stage, s in seconds.items():
+        metrics.STAGE_SECONDS.labels(stage).observe(s)
+    if stats is not None:
+        metrics.PREFILL_PASSES.observe(len(stats.segments))
+        metrics.CHECKPOINTS_TAKEN.inc(stats.checkpoints)
+        metrics.CHECKPOINT_TAKEN_BYTES.inc(stats.checkpoint_bytes)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("turn breakdown: %s", breakdown(stats, before))
