@@ -85,12 +85,21 @@ def loads(data: bytes) -> Any:
         return None
 
 
+def worker_trace(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """A prefixd worker's per-turn breakdown (`prefixd` in its final object), if any."""
+    trace = obj.get("prefixd")
+    return trace if isinstance(trace, dict) else None
+
+
 def parse_json_body(data: bytes) -> tuple[Message | None, dict[str, Any] | None]:
-    """(assistant message, usage) of a non-streamed chat or completions answer."""
+    """(assistant message, usage) of a non-streamed chat or completions answer; a prefixd
+    worker's breakdown rides along inside usage as `prefixd`."""
     obj = loads(data)
     if not isinstance(obj, dict):
         return None, None
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+    if usage is not None and (trace := worker_trace(obj)) is not None:
+        usage = {**usage, "prefixd": trace}
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None, usage
@@ -162,6 +171,8 @@ class SSERecorder:
             return b"" if self.translate is not None else event
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
+            if (trace := worker_trace(obj)) is not None:
+                self.usage = {**self.usage, "prefixd": trace}
         choices = obj.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):

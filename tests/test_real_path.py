@@ -65,6 +65,13 @@ async def test_proxy_over_real_worker(tiny_model_dir: Callable[[str], Path],
         reused = int(header.split("reused=")[1].split("/")[0])
         # what the worker reused is bounded by where the prompt changed
         assert usage["prompt_tokens_details"]["cached_tokens"] <= reused
+        # the worker's per-turn breakdown reaches the proxy's report of that turn
+        async with http.get(base + "/debug/prefix") as r:
+            lane = (await r.json())["lanes"][0]["lane"]
+        async with http.get(base + f"/debug/prefix/{lane}") as r:
+            report = (await r.json())["reports"][-1]
+        timings = report["backend_breakdown"]["timings_ms"]
+        assert timings["prefill"] > 0 and "checkpoint" in timings
         async with http.get(base + "/metrics") as r:
             fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
         cached = fams["prefixd_worker_recomputed_tokens"].samples

@@ -53,6 +53,7 @@ class PrefixReport:
     would_fix: list[dict[str, Any]] = field(default_factory=list)   # rules not on
     predicted_cached_tokens: int | None = None   # what routing expected the backend to hold
     backend_cached_tokens: int | None = None
+    backend_breakdown: dict[str, Any] | None = None   # a prefixd worker's per-turn timings
     backend_prompt_tokens: int | None = None
     miss: str | None = None              # "agrees" or "unexplained"
     suspects: list[str] = field(default_factory=list)

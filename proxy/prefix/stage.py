@@ -232,6 +232,8 @@ class PrefixStage:
         r = prepared.report
         if r is None:
             return
+        if isinstance(usage.get("prefixd"), dict):
+            r.backend_breakdown = usage["prefixd"]
         if isinstance(cached, int):
             self._reconcile(r, cached, prompt, prepared.prev_had_reasoning)
         self._observe(r)
