@@ -91,10 +91,11 @@ async def stream_rate(base: str, n_chunks: int) -> float:
             "messages": [{"role": "user", "content": "go"}]}
     async with aiohttp.ClientSession() as s:
         t0 = time.perf_counter()
-        got = 0
+        got, tail = 0, b""
         async with s.post(base + "/v1/chat/completions", json=body) as r:
             async for data in r.content.iter_any():
-                got += data.count(b"\n\n")
+                got += (tail + data).count(b"\n\n")    # an event end split across reads
+                tail = data[-1:]
         dt = time.perf_counter() - t0
     assert got >= n_chunks, (got, n_chunks)
     return n_chunks / dt
