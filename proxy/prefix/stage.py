@@ -20,8 +20,9 @@ from prefixd.metrics import prefix as M
 from prefixd.proxy.prefix import canonicalize as C
 from prefixd.proxy.prefix.detect import BOUNDARY_TOKENS, REUSING, Diff, Verdict, diff
 from prefixd.proxy.prefix.lanes import LaneState, LaneStore, base_key, state_bytes, system_family
+from prefixd.proxy.prefix.observe import observe
 from prefixd.proxy.prefix.patterns import THINK, client_family
-from prefixd.proxy.prefix.report import PrefixReport, header, hint_for, log_text, span_report
+from prefixd.proxy.prefix.report import PrefixReport, header, hint_for, span_report
 from prefixd.proxy.prefix.segments import Segment, flatten, rendered_chars
 from prefixd.proxy.settings import Settings
 
@@ -236,7 +237,7 @@ class PrefixStage:
             r.backend_breakdown = usage["prefixd"]
         if isinstance(cached, int):
             self._reconcile(r, cached, prompt, prepared.prev_had_reasoning)
-        self._observe(r)
+        observe(r)
 
     def _learn_ratio(self, lane: LaneState, segs: list[Segment], prompt: object) -> None:
         if not isinstance(prompt, int) or prompt <= 0:
@@ -269,30 +270,6 @@ class PrefixStage:
         suspects += ["eviction", "restart"] if cached == 0 else ["checkpoint_granularity",
                                                                  "eviction"]
         r.suspects = suspects
-
-    def _observe(self, r: PrefixReport) -> None:
-        level = logging.INFO if r.mutated or r.miss == "unexplained" else logging.DEBUG
-        if log.isEnabledFor(level):
-            log.log(level, "%s", log_text(r))
-        M.REQUESTS.labels(r.client, r.verdict.value).inc()
-        if r.mutated or r.verdict is Verdict.APPEND_ECHO_DRIFT:
-            # what the client did, whether or not a rule repaired it
-            for cause in r.causes:
-                M.MUTATIONS.labels(r.client, r.region or "messages", cause).inc()
-            if r.causes and r.lost_tokens > 0:
-                M.LOST_TOKENS.labels(r.client, r.causes[0]).inc(r.lost_tokens)
-        if r.verdict is not Verdict.NEW and r.prev_prompt_tokens:
-            M.REUSE_RATIO.labels(r.client).observe(min(1.0, r.reusable_tokens
-                                                       / r.prev_prompt_tokens))
-        if r.suspects:
-            M.UNEXPLAINED_MISS.labels(r.suspects[0]).inc()
-        share = r.saved_tokens // max(1, len(r.fixed))
-        for rule in r.fixed:
-            M.CANON_APPLIED.labels(rule, "on").inc()
-            M.CANON_SAVED.labels(rule, "on").inc(share)
-        for w in r.would_fix:
-            M.CANON_APPLIED.labels(w["rule"], w["mode"]).inc()
-            M.CANON_SAVED.labels(w["rule"], w["mode"]).inc(w["saved_tokens"])
 
     # --- debug endpoints --------------------------------------------------------------------
     def debug_lanes(self) -> list[dict]:
