@@ -41,6 +41,7 @@ class OpenAIBackend(BackendBase):
         self._last_probe: float | None = None
         self._probe_from = 0               # index into PROBE_PATHS of the path that works
         self._can_tokenize: bool | None = None   # None until /apply-template was tried
+        self._tokenize_probe = asyncio.Lock()
         key = config.api_key.get_secret_value() if config.api_key else None
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -66,6 +67,12 @@ class OpenAIBackend(BackendBase):
         """Exact token ids where the upstream can tell them (llama-server: /apply-template +
         /tokenize). None elsewhere; callers then estimate. A server that answers 404 to
         either endpoint is remembered as one that cannot, and not asked again."""
+        if self._can_tokenize is None:        # the first calls find out, one at a time
+            async with self._tokenize_probe:
+                return await self._tokenize(body)
+        return await self._tokenize(body)
+
+    async def _tokenize(self, body: dict) -> list[int] | None:
         if self._can_tokenize is False:
             return None
         session = self._ensure_session()

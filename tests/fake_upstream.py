@@ -27,6 +27,7 @@ class FakeUpstream:
         self.aborted_at: list[float] = []
         self.finished = 0
         self.release = asyncio.Event()          # "hold" requests wait for it
+        self.paths: list[str] = []              # every request's path, routed or not
         self.arrived = asyncio.Condition()      # notified on every request arrival
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -36,7 +37,12 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application()
+        @web.middleware
+        async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
+            self.paths.append(request.path)
+            return await handler(request)
+
+        app = web.Application(middlewares=[record])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._chat)
         app.router.add_get("/v1/models", self._models)

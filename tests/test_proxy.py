@@ -328,3 +328,17 @@ async def test_model_alias_reaches_the_backend_under_its_served_name(upstream, s
     assert upstream.received[-1]["model"] == "fake"
     async with http.post(url(proxy), json={**body, "model": "x"}) as r:   # alias to nothing
         assert r.status == 404
+
+
+async def test_a_backend_without_tokenize_endpoints_is_asked_once(upstream, start_proxy, http):
+    """Exact token offsets are tried through /apply-template; an upstream that answers 404
+    is remembered, not asked again on every mutated turn."""
+    proxy = await start_proxy(upstream.url)
+    for t in range(4):
+        body = {"model": "fake", "messages": [
+            {"role": "system", "content": f"The time is 10:4{t}:00. Be brief."},
+            {"role": "user", "content": "hi"}]}
+        async with http.post(url(proxy), json=body, headers={"X-Session-Id": "tk"}) as r:
+            assert r.status == 200
+            assert "verdict=MUTATED" in r.headers["X-Prefixd-Prefix"] or t == 0
+    assert upstream.paths.count("/apply-template") == 1
