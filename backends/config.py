@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -52,3 +53,17 @@ class BackendConfig(BaseModel):
             if not self.models:
                 self.models = [Path(self.model).name if "/" in self.model else self.model]
         return self
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its userinfo replaced by '***' (`http://user:***@host`); a
+    username alone may be a token (`https://TOKEN@host`), so it becomes '***' too."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:***" if parts.password is not None else "***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
