@@ -33,7 +33,12 @@ class BackendConfig(BaseModel):
     cache_bytes: Annotated[int, Field(ge=0)] | None = None
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     idle_unload_s: Annotated[float, Field(gt=0)] | None = None
-    max_restarts: Annotated[int, Field(ge=0)] = 5
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        5, description="mlx: failed starts in a row (the worker never became ready) before "
+        "the backend is `failed`; crashes of a worker that was ready are always restarted")
+    retry_failed_s: Annotated[float, Field(gt=0)] = Field(
+        60.0, description="mlx: a `failed` backend tries one new start this often (and "
+        "when a request needs it)")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")
 
