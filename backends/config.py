@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -34,7 +35,12 @@ class BackendConfig(BaseModel):
     cache_bytes: Annotated[int, Field(ge=0)] | None = None
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     idle_unload_s: Annotated[float, Field(gt=0)] | None = None
-    max_restarts: Annotated[int, Field(ge=0)] = 5
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        5, description="mlx: failed starts in a row (the worker never became ready) before "
+        "the backend is `failed`; crashes of a worker that was ready are always restarted")
+    retry_failed_s: Annotated[float, Field(gt=0)] = Field(
+        60.0, description="mlx: a `failed` backend tries one new start this often (and "
+        "when a request needs it)")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")
 
@@ -54,3 +60,17 @@ class BackendConfig(BaseModel):
             if not self.models:
                 self.models = [Path(self.model).name if "/" in self.model else self.model]
         return self
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its userinfo replaced by '***' (`http://user:***@host`); a
+    username alone may be a token (`https://TOKEN@host`), so it becomes '***' too."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:***" if parts.password is not None else "***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))

@@ -3,12 +3,20 @@ as an `UpstreamResponse` whose chunks arrive as the upstream sends them (never b
 
 Leaving the `post_stream` block before the body ended closes the connection, which is how
 a client disconnect stops the upstream's generation at once.
+
+A request that went out on a pooled keep-alive connection the upstream had already closed
+(it idled out, or the upstream restarted) fails before any response byte as "server
+disconnected" or "connection reset"; it is sent again once, on a new connection. Nothing is
+sent again after a response byte, nor after a failure on a new connection.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import SimpleNamespace
 
 import aiohttp
 
@@ -21,10 +29,77 @@ from prefixd.backends.base import (
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding"}
+_RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}
+
+log = logging.getLogger("prefixd.backend")
 
 
 def _describe(e: BaseException) -> str:
     return str(e) or type(e).__name__
+
+
+def dropped(e: BaseException | None) -> bool:
+    """The upstream closed or reset a connection that had been set up (not a refused or
+    failed connect): raised before the response started, no response byte was read."""
+    if isinstance(e, aiohttp.ServerDisconnectedError | ConnectionResetError | BrokenPipeError):
+        return True
+    return (isinstance(e, aiohttp.ClientOSError)
+            and not isinstance(e, aiohttp.ClientConnectorError) and e.errno in _RESET_ERRNOS)
+
+
+class _Attempt:
+    """One send of a request; `reused`: it went out on a pooled connection (seen by the
+    session's `reuse_tracer`; sessions without it never report reuse, so never resend)."""
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object) -> None:
+    if isinstance(ctx.trace_request_ctx, _Attempt):
+        ctx.trace_request_ctx.reused = True
+
+
+def reuse_tracer() -> aiohttp.TraceConfig:
+    """Lets `post_stream` tell a request on a pooled connection from one on a new one."""
+    tc = aiohttp.TraceConfig()
+    tc.on_connection_reuseconn.append(_on_reuse)
+    return tc
+
+
+async def _send(session: aiohttp.ClientSession, url: str, req: UpstreamRequest, backend: str,
+                send: dict[str, str], stack: AsyncExitStack) -> aiohttp.ClientResponse:
+    """POST until the response starts; once more, on a new connection (a session entered
+    on `stack`), if a stale pooled connection dropped the request."""
+    timeout = aiohttp.ClientTimeout(total=req.timeout_s, sock_connect=10)
+    for resend in (False, True):
+        attempt = _Attempt()
+        try:
+            return await session.post(url, data=req.body, headers=send, timeout=timeout,
+                                      auto_decompress=True, trace_request_ctx=attempt)
+        except aiohttp.ConnectionTimeoutError as e:
+            raise BackendError(f"backend {backend!r} unreachable: connect timed out") from e
+        except TimeoutError as e:
+            raise BackendTimeout(f"backend {backend!r} sent no response within "
+                                 f"{req.timeout_s:g}s") from e
+        except (aiohttp.ClientError, OSError) as e:
+            if resend or not (attempt.reused and dropped(e)):
+                raise BackendError(f"backend {backend!r} unreachable: {_describe(e)}") from e
+            log.info("backend %s: a pooled connection was closed under request %s (%s); "
+                     "sending it again on a new connection", backend, req.request_id,
+                     _describe(e))
+            session = await stack.enter_async_context(_new_connection_like(session))
+    raise AssertionError("unreachable")
+
+
+def _new_connection_like(session: aiohttp.ClientSession) -> aiohttp.ClientSession:
+    """A session to the same kind of endpoint as `session` (see `client_session`) that
+    opens a new connection for its one request: other pooled connections may be stale too."""
+    pooled = session.connector
+    connector: aiohttp.BaseConnector = (
+        aiohttp.UnixConnector(path=pooled.path, force_close=True)
+        if isinstance(pooled, aiohttp.UnixConnector) else aiohttp.TCPConnector(force_close=True))
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
 @asynccontextmanager
@@ -33,35 +108,28 @@ async def post_stream(session: aiohttp.ClientSession, url: str, req: UpstreamReq
                       ) -> AsyncIterator[UpstreamResponse]:
     """POST `req.body` to `url`; yield the response with its body as an async iterator."""
     send = {"Content-Type": "application/json", **req.headers, **(headers or {})}
-    timeout = aiohttp.ClientTimeout(total=req.timeout_s, sock_connect=10)
-    try:
-        resp = await session.post(url, data=req.body, headers=send, timeout=timeout,
-                                  auto_decompress=True)
-    except aiohttp.ConnectionTimeoutError as e:
-        raise BackendError(f"backend {backend!r} unreachable: connect timed out") from e
-    except TimeoutError as e:
-        raise BackendTimeout(f"backend {backend!r} sent no response within "
-                             f"{req.timeout_s:g}s") from e
-    except (aiohttp.ClientError, OSError) as e:
-        raise BackendError(f"backend {backend!r} unreachable: {_describe(e)}") from e
+    async with AsyncExitStack() as stack:
+        resp = await _send(session, url, req, backend, send, stack)
 
-    async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for data in resp.content.iter_any():
+                    yield data
+            except TimeoutError as e:
+                raise BackendTimeout(f"backend {backend!r} timed out after "
+                                     f"{req.timeout_s:g}s") from e
+            except (aiohttp.ClientError, OSError) as e:
+                raise BackendError(f"backend {backend!r} connection lost: "
+                                   f"{_describe(e)}") from e
+
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
         try:
-            async for data in resp.content.iter_any():
-                yield data
-        except TimeoutError as e:
-            raise BackendTimeout(f"backend {backend!r} timed out after {req.timeout_s:g}s") from e
-        except (aiohttp.ClientError, OSError) as e:
-            raise BackendError(f"backend {backend!r} connection lost: {_describe(e)}") from e
-
-    out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-    try:
-        yield UpstreamResponse(status=resp.status, headers=out_headers, chunks=chunks())
-    finally:
-        if resp.content.at_eof():
-            resp.release()
-        else:
-            resp.close()  # drop the connection: the upstream sees the disconnect now
+            yield UpstreamResponse(status=resp.status, headers=out_headers, chunks=chunks())
+        finally:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()  # drop the connection: the upstream sees the disconnect now
 
 
 def client_session(unix_socket: str | None = None, limit: int = 64) -> aiohttp.ClientSession:
@@ -72,4 +140,5 @@ def client_session(unix_socket: str | None = None, limit: int = 64) -> aiohttp.C
     else:
         connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300)
     return aiohttp.ClientSession(connector=connector, auto_decompress=True,
-                                 timeout=aiohttp.ClientTimeout(total=None))
+                                 timeout=aiohttp.ClientTimeout(total=None),
+                                 trace_configs=[reuse_tracer()])

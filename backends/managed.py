@@ -5,14 +5,18 @@ Owns: `ensure_ready()` (start the worker if needed, wait for an outcome), `forwa
 HTTP to the worker, `status()` and `stop()`. The lifecycle itself (states, the supervisor
 task) lives in `supervisor`, the child process in `process`.
 Invariants: a request is handed to the worker only in state `ready` and after any failed
-request was checked; a request refused at connect (the worker had just died, so it never
-saw it) is sent again once after the restart — none is lost and none runs twice.
+request was checked, with the current worker's token; a request that failed before any
+response byte because the worker was gone (refused at connect, or the connection dropped
+or reset as the worker died) is sent again once after the restart — none is lost, and none
+is sent again once the worker has answered anything. A `failed` backend asked for a
+request tries one new start if its last attempt is old enough (`retry_min_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -22,12 +26,13 @@ from prefixd.backends.base import (
     BackendBase,
     BackendError,
     BackendStatus,
+    BackendTimeout,
     BackendUnavailable,
     UpstreamRequest,
     UpstreamResponse,
 )
 from prefixd.backends.config import BackendConfig
-from prefixd.backends.http import post_stream
+from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
 from prefixd.backends.supervisor import ProcState, Supervisor, local_session
@@ -42,17 +47,19 @@ class ManagedBackend(BackendBase):
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
                  command: CommandBuilder | None = None, stop_grace_s: float = 5.0,
-                 backoff_s: tuple[float, float] = (0.5, 30.0), stable_s: float = 60.0) -> None:
+                 backoff_s: tuple[float, float] = (0.5, 30.0), stable_s: float = 60.0,
+                 retry_min_s: float = 5.0) -> None:
         """`command(port)` gives the worker argv (tests run a fake worker); `stop_grace_s`
         is the SIGTERM→SIGKILL grace; `backoff_s` the first and the largest restart delay;
-        a worker ready for `stable_s` resets the count of consecutive failures."""
+        a worker ready for `stable_s` resets the backoff; a request makes a failed backend
+        try again at most once per `retry_min_s`."""
         self.name = config.name
         self.models = list(config.models)
         self._model = config.model
         command = command or (lambda port: worker_command(
             config.model or "", port, config.models[0] if config.models else None))
         self._sup = Supervisor(config, settings, command, grace_s=stop_grace_s,
-                               backoff_s=backoff_s, stable_s=stable_s)
+                               backoff_s=backoff_s, stable_s=stable_s, retry_min_s=retry_min_s)
         self._session: aiohttp.ClientSession | None = None
         self._stopper: asyncio.Future[None] | None = None
 
@@ -65,12 +72,17 @@ class ManagedBackend(BackendBase):
             if sup.state is ProcState.READY and not sup.suspect:
                 sup.touch()
                 return
-            if sup.state is ProcState.FAILED:
-                raise BackendUnavailable(f"backend {self.name!r} failed: {sup.last_error}")
             if sup.start_failures != seen_failures:
                 raise BackendUnavailable(
                     f"backend {self.name!r} could not start: {sup.last_error}")
-            sup.start()
+            if sup.state is ProcState.FAILED:
+                if not sup.request_retry():
+                    wait = sup.retry_in()
+                    raise BackendUnavailable(
+                        f"backend {self.name!r} failed: {sup.last_error}"
+                        + (f" (next attempt in {wait:.0f}s)" if wait is not None else ""))
+            else:
+                sup.start()
             await sup.changed.wait()
 
     @asynccontextmanager
@@ -92,15 +104,18 @@ class ManagedBackend(BackendBase):
             if self._session is None:
                 self._session = local_session()
             try:
-                return await stack.enter_async_context(
-                    post_stream(self._session, sup.base_url + request.path, request, self.name))
+                return await stack.enter_async_context(post_stream(
+                    self._session, sup.base_url + request.path, request, self.name, sup.auth))
             except BackendError as e:
                 sup.report_failure()
-                # Only "refused at connect" proves the worker never saw the request.
-                if attempt == 2 or not isinstance(e.__cause__, aiohttp.ClientConnectorError):
+                # Refused at connect, or dropped before any response byte: the worker was
+                # (being) killed with the request unanswered; its successor gets it once.
+                cause = e.__cause__
+                if attempt == 2 or isinstance(e, BackendTimeout) or not (
+                        isinstance(cause, aiohttp.ClientConnectorError) or dropped(cause)):
                     raise
-                log.info("backend %s: worker refused the connection; sending again once it "
-                         "is ready", self.name)
+                log.info("backend %s: the worker was gone before answering (%s); sending "
+                         "again once it is ready", self.name, e)
                 await self.ensure_ready()
         raise AssertionError("unreachable")
 
@@ -124,6 +139,7 @@ class ManagedBackend(BackendBase):
                    else {**body, "boundaries": False})   # ids only: no boundary rendering
         try:
             async with self._session.post(base + "/tokenize", json=payload,
+                                          headers=self._sup.auth,
                                           timeout=aiohttp.ClientTimeout(total=10)) as r:
                 if r.status != 200:
                     return None
@@ -140,7 +156,7 @@ class ManagedBackend(BackendBase):
         if self._session is None:
             self._session = local_session()
         try:
-            async with self._session.get(base + "/metrics",
+            async with self._session.get(base + "/metrics", headers=self._sup.auth,
                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return await r.text() if r.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError):
@@ -161,8 +177,10 @@ class ManagedBackend(BackendBase):
             return None
 
     def status(self) -> BackendStatus:
+        """The worker's pid and URL are shown (operators need them), never its token."""
         sup, w = self._sup, self._sup.worker
         alive = w is not None and not w.exited.is_set()
+        retry_in = sup.retry_in()                 # a failed backend's next attempt
         return BackendStatus(
             name=self.name, kind=self.kind, state=sup.state.value,
             up=sup.state is ProcState.READY and sup.healthy, models=self.models,
@@ -170,6 +188,8 @@ class ManagedBackend(BackendBase):
             detail={"model": self._model, "pid": w.pid if w is not None and alive else None,
                     "url": sup.base_url if alive else None, "restarts": sup.restarts,
                     "consecutive_failures": sup.consecutive,
+                    "retry_at": None if retry_in is None else round(time.time() + retry_in, 3),
+                    "retry_in_s": None if retry_in is None else round(retry_in, 1),
                     "stderr_tail": w.stderr_tail()[-5:] if w is not None else []})
 
     async def stop(self) -> None:

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from prefixd.backends.base import BackendBase, BackendStatus, UpstreamRequest, UpstreamResponse
-from prefixd.backends.config import BackendConfig
+from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.http import client_session, post_stream
 from prefixd.metrics.proxy import BACKEND_UP
 
@@ -138,7 +138,7 @@ class OpenAIBackend(BackendBase):
         return BackendStatus(name=self.name, kind=self.kind, state=state,
                              up=self._up is not False, models=self.models,
                              last_error=self._last_error,
-                             detail={"url": self._base, "last_probe": self._last_probe})
+                             detail={"url": redact_url(self._base), "last_probe": self._last_probe})
 
     async def stop(self) -> None:
         if self._probe is not None:

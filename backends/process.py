@@ -5,6 +5,9 @@ child in its own process group, relaying its stdout/stderr line by line into the
 (logger `prefixd.worker`, tagged with the backend name) while keeping the last stderr
 lines for error messages, and a stop that cannot hang (SIGTERM to the group, grace
 period, SIGKILL, always reaped). Knows nothing about states or restarts: `supervisor` does.
+The worker's exit codes and its token variable are the worker's contract
+(`backends/mlx/__main__.py`, `backends/mlx/worker.py`), restated here so the proxy side
+never imports mlx.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ wlog = logging.getLogger("prefixd.worker")
 STDERR_TAIL_LINES = 20
 _LINE_LIMIT = 1 << 20  # a worker may print one long traceback line; don't choke on it
 
-# Worker-side settings the proxy may have read from its env file: handed over explicitly
-# so the worker sees the same configuration even though it does not read that file.
+EXIT_LOAD_FAILED = 1    # the worker could not load its model (or its settings): retrying won't help
+EXIT_CANNOT_BIND = 2    # the worker could not bind its address (lost the race for a free port)
+TOKEN_ENV = "PREFIXD_WORKER_TOKEN"   # with it set, every worker route but /health needs the token
 
 CommandBuilder = Callable[[int], list[str]]
 
@@ -49,9 +53,11 @@ def _env_value(value: object) -> str:
 
 
 def worker_env(config: BackendConfig, settings: WorkerSettings,
-               base: Mapping[str, str] | None = None) -> dict[str, str]:
+               base: Mapping[str, str] | None = None, token: str | None = None
+               ) -> dict[str, str]:
     """The child's environment: ours, plus the worker settings, the parent pid (so the worker
-    exits when we are gone, even after a SIGKILL) and the backend's own `worker_env`."""
+    exits when we are gone, even after a SIGKILL), the backend's own `worker_env` and the
+    start's `token` (in the environment, never on the command line that any user can read)."""
     # The proxy's own PREFIXD_* (its port, backends, a bad value overridden on its command
     # line) are not the worker's: it gets exactly the worker settings below.
     env = {k: v for k, v in (os.environ if base is None else base).items()
@@ -64,6 +70,9 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
         env["PREFIXD_CACHE_BYTES"] = str(config.cache_bytes)
     env = _with_blas(settings.use_system_blas, env)
     env.update(config.worker_env)
+    env.pop(TOKEN_ENV, None)               # only the supervisor's own token, or none
+    if token is not None:
+        env[TOKEN_ENV] = token
     env["PREFIXD_PARENT_PID"] = str(os.getpid())
     env["PYTHONUNBUFFERED"] = "1"  # lines reach our log as they are printed
     return env
@@ -124,6 +133,11 @@ class WorkerProcess:
             limit=_LINE_LIMIT)
         wlog.info("[%s] started pid %d: %s", tag, proc.pid, " ".join(argv))
         return cls(proc, tag, on_exit)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it exited (negative: killed by that signal), else None."""
+        return self._proc.returncode
 
     def stderr_tail(self) -> list[str]:
         return list(self._stderr)

@@ -1,17 +1,28 @@
 """The lifecycle of one managed worker: a state machine and the ONE task that drives it.
 
 Owns: `ProcState`, the `ALLOWED` transitions, `_set_state()` (checks the table, logs, sets
-the state/up gauges, wakes waiters) and the supervisor task that alone starts the child,
-waits for its /health with a deadline, health-checks it, restarts it with capped
-exponential backoff, gives up (`failed`) after `max_restarts` consecutive failures,
-unloads it when idle, and stops it. Every wait ends at a deadline or when the child exits.
-The Backend face (`managed`) only reads the state and reports requests and failures.
+the state/up gauges, wakes waiters) and the supervisor task that alone starts the child
+(with a fresh secret token each time), waits for its /health with a deadline, health-checks
+it, unloads it when idle, stops it, and applies the restart policy:
+
+- a worker that was ready and then died or stopped answering is restarted, after a capped
+  exponential backoff (reset once it stays ready for `stable_s`); it is not a failed start;
+- a start that never became ready is a failed start, retried with the same backoff;
+  `max_restarts` failed starts in a row make the backend `failed`;
+- a worker that exits with `EXIT_LOAD_FAILED` while starting (bad model, bad settings) makes
+  it `failed` at once, with the worker's last stderr lines as the reason;
+- `failed` is not final: one new start every `retry_failed_s`, or sooner when a request asks
+  for it (`request_retry`) and the last attempt began at least `retry_min_s` ago.
+
+Every wait ends at a deadline or when the child exits. The Backend face (`managed`) only
+reads the state, reports requests and failures, and asks for retries.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from enum import StrEnum
 
 import aiohttp
@@ -19,6 +30,7 @@ import aiohttp
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import (
+    EXIT_LOAD_FAILED,
     CommandBuilder,
     WorkerProcess,
     free_port,
@@ -48,15 +60,15 @@ ALLOWED: dict[ProcState, frozenset[ProcState]] = {
     S.STARTING: frozenset({S.READY, S.STOPPING, S.STOPPED}),   # STOPPED: exited early
     S.READY: frozenset({S.STOPPING, S.STOPPED}),               # STOPPED: crashed
     S.STOPPING: frozenset({S.STOPPED, S.SHUTDOWN}),
-    S.FAILED: frozenset({S.SHUTDOWN}),
+    S.FAILED: frozenset({S.STARTING, S.SHUTDOWN}),              # STARTING: a retry
     S.SHUTDOWN: frozenset(),
 }
 
 
 def local_session() -> aiohttp.ClientSession:
-    """A session to a local worker, without keep-alive: a reused connection to a worker that
-    just died fails as "server disconnected", which looks like a worker that died holding
-    the request; a fresh connection (cheap on loopback) fails as "refused", safe to retry."""
+    """A session to a local worker, without keep-alive (a new connection is cheap on
+    loopback): no request goes out on a connection left from an earlier worker, so a refused
+    or dropped connection always means this request's worker died before answering it."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=None))
 
@@ -67,21 +79,27 @@ class _Idle:
 
 class Supervisor:
     def __init__(self, config: BackendConfig, settings: WorkerSettings, command: CommandBuilder, *,
-                 grace_s: float, backoff_s: tuple[float, float], stable_s: float) -> None:
+                 grace_s: float, backoff_s: tuple[float, float], stable_s: float,
+                 retry_min_s: float) -> None:
         self.name = config.name
         self._cfg, self._settings, self._command = config, settings, command
         self._grace, self._backoff, self._stable_s = grace_s, backoff_s, stable_s
+        self._retry_min_s = retry_min_s
         self.state = S.STOPPED
         self.changed = asyncio.Event()         # replaced on every change: wait on the current
-        self._poke = asyncio.Event()           # wakes the watch loop
+        self._poke = asyncio.Event()           # wakes the task (watching, or failed and waiting)
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.worker: WorkerProcess | None = None
         self.base_url: str | None = None
         self.last_error: str | None = None
         self.start_failures = 0                # monotonic: lets waiters see a failed attempt
-        self.consecutive = 0
+        self.consecutive = 0                   # failed starts in a row
         self.restarts = 0
+        self.token: str | None = None          # the running worker's secret; never published
+        self.retry_at: float | None = None     # loop time of a failed backend's next attempt
+        self._retry_wanted = False             # a request asked a failed backend to retry
+        self._last_attempt = float("-inf")     # loop time the latest start began
         self.healthy = False
         self.suspect = False                   # a request failed: verify before handing out
         self.active = 0
@@ -115,12 +133,36 @@ class Supervisor:
         return asyncio.get_running_loop().time()
 
     # --- what the Backend face calls ----------------------------------------------------
+    @property
+    def auth(self) -> dict[str, str]:
+        """The header every request to the current worker carries."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     def start(self) -> None:
-        """Run the supervisor task if the worker is stopped and nothing runs it."""
-        if self.state is S.STOPPED and (self._task is None or self._task.done()):
+        """Run the supervisor task if the worker is stopped (or failed) and nothing runs it."""
+        if self.state in (S.STOPPED, S.FAILED) and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._supervise(), name=f"supervise:{self.name}")
-            # Waiters must also wake when the task ends (idle unload, gave up).
+            # Waiters must also wake when the task ends (idle unload, a supervisor error).
             self._task.add_done_callback(lambda _: self._notify())
+
+    def request_retry(self) -> bool:
+        """A request needs this failed backend: one new start now, unless the latest began
+        less than `retry_min_s` ago. True when a start is due (the caller waits for it)."""
+        if self.state is not S.FAILED:
+            return True
+        if not self._retry_wanted:
+            if self._now() - self._last_attempt < self._retry_min_s:
+                return False
+            self._retry_wanted = True
+            self._poke.set()
+        self.start()
+        return True
+
+    def retry_in(self) -> float | None:
+        """Seconds until a failed backend's next scheduled start; None when none is."""
+        if self.state is not S.FAILED or self.retry_at is None:
+            return None
+        return max(0.0, self.retry_at - self._now())
 
     def request_started(self) -> None:
         self.active += 1
@@ -158,9 +200,13 @@ class Supervisor:
             await self._lifecycle()
         except Exception as e:   # a bug here must not leave waiters hanging
             log.exception("backend %s: supervisor error", self.name)
-            self.last_error = f"supervisor error: {e!r}"
-            await self._reap("supervisor error")
-            self._set_state(S.FAILED, self.last_error)
+            # No task is left to retry on schedule; a request's retry starts a new one.
+            self.retry_at = None
+            if self.state is S.FAILED:
+                self.last_error = f"supervisor error: {e!r}"
+            else:
+                await self._reap("supervisor error")
+                self._fail(f"supervisor error: {e!r}", scheduled=False)
         finally:
             # Cancelled by stop() (or the loop ending): the child must not outlive us.
             if self.state in (S.STARTING, S.READY):
@@ -169,41 +215,75 @@ class Supervisor:
                 await self.worker.terminate(self._grace)
 
     async def _lifecycle(self) -> None:
-        self.consecutive = 0
+        """Start, watch, restart, fail and retry until idle-unloaded (or cancelled)."""
+        setbacks = 0      # crashes soon after ready and failed starts in a row: the backoff
+        first = True
         while True:
-            if self.consecutive:
-                delay = min(self._backoff[0] * 2 ** (self.consecutive - 1), self._backoff[1])
-                log.info("backend %s: restarting in %.2fs (attempt %d)", self.name, delay,
-                         self.consecutive + 1)
+            if self.state is S.FAILED:
+                await self._until_retry()
+            elif setbacks:
+                delay = min(self._backoff[0] * 2 ** (setbacks - 1), self._backoff[1])
+                log.info("backend %s: restarting in %.2fs", self.name, delay)
                 await asyncio.sleep(delay)
+            if not first:
                 self.restarts += 1
                 BACKEND_RESTARTS.labels(self.name).inc()
-            error = await self._start()
-            if error is None:
-                ready_at = self._now()
+            first, retrying = False, self.state is S.FAILED
+            error, load_failed = await self._start()
+            if error is None:                           # ready: watch it until it ends
+                self.consecutive, ready_at = 0, self._now()
                 verdict = await self._watch()
                 if isinstance(verdict, _Idle):
                     await self._reap(f"idle for {self._cfg.idle_unload_s:g}s")
                     return
-                if self._now() - ready_at >= self._stable_s:
-                    self.consecutive = 0
-                self.last_error = error = verdict
+                setbacks = 1 if self._now() - ready_at >= self._stable_s else setbacks + 1
+                self.last_error = verdict
                 await self._reap(verdict)
+                continue
             self.consecutive += 1
-            if self.consecutive > self._cfg.max_restarts:
-                self.last_error = f"{error} (gave up after {self.consecutive} attempts)"
-                self._set_state(S.FAILED, self.last_error)
-                return
+            setbacks += 1
+            if load_failed:
+                self._fail(f"{error} (cannot load its model or settings: not restarted "
+                           "like a crash)")
+            elif retrying:
+                self._fail(error)
+            elif self.consecutive > self._cfg.max_restarts:
+                self._fail(f"{error} (gave up after {self.consecutive} attempts)")
 
-    async def _start(self) -> str | None:
-        """Spawn a worker and wait until it answers; None when ready, else why not."""
+    def _fail(self, why: str, scheduled: bool = True) -> None:
+        """Enter FAILED (from STOPPED), with the next scheduled retry already known."""
+        self.last_error = why
+        if scheduled:
+            self.retry_at = self._now() + self._cfg.retry_failed_s
+        self._set_state(S.FAILED, why + (f"; retrying in {self._cfg.retry_failed_s:g}s"
+                                         if scheduled else ""))
+
+    async def _until_retry(self) -> None:
+        """While failed: wait for the scheduled retry or a request asking for one."""
+        if self.retry_at is None:
+            self.retry_at = self._now() + self._cfg.retry_failed_s
+        while True:
+            self._poke.clear()
+            if self._retry_wanted or self._now() >= self.retry_at:
+                break
+            await wait_event(self._poke, self.retry_at - self._now())
+        log.info("backend %s: trying again after failing (%s)", self.name,
+                 "a request asked" if self._retry_wanted else "scheduled")
+        self._retry_wanted, self.retry_at = False, None
+
+    async def _start(self) -> tuple[str | None, bool]:
+        """Spawn a worker and wait until it answers: (None, False) when ready, else (why not,
+        whether it exited because it cannot load its model or settings)."""
         port = free_port()
         self.suspect = False
+        self.worker = None
+        self._last_attempt = self._now()
+        self.token = secrets.token_urlsafe(32)
         self._set_state(S.STARTING, f"port {port}")
         try:
             self.worker = await WorkerProcess.spawn(
-                self._command(port), worker_env(self._cfg, self._settings), self.name,
-                on_exit=self._poke.set)
+                self._command(port), worker_env(self._cfg, self._settings, token=self.token),
+                self.name, on_exit=self._poke.set)
         except OSError as e:
             error: str | None = f"cannot start the worker: {e}"
         else:
@@ -212,12 +292,13 @@ class Supervisor:
         if error is None:
             self._set_state(S.READY, f"pid {self.worker.pid}" if self.worker else "")
             self._last_used = self._now()
-            return None
+            return None, False
+        load_failed = self.worker is not None and self.worker.returncode == EXIT_LOAD_FAILED
         # Set before the transition wakes the waiters, so they report this attempt.
         self.last_error = error
         self.start_failures += 1
         await self._reap(error)
-        return error
+        return error, load_failed
 
     async def _await_healthy(self, worker: WorkerProcess) -> str | None:
         timeout = self._cfg.startup_timeout_s
@@ -284,7 +365,7 @@ class Supervisor:
         if self._session is None:
             self._session = local_session()
         try:
-            async with self._session.get(self.base_url + HEALTH_PATH,
+            async with self._session.get(self.base_url + HEALTH_PATH, headers=self.auth,
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 return r.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError):

@@ -8,11 +8,11 @@ env file configures its workers too.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr
 
-from prefixd.backends.config import BackendConfig
+from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.mlx.settings import DEFAULT_MODEL, WorkerSettings
 
 __all__ = ["DEFAULT_MODEL", "BackendConfig", "RuleMode", "Settings", "redacted"]
@@ -88,11 +88,22 @@ class Settings(WorkerSettings):
 
 
 def redacted(settings: Settings) -> dict:
-    """The effective configuration as JSON-able data, secrets replaced by '***'."""
-    data = settings.model_dump(mode="json")
+    """The configuration as JSON-able data, secrets replaced by '***': API keys, the
+    userinfo password of every URL (`http://user:***@host`), every `worker_env` value
+    (they carry tokens)."""
+    data = _redact_urls(settings.model_dump(mode="json"))
     if settings.api_key is not None:
         data["api_key"] = "***"
     for b in data["backends"]:
         if b.get("api_key"):
             b["api_key"] = "***"
+        b["worker_env"] = dict.fromkeys(b.get("worker_env") or {}, "***")
     return data
+
+
+def _redact_urls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _redact_urls(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_urls(v) for v in value]
+    return redact_url(value) if isinstance(value, str) and "://" in value else value

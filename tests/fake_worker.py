@@ -4,8 +4,13 @@ OpenAI-shaped slow SSE stream — and ways to misbehave, chosen by env FAKE_WORK
   normal       serve (default)
   crash        os._exit(1) in the middle of every stream
   hang         never open the port (a model load that never ends)
-  exit         print an error on stderr and exit 3 at once
+  exit         print an error on stderr and exit 3 at once (a failure of unknown kind)
   ignore_term  serve, but ignore SIGTERM
+
+FAKE_WORKER_BROKEN=<path>: while that file exists, the worker cannot "load its model": it
+says so on stderr and exits 1, the real worker's load-failure status (delete the file to
+fix the model). Like the real worker, with PREFIXD_WORKER_TOKEN set every route but /health
+answers 401 unless the request carries `Authorization: Bearer <token>`.
 
 FAKE_WORKER_CRASH_ONCE=<path>: crash in the middle of the first stream only (the file
 marks that it happened, so the restarted worker serves). Request header `x-fake-crash: 1`
@@ -13,21 +18,30 @@ crashes that request's stream. FAKE_WORKER_CHUNKS / FAKE_WORKER_DELAY shape the 
 a body field `"fake": {"chunks": N, "delay": s}` one request's. GET /stats counts requests.
 Like the real worker, it exits when PREFIXD_PARENT_PID is no longer its parent.
 """
+# ruff: noqa: E402  (the hang notice is printed before the slower imports)
 
 from __future__ import annotations
+
+import os
+import sys
+
+MODE = os.environ.get("FAKE_WORKER_MODE", "normal")
+if __name__ == "__main__" and MODE == "hang":
+    # First thing: a test's start-up deadline may be shorter than importing aiohttp.
+    print("fake worker: loading forever", file=sys.stderr, flush=True)
 
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
-import os
 import signal
-import sys
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-MODE = os.environ.get("FAKE_WORKER_MODE", "normal")
+TOKEN = os.environ.get("PREFIXD_WORKER_TOKEN")
 STATS = {"requests": 0}     # chat requests received, for "none lost, none duplicated"
 
 
@@ -65,12 +79,33 @@ def _should_crash(request: web.Request) -> bool:
     return False
 
 
+@web.middleware
+async def auth(request: web.Request,
+               handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+               ) -> web.StreamResponse:
+    got = request.headers.get("Authorization", "").encode()
+    if TOKEN and request.path != "/health" and not hmac.compare_digest(
+            got, f"Bearer {TOKEN}".encode()):
+        return web.json_response({"error": {"message": "this worker needs its token",
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": "invalid_api_key"}}, status=401)
+    return await handler(request)
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
 async def stats(request: web.Request) -> web.Response:
     return web.json_response({**STATS, "pid": os.getpid()})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return web.json_response({"tokens": [1, 2, 3]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text="fake_worker_up 1\n")
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -116,11 +151,12 @@ async def main(port: int) -> None:
     if MODE == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if MODE == "hang":
-        print("fake worker: loading forever", file=sys.stderr, flush=True)
         await asyncio.Event().wait()
-    app = web.Application()
+    app = web.Application(middlewares=[auth])
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
@@ -138,6 +174,10 @@ if __name__ == "__main__":
     if MODE == "exit":
         print("fake worker: cannot load model 'nope': no such file", file=sys.stderr, flush=True)
         sys.exit(3)
+    broken = os.environ.get("FAKE_WORKER_BROKEN")
+    if broken and os.path.exists(broken):
+        print(f"fake worker: cannot load model: {broken} is broken", file=sys.stderr, flush=True)
+        sys.exit(1)
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=int(os.environ.get("FAKE_WORKER_PORT", "0")))
     ap.add_argument("--host", default="127.0.0.1")

@@ -1,5 +1,6 @@
-"""The `prefixd` command as a user runs it: bad settings exit 2 naming the variable,
-`config` redacts secrets, SIGTERM drains in-flight requests and answers queued ones 503."""
+"""The `prefixd` command as a user runs it: bad settings and a port in use exit 2 with one
+line, `config` redacts secrets, SIGTERM drains in-flight requests and answers queued ones 503,
+SIGINT works while a worker starts."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import socket
 import sys
 
 import aiohttp
+import psutil
+import pytest
 
+from prefixd.backends.openai import OpenAIBackend
 from prefixd.proxy.cli import main
+from prefixd.proxy.settings import BackendConfig
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -26,7 +31,12 @@ async def run_cli(*args: str, env: dict[str, str], cwd: str | None = None
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "prefixd.proxy.cli", *args, env=env, cwd=cwd,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:      # it hung: don't leave it behind
+            proc.kill()
+            await proc.wait()
     return proc.returncode or 0, out.decode(), err.decode()
 
 
@@ -40,15 +50,56 @@ async def test_bad_setting_exits_2_naming_the_variable(tmp_path):
 
 
 async def test_env_file_and_config_redacts_secrets(tmp_path):
+    backends = [{"name": "a", "url": "http://bob:urlsecret@127.0.0.1:1/v1", "models": ["m"],
+                 "api_key": "upsecret"},
+                {"name": "b", "url": "https://tokensecret@example.com", "models": ["n"]},
+                {"name": "w", "kind": "mlx", "model": "/models/x",
+                 "worker_env": {"HF_TOKEN": "hfsecret", "PREFIXD_PREFILL_CHUNK": "64"}}]
     env_file = tmp_path / "p.env"
-    env_file.write_text('PREFIXD_API_KEY=topsecret\nPREFIXD_PORT=9123\nPREFIXD_BACKENDS=[{"name":'
-                        '"a","url":"http://127.0.0.1:1","models":["m"],"api_key":"upsecret"}]\n')
+    env_file.write_text(f"PREFIXD_API_KEY=topsecret\nPREFIXD_PORT=9123\n"
+                        f"PREFIXD_BACKENDS={json.dumps(backends)}\n")
     code, out, _ = await run_cli("config", "--env-file", str(env_file), env=_env())
     assert code == 0
     cfg = json.loads(out)
-    assert cfg["port"] == 9123 and cfg["backends"][0]["name"] == "a"
-    assert "topsecret" not in out and "upsecret" not in out
+    assert cfg["port"] == 9123 and [b["name"] for b in cfg["backends"]] == ["a", "b", "w"]
+    for secret in ("topsecret", "upsecret", "urlsecret", "tokensecret", "hfsecret"):
+        assert secret not in out
+    a, b, w = cfg["backends"]
+    assert cfg["api_key"] == a["api_key"] == "***"
+    assert a["url"] == "http://bob:***@127.0.0.1:1/v1" and b["url"] == "https://***@example.com"
+    assert w["worker_env"] == {"HF_TOKEN": "***", "PREFIXD_PREFILL_CHUNK": "***"}
     assert main(["config", "--env-file", str(tmp_path / "missing.env")]) == 2
+
+
+async def test_config_shows_the_default_backend(tmp_path):
+    code, out, _ = await run_cli("config", env=_env(PREFIXD_DEFAULT_MODEL="some-model"),
+                                 cwd=str(tmp_path))
+    assert code == 0
+    assert [(b["name"], b["kind"], b["model"]) for b in json.loads(out)["backends"]] == [
+        ("default", "mlx", "some-model")]
+
+
+def test_openai_status_redacts_the_url_password():
+    backend = OpenAIBackend(BackendConfig(name="a", url="http://bob:urlsecret@127.0.0.1:1/v1",
+                                          models=["m"]))
+    assert backend.status().detail["url"] == "http://bob:***@127.0.0.1:1"
+
+
+@pytest.mark.parametrize("backends", [
+    None,                                                      # the default mlx backend
+    [{"name": "up", "url": "http://127.0.0.1:1", "models": ["m"]}]])
+async def test_port_in_use_exits_2_with_one_line_before_any_worker(tmp_path, backends):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = _env(PREFIXD_DEFAULT_MODEL=str(tmp_path / "no-model"))
+        if backends is not None:
+            env["PREFIXD_BACKENDS"] = json.dumps(backends)
+        code, out, err = await run_cli("serve", "--port", str(port), env=env, cwd=str(tmp_path))
+    assert code == 2
+    assert err == f"prefixd: cannot listen on 127.0.0.1:{port}: address already in use\n"
+    assert out == ""                     # nothing else: no worker started, no traceback
 
 
 def _free_port() -> int:
@@ -135,3 +186,32 @@ async def test_serve_started_by_a_tool_exits_when_the_tool_is_killed(upstream, t
             except ProcessLookupError:
                 break
             await asyncio.sleep(0.1)
+
+
+async def test_sigint_while_the_worker_starts_stops_both(tmp_path):
+    """Signals work during start-up: SIGINT as soon as the worker is spawned ends prefixd
+    (status 0) and its worker."""
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixd.proxy.cli", "serve", "--port", str(port),
+        env=_env(PREFIXD_DEFAULT_MODEL=str(tmp_path / "no-model"),
+                 PREFIXD_USE_SYSTEM_BLAS="false"),
+        cwd=str(tmp_path), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    worker = None
+    try:
+        assert proc.stderr is not None
+        while worker is None:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "prefixd exited before starting its worker"
+            if "] started pid " in line:
+                worker = int(line.split("] started pid ")[1].split(":")[0])
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert worker is not None
+    _, alive = psutil.wait_procs([psutil.Process(worker)] if psutil.pid_exists(worker) else [],
+                                 timeout=10)
+    assert all(p.status() == psutil.STATUS_ZOMBIE for p in alive)

@@ -1,5 +1,6 @@
 """The managed `mlx` backend on real child processes (tests/fake_worker.py as the worker):
-start-up, deadlines, early exits, crashes mid-stream, restarts, idle unload, stop, orphans."""
+start-up, deadlines, early exits, load failures, crashes mid-stream, the restart policy,
+retries of a failed backend, the worker token, idle unload, stop, orphans."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import psutil
 import pytest
 from fake_worker import fake_command, gone
 
 from prefixd.backends.base import Backend, BackendError, BackendUnavailable, UpstreamRequest
 from prefixd.backends.managed import ManagedBackend, ProcState
-from prefixd.backends.process import worker_command, worker_env
+from prefixd.backends.process import TOKEN_ENV, worker_command, worker_env
 from prefixd.metrics import REGISTRY
 from prefixd.proxy.settings import BackendConfig, Settings
 
@@ -45,16 +47,36 @@ def metric(name: str, **labels: str) -> float | None:
     return REGISTRY.get_sample_value(name, labels)
 
 
+async def answering_pid(b: ManagedBackend) -> int:
+    """Which worker process answered a (non-streamed) request."""
+    return json.loads(await read_all(b, chat(stream=False)))["usage"]["pid"]
+
+
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL a worker and wait for its death without yielding to the event loop, so the
+    supervisor has not noticed it yet when the test goes on."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not gone(pid):
+        assert time.monotonic() < deadline, f"pid {pid} did not die"
+
+
+def token_of(pid: int) -> str:
+    """The token a worker process was started with (read from its environment)."""
+    return psutil.Process(pid).environ()[TOKEN_ENV]
+
+
 @pytest.fixture
 async def make() -> AsyncIterator[Make]:
     made: list[ManagedBackend] = []
 
     def _make(mode: str = "normal", *, grace: float = 2.0, env: dict[str, str] | None = None,
-              backoff: tuple[float, float] = (0.02, 0.1), **cfg: object) -> ManagedBackend:
+              backoff: tuple[float, float] = (0.02, 0.1), retry_min: float = 3600.0,
+              **cfg: object) -> ManagedBackend:
         config = BackendConfig(name=f"fake{len(made)}", kind="mlx", model="fake-model",
                                worker_env={"FAKE_WORKER_MODE": mode, **(env or {})}, **cfg)
         b = ManagedBackend(config, SETTINGS, command=fake_command, stop_grace_s=grace,
-                           backoff_s=backoff)
+                           backoff_s=backoff, retry_min_s=retry_min)
         made.append(b)
         return b
 
@@ -102,13 +124,11 @@ async def test_concurrent_callers_share_one_start(make: Make) -> None:
 
 async def test_hang_at_startup_hits_the_deadline(make: Make) -> None:
     b = make("hang", startup_timeout_s=1.0, max_restarts=0)
-    t0 = time.monotonic()
     with pytest.raises(BackendUnavailable, match=r"timed out after 1s.*loading forever"):
         await b.ensure_ready()
-    assert time.monotonic() - t0 < 3.0
     assert await b.wait_for(ProcState.FAILED, timeout=5) is ProcState.FAILED
     assert psutil.Process().children() == []   # the hung child was killed
-    with pytest.raises(BackendUnavailable, match=r"failed: .*timed out"):
+    with pytest.raises(BackendUnavailable, match=r"failed: .*timed out.*next attempt in"):
         await b.ensure_ready()
 
 
@@ -158,14 +178,120 @@ async def test_request_racing_a_dead_worker_is_retried_not_lost(make: Make) -> N
     b = make()
     await b.ensure_ready()
     pid = b.status().detail["pid"]
-    os.kill(pid, signal.SIGKILL)
-    # Without yielding to the loop (so the supervisor has not noticed), wait for the death.
-    deadline = time.monotonic() + 5
-    while not gone(pid) and time.monotonic() < deadline:
-        pass
+    kill_and_wait(pid)
     body = await read_all(b, chat())          # refused at connect → restart → sent once
     assert body.endswith(b"data: [DONE]\n\n")
     assert b.status().detail["pid"] != pid
+
+
+async def test_worker_dying_with_the_request_unanswered_gets_it_sent_again(make: Make) -> None:
+    """The ~5 ms window of an idle worker's death: the kernel accepted our connection for
+    a worker that then died without reading it, so it is reset, not refused. Widened here
+    by freezing the worker (SIGSTOP) until the connection is up, then killing it."""
+    b = make(health_interval_s=3600)         # no health probe connects meanwhile
+    await b.ensure_ready()
+    for _ in range(3):
+        pid, port = b.status().detail["pid"], int(b.status().detail["url"].rsplit(":", 1)[1])
+        assert await answering_pid(b) == pid
+        os.kill(pid, signal.SIGSTOP)
+        request = asyncio.create_task(answering_pid(b))
+        async with asyncio.timeout(10):      # our connection sits in the frozen one's backlog
+            while not any(c.raddr and c.raddr.port == port and c.status == "ESTABLISHED"
+                          for c in psutil.Process().net_connections("tcp")):
+                await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)         # the kernel resets the unaccepted connection
+        assert await asyncio.wait_for(request, 20) not in (pid, None)   # served, once, anew
+    assert b.status().state == "ready" and b.status().detail["restarts"] == 3
+
+
+async def test_crashes_after_ready_are_restarted_not_counted_as_failed_starts(
+        make: Make) -> None:
+    """4 SIGKILLs in a row of a worker that had become ready: each is restarted (with
+    backoff), however low max_restarts is; none is a failed start."""
+    b = make(max_restarts=1)
+    await b.ensure_ready()
+    pids = [b.status().detail["pid"]]
+    for _ in range(4):
+        kill_and_wait(pids[-1])
+        pids.append(await answering_pid(b))
+    assert len(set(pids)) == 5 and all(gone(p) for p in pids[:-1])
+    st = b.status()
+    assert st.state == "ready" and st.detail["restarts"] == 4
+    assert st.detail["consecutive_failures"] == 0 and st.detail["retry_in_s"] is None
+
+
+async def test_load_failure_fails_at_once_then_a_request_retries_it(make: Make,
+                                                                     tmp_path: Path) -> None:
+    """Exit status 1 while starting (the worker cannot load its model) is not retried like a
+    crash: `failed` at once, the worker's stderr in the reason. Once the model is fixed, a
+    request for the backend makes it try again."""
+    broken = tmp_path / "broken"
+    broken.touch()
+    b = make(env={"FAKE_WORKER_BROKEN": str(broken)}, max_restarts=5, retry_min=0)
+    with pytest.raises(BackendUnavailable, match=r"could not start: .*exited with code 1.*"
+                       r"is broken"):
+        await b.ensure_ready()
+    assert await b.wait_for(ProcState.FAILED, timeout=5) is ProcState.FAILED
+    st = b.status()
+    assert st.detail["restarts"] == 0 and st.detail["consecutive_failures"] == 1
+    assert f"{broken} is broken" in (st.last_error or "")
+    assert st.detail["stderr_tail"][-1].endswith("is broken")
+    assert 0 < st.detail["retry_in_s"] <= 60 and st.detail["retry_at"] > time.time()
+
+    broken.unlink()                           # the model folder is fixed
+    await b.ensure_ready()                    # the request's retry starts it
+    st = b.status()
+    assert st.state == "ready" and st.detail["restarts"] == 1
+    assert st.detail["retry_at"] is None and st.detail["retry_in_s"] is None
+    assert await answering_pid(b) == st.detail["pid"]
+
+
+async def test_failed_backend_retries_on_its_schedule(make: Make, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.touch()
+    b = make(env={"FAKE_WORKER_BROKEN": str(broken)}, retry_failed_s=0.2)
+    with pytest.raises(BackendUnavailable, match="could not start"):
+        await b.ensure_ready()
+    await b.wait_for(ProcState.FAILED, timeout=5)
+    broken.unlink()
+    # No request: the slow schedule alone brings it back.
+    assert await b.wait_for(ProcState.READY, timeout=10) is ProcState.READY
+    assert b.status().detail["restarts"] >= 1
+
+
+async def test_a_request_does_not_retry_a_failed_backend_too_often(make: Make) -> None:
+    b = make("exit", max_restarts=0, retry_failed_s=3600, retry_min=3600)
+    with pytest.raises(BackendUnavailable, match="could not start"):
+        await b.ensure_ready()
+    await b.wait_for(ProcState.FAILED, timeout=5)
+    for _ in range(3):                        # the last attempt is too recent: no new one
+        with pytest.raises(BackendUnavailable, match=r"failed: .*next attempt in \d+s"):
+            await b.ensure_ready()
+    assert b.status().detail["restarts"] == 0 and b.status().state == "failed"
+
+
+async def test_worker_needs_its_token_and_the_supervisor_sends_it(make: Make) -> None:
+    b = make()
+    await b.ensure_ready()
+    st = b.status()
+    pid, url = st.detail["pid"], st.detail["url"]
+    token = token_of(pid)
+    assert len(token) >= 32
+    async with aiohttp.ClientSession() as http:   # another local process, without the token
+        async with http.post(url + "/v1/chat/completions", data=chat().body) as r:
+            assert r.status == 401
+        async with http.get(url + "/metrics") as r:
+            assert r.status == 401
+        async with http.get(url + "/health") as r:
+            assert r.status == 200
+    # Everything the supervisor sends carries it: requests, /tokenize, /metrics.
+    assert await answering_pid(b) == pid
+    assert await b.tokenize({"messages": []}) == [1, 2, 3]
+    assert await b.metrics_text() == "fake_worker_up 1\n"
+    assert token not in json.dumps(b.status().detail)     # /status shows pid and URL only
+    kill_and_wait(pid)
+    new_pid = await answering_pid(b)
+    assert token_of(new_pid) != token                      # a fresh token per start
 
 
 async def test_ignoring_sigterm_still_stops_within_grace(make: Make) -> None:
@@ -225,6 +351,10 @@ def test_worker_command_and_env() -> None:
     assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly
     assert env["PREFIXD_PREFILL_CHUNK"] == "64" and env["X"] == "1"
     assert "LD_PRELOAD" not in env
+    assert TOKEN_ENV not in env                           # no token given: none set
+    cfg = cfg.model_copy(update={"worker_env": {TOKEN_ENV: "from-config"}})
+    env = worker_env(cfg, SETTINGS, base={TOKEN_ENV: "inherited"}, token="t0k")
+    assert env[TOKEN_ENV] == "t0k"                        # only the supervisor's own
     # Every worker setting reaches the worker, including ones added later.
     worker_fields = [name for name, f in Settings.model_fields.items()
                      if (f.description or "").startswith("Worker")]

@@ -19,7 +19,7 @@ from fake_worker import fake_command, gone
 from proxy_fixtures import read_until
 
 from prefixd.backends.managed import ManagedBackend, ProcState
-from prefixd.backends.process import free_port
+from prefixd.backends.process import TOKEN_ENV, free_port
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 
@@ -41,7 +41,7 @@ async def start() -> AsyncIterator[Start]:
                                        "models": ["fake"], "worker_env": {"FAKE_WORKER_MODE": mode},
                                        **backend}])
         managed = ManagedBackend(settings.backends[0], settings, command=fake_command,
-                                 stop_grace_s=2.0, backoff_s=(0.05, 0.2))
+                                 stop_grace_s=2.0, backoff_s=(0.05, 0.2), retry_min_s=3600)
         server = Server(make_proxy(settings, [managed]))
         await server.start("127.0.0.1", 0)
         servers.append(server)
@@ -85,7 +85,9 @@ async def test_kill_9_mid_stream_while_five_wait(start: Start, http: aiohttp.Cli
     assert st.state == "ready" and st.detail["pid"] != pid1 and st.detail["restarts"] == 1
     assert gone(pid1)
     # None lost, none duplicated: the new worker received exactly the five.
-    async with http.get(st.detail["url"] + "/stats") as r:
+    token = psutil.Process(st.detail["pid"]).environ()[TOKEN_ENV]
+    async with http.get(st.detail["url"] + "/stats",
+                        headers={"Authorization": f"Bearer {token}"}) as r:
         assert (await r.json())["requests"] == 5
 
     status = await (await http.get(f"http://127.0.0.1:{server.port}/status")).json()
@@ -108,6 +110,9 @@ async def test_crash_loop_ends_failed_and_ready_says_why(start: Start,
     assert ready["backends"]["w"]["state"] == "failed"
     assert "cannot load model 'nope'" in ready["backends"]["w"]["last_error"]
     assert "gave up after 2 attempts" in ready["backends"]["w"]["last_error"]
+    async with http.get(base + "/status") as r:
+        status = (await r.json())["backends"][0]
+    assert 0 < status["retry_in_s"] <= 60 and status["retry_at"] > 0    # when it tries again
     async with http.post(base + "/v1/chat/completions", json=chat()) as r:
         assert r.status == 503
         assert "failed" in (await r.json())["error"]["message"]
@@ -155,11 +160,13 @@ async def test_sigterm_to_prefixd_stops_its_real_worker(tiny_model_dir: Callable
 
 async def test_bad_model_path_ends_failed_with_reason_in_status_and_503(
         http: aiohttp.ClientSession) -> None:
-    """The real worker on a model folder that does not exist."""
+    """The real worker on a model folder that does not exist: its load-failure exit status
+    makes the backend `failed` at once, without the restarts a crash would get."""
     settings = Settings(_env_file=None, prefix_detect=False,
                         backends=[{"name": "bad", "kind": "mlx", "model": "/nonexistent/model",
-                                   "models": ["m"], "max_restarts": 0}])
-    managed = ManagedBackend(settings.backends[0], settings, backoff_s=(0.05, 0.2))
+                                   "models": ["m"], "max_restarts": 5}])
+    managed = ManagedBackend(settings.backends[0], settings, backoff_s=(0.05, 0.2),
+                             retry_min_s=3600)     # the request below must not retry it
     server = Server(make_proxy(settings, [managed]))
     await server.start("127.0.0.1", 0)
     try:
@@ -171,7 +178,8 @@ async def test_bad_model_path_ends_failed_with_reason_in_status_and_503(
             message = (await r.json())["error"]["message"]
         async with http.get(base + "/status") as r:
             status = (await r.json())["backends"][0]
-        assert status["state"] == "failed"
+        assert status["state"] == "failed" and status["restarts"] == 0
+        assert "exited with code 1" in status["last_error"]
         for text in (message, status["last_error"]):
             assert "/nonexistent/model" in text
     finally:
