@@ -170,7 +170,7 @@ class ManagedBackend(BackendBase):
         if self._session is None:
             self._session = local_session()
         try:
-            async with self._session.get(base + "/v1/cache",
+            async with self._session.get(base + "/v1/cache", headers=self._sup.auth,
                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return await r.json() if r.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
