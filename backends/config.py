@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class BackendConfig(BaseModel):
@@ -34,7 +34,13 @@ class BackendConfig(BaseModel):
     # mlx (managed worker) only
     cache_bytes: Annotated[int, Field(ge=0)] | None = None
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    idle_unload_s: Annotated[float, Field(gt=0)] | None = None
+    ttl_s: Annotated[float, Field(gt=0)] | None = Field(
+        None, validation_alias=AliasChoices("ttl_s", "idle_unload_s"),
+        description="mlx: unload the worker after this many idle seconds (also accepted as "
+        "idle_unload_s)")
+    pin: bool = Field(False, description="mlx: never unloaded to make room for another model")
+    group: str | None = Field(None, description="mlx: models of one group are never loaded "
+                              "together")
     max_restarts: Annotated[int, Field(ge=0)] = Field(
         5, description="mlx: failed starts in a row (the worker never became ready) before "
         "the backend is `failed`; crashes of a worker that was ready are always restarted")

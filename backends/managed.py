@@ -55,6 +55,9 @@ class ManagedBackend(BackendBase):
         try again at most once per `retry_min_s`."""
         self.name = config.name
         self.models = list(config.models)
+        self.config = config
+        self.model_spec = config.model
+        self.cache_budget = config.cache_bytes
         self._model = config.model
         command = command or (lambda port: worker_command(
             config.model or "", port, config.models[0] if config.models else None))
@@ -161,6 +164,22 @@ class ManagedBackend(BackendBase):
                 return await r.text() if r.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError):
             return None
+
+    @property
+    def loaded(self) -> bool:
+        """A worker is running or starting (it holds, or is about to hold, memory)."""
+        return self._sup.state in (ProcState.STARTING, ProcState.READY, ProcState.STOPPING)
+
+    @property
+    def busy(self) -> bool:
+        return self._sup.active > 0
+
+    async def unload(self, why: str, timeout: float = 60.0) -> None:
+        """Stop the worker to free its memory; it starts again on the next request."""
+        if self._sup.state in (ProcState.READY, ProcState.STARTING):
+            self._sup.request_unload(why)
+            await self.wait_for(ProcState.STOPPED, ProcState.FAILED, ProcState.SHUTDOWN,
+                                timeout=timeout)
 
     async def cache_info(self) -> dict | None:
         """The worker's /v1/cache (its checkpoint store), or None when it is not running."""

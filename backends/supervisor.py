@@ -74,7 +74,10 @@ def local_session() -> aiohttp.ClientSession:
 
 
 class _Idle:
-    """The watch loop's verdict when the worker should be unloaded for idleness."""
+    """The watch loop's verdict when the worker should be unloaded (idle, or asked to)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
 
 
 class Supervisor:
@@ -104,6 +107,7 @@ class Supervisor:
         self.suspect = False                   # a request failed: verify before handing out
         self.active = 0
         self._last_used = 0.0
+        self._unload_why: str | None = None     # an unload was asked for (memory budget)
         self._set_gauges()
 
     # --- the state machine -----------------------------------------------------------
@@ -163,6 +167,11 @@ class Supervisor:
         if self.state is not S.FAILED or self.retry_at is None:
             return None
         return max(0.0, self.retry_at - self._now())
+
+    def request_unload(self, why: str) -> None:
+        """Stop the worker once no request is in flight (it can start again on demand)."""
+        self._unload_why = why
+        self._poke.set()
 
     def request_started(self) -> None:
         self.active += 1
@@ -234,7 +243,7 @@ class Supervisor:
                 self.consecutive, ready_at = 0, self._now()
                 verdict = await self._watch()
                 if isinstance(verdict, _Idle):
-                    await self._reap(f"idle for {self._cfg.idle_unload_s:g}s")
+                    await self._reap(verdict.why)
                     return
                 setbacks = 1 if self._now() - ready_at >= self._stable_s else setbacks + 1
                 self.last_error = verdict
@@ -321,7 +330,7 @@ class Supervisor:
         """While ready: until the child exits, stops answering, or has been idle too long."""
         worker = self.worker
         assert worker is not None
-        idle_s, interval = self._cfg.idle_unload_s, self._cfg.health_interval_s
+        idle_s, interval = self._cfg.ttl_s, self._cfg.health_interval_s
         next_probe, misses = self._now() + interval, 0
         while True:
             self._poke.clear()
@@ -336,9 +345,12 @@ class Supervisor:
                     return worker.describe_exit()
                 return "worker stopped answering after a failed request"
             now = self._now()
+            if self._unload_why is not None and not self.active:
+                why, self._unload_why = self._unload_why, None
+                return _Idle(why)
             idle_at = self._last_used + idle_s if idle_s is not None and not self.active else None
             if idle_at is not None and now >= idle_at:
-                return _Idle()
+                return _Idle(f"idle for {idle_s:g}s")
             if now >= next_probe:
                 ok = await self._probe(5.0)
                 misses = 0 if ok else misses + 1

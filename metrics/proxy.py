@@ -54,3 +54,15 @@ ROUTE_MISPREDICTIONS = Counter("prefixd_route_mispredictions_total",
                                ["backend"], registry=REGISTRY)
 INDEX_ENTRIES = Gauge("prefixd_route_index_entries", "Prefix boundaries indexed per backend.",
                       ["backend"], registry=REGISTRY)
+MODEL_UNLOADS = Counter("prefixd_model_unloads_total",
+                        "Managed models unloaded to make room, by reason (budget, group).",
+                        ["backend", "reason"], registry=REGISTRY)
+MODEL_LOAD_WAIT = Histogram("prefixd_model_load_wait_seconds",
+                            "Time a request waited for room in the memory budget.",
+                            ["backend"], buckets=_LAT, registry=REGISTRY)
+MODEL_FOOTPRINT = Gauge("prefixd_model_footprint_bytes",
+                        "Estimated memory of each managed model when loaded.", ["backend"],
+                        registry=REGISTRY)
+MODEL_MEMORY_BUDGET = Gauge("prefixd_model_memory_budget_bytes",
+                            "PREFIXD_MODEL_MEMORY_BYTES: memory managed models may use.",
+                            registry=REGISTRY)

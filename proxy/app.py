@@ -68,12 +68,34 @@ def body_limit_middleware(limit: int) -> Callable:
     return body_limit
 
 
+def _model_entry(proxy: Proxy, model: str, now: int) -> dict:
+    """One served model: its backends, and their state and footprint (managed ones)."""
+    names = proxy.index[model]
+    states = {n: proxy.backends[n].status().state for n in names}
+    entry: dict = {"id": model, "object": "model", "created": now, "owned_by": "prefixd",
+                   "backends": names, "state": _model_state(states.values())}
+    if proxy.pool is not None:
+        sizes = [proxy.pool.footprints[n] for n in names if n in proxy.pool.footprints]
+        if sizes:
+            entry["footprint_bytes"] = max(sizes)
+    return entry
+
+
+def _model_state(states) -> str:  # type: ignore[no-untyped-def]
+    """loaded / loading / unloaded / failed, from its backends' states."""
+    states = set(states)
+    for label, match in (("loaded", {"ready", "unknown"}), ("loading", {"starting"}),
+                         ("unloaded", {"stopped", "stopping", "down"})):
+        if states & match:
+            return label
+    return "failed"
+
+
 async def _models(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
     now = int(time.time())
-    data = [{"id": model, "object": "model", "created": now, "owned_by": "prefixd",
-             "backends": names} for model, names in proxy.index.items()]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list",
+                              "data": [_model_entry(proxy, m, now) for m in proxy.index]})
 
 
 async def _model(request: web.Request) -> web.Response:
@@ -82,8 +104,7 @@ async def _model(request: web.Request) -> web.Response:
     if model not in proxy.index:
         raise ApiError(404, f"model {model!r} is not served here; available: "
                        f"{sorted(proxy.index)}", param="model", code="model_not_found")
-    return web.json_response({"id": model, "object": "model", "created": int(time.time()),
-                              "owned_by": "prefixd", "backends": proxy.index[model]})
+    return web.json_response(_model_entry(proxy, model, int(time.time())))
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -98,7 +119,9 @@ def _statuses(proxy: Proxy) -> list[dict]:
         out.append({"name": name, "kind": st.kind, "state": st.state, "up": st.up,
                     "models": st.models, "queue_depth": q.waiting, "in_flight": q.in_flight,
                     "max_concurrency": q.max_concurrency, "last_error": st.last_error,
-                    **proxy.router.status(name), **st.detail})
+                    **proxy.router.status(name),
+                    **(proxy.pool.status(name) if proxy.pool and name in proxy.pool.backends
+                       else {}), **st.detail})
     return out
 
 
@@ -166,7 +189,11 @@ async def _start_backends(app: web.Application) -> None:
         except Exception as e:  # reported through /status and to requests
             log.warning("backend %s not ready at start-up: %s", name, e)
 
-    app[WARMUPS_KEY] = [asyncio.create_task(warm(n)) for n in proxy.backends]
+    # Under a memory budget, only what fits together starts now (configuration order);
+    # the rest load on demand.
+    names = proxy.pool.warm_order() if proxy.pool is not None else []
+    names += [n for n in proxy.backends if proxy.pool is None or n not in proxy.pool.backends]
+    app[WARMUPS_KEY] = [asyncio.create_task(warm(n)) for n in names]
 
 
 async def _stop_backends(app: web.Application) -> None:

@@ -65,14 +65,14 @@ def effective_backends(settings: Settings) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     from prefixd.backends.registry import build_backends
     from prefixd.proxy.logs import setup_logging
-    from prefixd.proxy.server import ListenError, serve
+    from prefixd.proxy.server import StartupError, serve
 
     settings = effective_backends(load_settings(args.env_file, host=args.host, port=args.port))
     setup_logging(settings.log_level, settings.log_format)
     backends = build_backends(settings.backends, settings)
     try:
         return asyncio.run(serve(settings, backends))
-    except ListenError as e:      # a port in use is a configuration error: exit 2, one line
+    except StartupError as e:     # a port in use, a model too large: exit 2, one line
         raise ConfigError(str(e)) from None
 
 

@@ -19,7 +19,9 @@ from prefixd.api.errors import ApiError
 from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
 from prefixd.backends.base import Backend
 from prefixd.backends.config import BackendConfig
+from prefixd.backends.managed import ManagedBackend
 from prefixd.proxy.exchange import ClientApi, Exchange
+from prefixd.proxy.pool import LoadStage, ModelPool, default_budget
 from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.queue import BackendQueue
 from prefixd.proxy.route import models_index
@@ -56,6 +58,9 @@ class Proxy:
                        for b in backends}
         self.index = models_index({b.name: b.models for b in backends})
         self.prefix = PrefixStage(settings)
+        managed = [b for b in backends if isinstance(b, ManagedBackend)]
+        self.pool = (ModelPool(managed, self.queues, settings.model_memory_bytes
+                               or default_budget(), settings.cache_bytes) if managed else None)
         self.router = RouteStage(self.backends, self.queues, self.index, settings.model_aliases)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
@@ -116,8 +121,10 @@ def build_stages(proxy: Proxy) -> list[Stage]:
     stages.append(proxy.router)
     if s.prefix_detect:
         stages.append(MeasureStage(proxy.prefix))
-    stages += [QueueStage(proxy.queues),
-               ForwardStage({n: c.request_timeout_s for n, c in proxy.configs.items()}),
+    stages.append(QueueStage(proxy.queues))
+    if proxy.pool is not None:
+        stages.append(LoadStage(proxy.pool))
+    stages += [ForwardStage({n: c.request_timeout_s for n, c in proxy.configs.items()}),
                RelayStage()]
     return stages
 

@@ -28,7 +28,11 @@ from prefixd.proxy.settings import Settings
 log = logging.getLogger("prefixd.server")
 
 
-class ListenError(Exception):
+class StartupError(Exception):
+    """prefixd cannot start as configured (one readable line; exit status 2)."""
+
+
+class ListenError(StartupError):
     """The proxy cannot listen on its address (in use, not permitted, unknown host)."""
 
 
@@ -117,7 +121,12 @@ async def serve(settings: Settings, backends: list[Backend]) -> int:
     raise_fd_limit()
     parent = follow_parent()          # set when a tool (e.g. `prefixd demo`) started us
     sockets = listen(settings.host, settings.port)
-    server = Server(make_proxy(settings, backends))
+    proxy = make_proxy(settings, backends)
+    if proxy.pool is not None and (problems := proxy.pool.check()):
+        for sock in sockets:
+            sock.close()
+        raise StartupError("; ".join(problems))
+    server = Server(proxy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
