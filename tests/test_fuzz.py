@@ -9,16 +9,35 @@ Bounded for CI (PREFIXD_FUZZ_EXAMPLES, default 60 per test). The long run behind
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("PREFIXD_FUZZ_EXAMPLES", "60"))
+REPORT = os.environ.get("PREFIXD_FUZZ_REPORT")     # a file: statuses and RSS are written there
+STATUSES: collections.Counter[str] = collections.Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ledger() -> Iterator[None]:
+    """Requests by test and status, and this process's RSS before and after (the long run
+    in docs/RELIABILITY.md)."""
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    yield
+    if REPORT:
+        after = proc.memory_info().rss
+        with open(REPORT, "w") as f:
+            json.dump({"examples_per_test": EXAMPLES, "statuses": dict(STATUSES),
+                       "rss_mib_before": round(before / 2**20, 1),
+                       "rss_mib_after": round(after / 2**20, 1)}, f, indent=1)
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
@@ -60,6 +79,7 @@ async def test_random_client_bodies_never_5xx(proxy, http, raw, path):
     async with http.post(base + path, data=raw,
                          headers={"Content-Type": "application/json"}) as r:
         data = await asyncio.wait_for(r.read(), 20)
+        STATUSES[f"client {path} {r.status}"] += 1
         assert r.status < 500, data[:300]
     assert b"HTTP/1.1" not in data
 
@@ -98,6 +118,7 @@ async def test_random_upstream_streams_never_break_the_answer(proxy, http, raw, 
         "model": "fake", "stream": stream, "input": "hi", "fake": {"raw": raw}}
     async with http.post(base + path, json=req) as r:
         data = await asyncio.wait_for(r.read(), 20)
+        STATUSES[f"upstream {path} {r.status}"] += 1
         assert r.status in (200, 502), data[:300]
     assert b"HTTP/1.1" not in data
 
@@ -131,4 +152,5 @@ async def worker(generator) -> AsyncIterator[object]:
 async def test_random_bodies_against_the_worker_never_5xx(worker, raw, path):
     resp = await worker.post(path, data=raw, headers={"Content-Type": "application/json"})
     data = await asyncio.wait_for(resp.read(), 60)
+    STATUSES[f"worker {path} {resp.status}"] += 1
     assert resp.status < 500, data[:300]
