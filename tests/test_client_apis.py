@@ -9,6 +9,7 @@ and so is the prefix report over two turns of captured Claude Code and Codex req
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator, Callable
@@ -209,6 +210,8 @@ async def test_anthropic_errors_are_the_sdks_exceptions(prefixd: Prefixd) -> Non
             with pytest.raises(anthropic.AuthenticationError) as denied:
                 await client.messages.create(model="fake", max_tokens=16, messages=hi)
             assert denied.value.body["error"]["type"] == "authentication_error"
+            with pytest.raises(anthropic.AuthenticationError):
+                await client.messages.count_tokens(model="fake", messages=hi)
     assert len(up.received) == 3                        # only the three upstream failures
 
 
@@ -228,6 +231,60 @@ async def test_anthropic_mid_stream_failure_raises(prefixd: Prefixd) -> None:
     assert texts == ["partial "]
     assert failed.value.body["type"] == "error"
     assert failed.value.body["error"]["type"] == "api_error"
+
+
+async def test_sdk_streams_wait_in_the_queue(prefixd: Prefixd) -> None:
+    """Streams that wait for the backend get `: queued position=N` comments before the first
+    event; both SDKs skip them and parse the answer that follows."""
+    up = prefixd.upstream
+    up.scripted += [{**reply("first"), "hold": True}, reply("second"), reply("third")]
+    hi = [{"role": "user", "content": "hi"}]
+    async with prefixd.anthropic() as a, prefixd.openai() as o:
+        held = asyncio.create_task(a.messages.create(model="fake", max_tokens=8, messages=hi))
+        await up.wait_received(1)
+
+        async def anthropic_stream() -> str:
+            async with a.messages.stream(model="fake", max_tokens=8, messages=hi) as s:
+                return (await s.get_final_message()).content[0].text
+
+        async def responses_stream() -> str:
+            events = [e async for e in await o.responses.create(model="fake", input="hi",
+                                                                 stream=True)]
+            return events[-1].response.output_text
+
+        waiting = [asyncio.create_task(anthropic_stream())]
+        await _queued(prefixd, 1)
+        waiting.append(asyncio.create_task(responses_stream()))
+        await _queued(prefixd, 2)
+        up.release.set()
+        assert (await held).content[0].text == "first"
+        assert [await t for t in waiting] == ["second", "third"]
+
+
+async def _queued(prefixd: Prefixd, n: int) -> None:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+        for _ in range(200):
+            async with s.get(prefixd.base + "/status") as r:
+                if (await r.json())["backends"][0]["queue_depth"] >= n:
+                    return
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"never {n} waiting")
+
+
+async def test_responses_mid_stream_failure(prefixd: Prefixd) -> None:
+    """The upstream dies mid-answer: the SDK reads Responses' `error` and `response.failed`."""
+    first = {"id": "c1", "object": "chat.completion.chunk", "model": "fake",
+             "choices": [{"index": 0, "delta": {"content": "partial "}}]}
+    prefixd.upstream.scripted.append({"raw": ["data: " + json.dumps(first) + "\n\n"],
+                                      "drop": True})
+    async with prefixd.openai() as client:
+        events = [e async for e in await client.responses.create(model="fake", input="hi",
+                                                                   stream=True)]
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" in kinds
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert events[-1].response.status == "failed"
+    assert events[-1].response.error.code == "server_error"
 
 
 async def test_count_tokens_without_a_tokenizer_is_an_estimate(prefixd: Prefixd) -> None:
