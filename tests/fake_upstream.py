@@ -5,6 +5,12 @@ Behaviour per request comes from an unknown body field the proxy passes through:
 scripted broken upstream: `"raw": [str, ...]` (written as-is, in that many writes, with
 `"content_type"`), then `"drop": true` (abort the connection instead of ending the body);
 `"hang_headers": true` (never answer).
+Clients whose bodies prefixd rebuilds (the Anthropic and Responses APIs, real agents) cannot
+carry `fake`: a request without it takes the next spec from `scripted` (a FIFO the test fills),
+else asks `responder(body)` (a callable returning a spec or None). A spec may also hold
+`"reply": {"content", "reasoning", "tool_calls": [{"id", "name", "arguments"}], "finish_reason"}`:
+the answer as a chat.completion, or streamed with each text and each tool call's arguments
+split across several chunks (`"piece": n` characters, default 5), then usage when asked.
 It records every request it received, in order, its maximum concurrency, and when a
 stream was abandoned by its client (the proxy closing the upstream connection).
 """
@@ -31,6 +37,8 @@ class FakeUpstream:
         self.arrived = asyncio.Condition()      # notified on every request arrival
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.scripted: list[dict[str, Any]] = []    # specs for requests without "fake"
+        self.responder: Any = None                  # body -> spec | None, after `scripted`
 
     @property
     def url(self) -> str:
@@ -69,7 +77,7 @@ class FakeUpstream:
         async with self.arrived:
             self.received.append(body)
             self.arrived.notify_all()
-        fake = body.get("fake") or {}
+        fake = body.get("fake") or self._script(body)
         if fake.get("hang_headers"):
             await asyncio.Event().wait()
         if "raw" in fake:
@@ -95,6 +103,13 @@ class FakeUpstream:
             self.active -= 1
             self.finished += 1
 
+    def _script(self, body: dict) -> dict[str, Any]:
+        if self.scripted:
+            return self.scripted.pop(0)
+        if self.responder is not None:
+            return self.responder(body) or {}
+        return {}
+
     async def _raw(self, request: web.Request, fake: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": fake.get("content_type",
                                                                     "text/event-stream")})
@@ -113,6 +128,8 @@ class FakeUpstream:
     async def _stream(self, request: web.Request, body: dict, fake: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if "reply" in fake:
+            return await self._stream_reply(resp, body, fake)
         n, delay = fake.get("chunks", 3), fake.get("delay", 0)
         for i in range(n):
             chunk = {"id": "c1", "object": "chat.completion.chunk", "model": body.get("model"),
@@ -130,6 +147,60 @@ class FakeUpstream:
         await resp.write_eof()
         return resp
 
+    async def _stream_reply(self, resp: web.StreamResponse, body: dict,
+                            fake: dict) -> web.StreamResponse:
+        chunks = reply_chunks(fake["reply"], body.get("model"), fake.get("piece", 5))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"id": "c1", "object": "chat.completion.chunk", "choices": [],
+                           "usage": _usage(fake, len(chunks))})
+        for chunk in chunks:
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if fake.get("delay"):
+                await asyncio.sleep(fake["delay"])
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _pieces(text: str, n: int) -> list[str]:
+    return [text[i:i + n] for i in range(0, len(text), n)] or [""]
+
+
+def reply_message(reply: dict) -> dict[str, Any]:
+    """A scripted reply as a chat.completion message."""
+    msg: dict[str, Any] = {"role": "assistant", "content": reply.get("content")}
+    if reply.get("reasoning"):
+        msg["reasoning_content"] = reply["reasoning"]
+    if reply.get("tool_calls"):
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}}
+                             for c in reply["tool_calls"]]
+    return msg
+
+
+def _finish(reply: dict) -> str:
+    return reply.get("finish_reason") or ("tool_calls" if reply.get("tool_calls") else "stop")
+
+
+def reply_chunks(reply: dict, model: Any, piece: int = 5) -> list[dict[str, Any]]:
+    """A scripted reply as chat.completion.chunks, every text and argument string split."""
+    def chunk(delta: dict, finish: str | None = None) -> dict[str, Any]:
+        return {"id": "c1", "object": "chat.completion.chunk", "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"reasoning_content": p}) for p in _pieces(reply.get("reasoning") or "", piece)
+            if p]
+    out += [chunk({"content": p}) for p in _pieces(reply.get("content") or "", piece) if p]
+    for i, call in enumerate(reply.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                          "function": {"name": call["name"],
+                                                       "arguments": ""}}]}))
+        out += [chunk({"tool_calls": [{"index": i, "function": {"arguments": p}}]})
+                for p in _pieces(call["arguments"], piece) if p]
+    out.append(chunk({}, _finish(reply)))
+    return out
+
 
 def _usage(fake: dict, completion: int) -> dict[str, Any]:
     u = fake.get("usage") or {}
@@ -139,7 +210,9 @@ def _usage(fake: dict, completion: int) -> dict[str, Any]:
 
 
 def _completion(body: dict, fake: dict) -> dict[str, Any]:
+    reply = fake.get("reply")
+    message = reply_message(reply) if reply else {"role": "assistant", "content": "hello"}
     return {"id": "c1", "object": "chat.completion", "model": body.get("model"),
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "hello"}}],
+            "choices": [{"index": 0, "finish_reason": _finish(reply) if reply else "stop",
+                         "message": message}],
             "usage": _usage(fake, 1), "echo": body}
