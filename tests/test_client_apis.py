@@ -103,9 +103,6 @@ async def test_anthropic_plain_message_with_cache_reads(prefixd: Prefixd) -> Non
                                 {"role": "user", "content": "Capital of France?"}]
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline bug: forward_body (proxy/stages/forward.py) "
-                   "fills in the served model only when the client omitted `model`; a name "
-                   "resolved through PREFIXD_MODEL_ALIASES reaches the upstream unmapped")
 async def test_aliased_model_reaches_the_upstream_as_the_served_name(prefixd: Prefixd) -> None:
     prefixd.upstream.scripted += [reply("a"), reply("b")]
     async with prefixd.anthropic() as client:
