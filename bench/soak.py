@@ -224,9 +224,10 @@ async def main(args: argparse.Namespace) -> None:
                     warm = proxy_stats(proc.pid)
                 await asyncio.sleep(1 / args.rate)
             await asyncio.wait(tasks, timeout=300)
-            final = proxy_stats(proc.pid)
             async with http.get(base + "/status") as r:
                 status = await r.json()
+        await asyncio.sleep(2)        # our pooled keep-alive connections are closed now
+        final = proxy_stats(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
