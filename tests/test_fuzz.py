@@ -41,7 +41,8 @@ def ledger() -> Iterator[None]:
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-APIS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"]
+APIS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+        "/v1/messages/count_tokens"]
 
 scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
            | st.text(max_size=12) | st.sampled_from(["user", "assistant", "tool", "system",
