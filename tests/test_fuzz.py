@@ -64,7 +64,18 @@ body = st.fixed_dictionaries({}, optional={
     "max_output_tokens": values, "temperature": values, "tools": values,
     "tool_choice": values, "stop": values, "seed": values, "stream_options": values,
     "previous_response_id": values, "thinking": values})
-raw_bodies = st.one_of(body.map(lambda d: json.dumps(d).encode()),
+# A valid request with one known field set to anything: reaches past validation often.
+KNOWN = ["temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "stream",
+         "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs", "n", "user",
+         "response_format", "logit_bias", "chat_template_kwargs", "presence_penalty"]
+near_valid = st.builds(
+    lambda text, key, value, stream: {"model": "fake", "max_tokens": 2, "stream": stream,
+                                      "messages": [{"role": "user", "content": text}],
+                                      "prompt": text or "x", "input": text or "x",
+                                      key: value},
+    st.text(min_size=1, max_size=40), st.sampled_from(KNOWN), values, st.booleans())
+raw_bodies = st.one_of(near_valid.map(lambda d: json.dumps(d).encode()),
+                       body.map(lambda d: json.dumps(d).encode()),
                        values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=48))
 
 
