@@ -408,7 +408,7 @@ def test_an_append_only_turn_takes_two_prefill_passes_like_stock(model: Counting
     """Checkpoints for free: the next turn restores the previous prompt + reply and prefills
     the rest in two passes (as stock mlx-lm: all but the tail, then the tail), taking its
     checkpoints where the passes end anyway: the last message's end and the prompt's end.
-    An all-KV model takes no checkpoints: one pass."""
+    An all-KV model takes no checkpoints: all but the last token, then the last token."""
     rng = random.Random(22)
     engine = Engine(model, _settings(checkpoint_interval=512, prefill_chunk=512,
                                      checkpoint_tail=4))
@@ -421,7 +421,8 @@ def test_an_append_only_turn_takes_two_prefill_passes_like_stock(model: Counting
     stats = warm[2]
     assert stats.cached_tokens == r
     all_kv = not snapshot.snapshot_indices(make_prompt_cache(model))
-    assert [tokens for tokens, _ in stats.segments] == ([n - r] if all_kv else [n - 5 - r, 5])
+    assert [tokens for tokens, _ in stats.segments] == ([n - 1 - r, 1] if all_kv
+                                                         else [n - 5 - r, 5])
     (entry,) = engine.store.entries
     if not entry.trimmable:  # the tail mark and the end are checkpoints, nothing in between
         assert [p for p in entry.checkpoints if p > r] == [n - 5, n]

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx import probe, snapshot
-from prefixd.backends.mlx.placement import auto_interval, placement_marks
+from prefixd.backends.mlx.placement import auto_interval, placement_marks, tail_mark
 from prefixd.backends.mlx.run import Run
 from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.store import CheckpointStore, Entry
@@ -163,16 +163,20 @@ class Engine:
 
     # --- checkpoints and commit ---------------------------------------------------------------
     def _plan(self, n: int, start: int, boundaries: Sequence[int]) -> tuple[dict[int, bool], int]:
-        """(checkpoint positions of this prompt, where its last forward pass starts). The last
-        pass starts at the last checkpoint below the end (the tail mark: taken without a cut)
-        or, with none, runs the whole rest (at most `prefill_chunk` tokens). All-KV models take
-        no checkpoints (the entry's KV trims to any prefix): their prefill is never cut."""
-        chunk = self.config.prefill_chunk
+        """(checkpoint positions of this prompt, where its last forward pass starts).
+
+        The last pass is the only one whose logits are computed, so it is kept short: the last
+        token, as stock mlx-lm's (the passes before it skip the last layer's work past what the
+        cache needs, and lm_head), or from the tail mark a few tokens earlier, which then is a
+        checkpoint without an extra pass. All-KV models take no checkpoints (the entry's KV
+        trims to any prefix): their prefill is cut only by `prefill_chunk`."""
         if not self._snap_idx:
-            return {}, max(start, n - chunk)
-        marks = placement_marks(n, start, boundaries, self.interval, self.config.checkpoint_tail,
+            return {}, n - 1
+        tail = self.config.checkpoint_tail
+        marks = placement_marks(n, start, boundaries, self.interval, tail,
                                 trim_below=self._trim_below)
-        return marks, max([start, n - chunk, *(p for p in marks if p < n)])
+        last = tail_mark(n, [b for b in boundaries if 0 < b < n], tail)
+        return marks, last if last is not None and last in marks else n - 1
 
     def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
                  stats: PromptStats) -> None:
