@@ -60,19 +60,20 @@ def test_placement_marks_boundaries_tail_end_and_interval() -> None:
 
 
 def test_the_last_message_end_is_the_tail_mark() -> None:
-    # A boundary within 2 * tail of the end (where the generation prompt starts) serves as the
-    # tail mark; no extra mark (and no extra prefill pass) a token away from it.
-    assert tail_mark(100, [40, 95], 4) == 95
+    # A boundary close to the end (where the generation prompt starts) serves as the tail mark;
+    # no extra mark (and no extra prefill pass) a few tokens away from it.
+    assert tail_mark(100, [40, 95], 4) == 95 and tail_mark(100, [40, 71], 4) == 71
     assert placement(100, 0, [40, 95], 64, 4) == [40, 95, 100]
+    assert tail_mark(100, [40, 60], 4) == 96  # too far: not the last message's end
 
 
 def test_marks_just_above_the_restore_point_are_left_out() -> None:
     # The next user message's content starts 3 tokens above the previous reply's end: the
     # restore point stays a checkpoint, a cut 3 tokens later would buy 3 tokens.
-    assert placement(100, 60, [63, 90], 64, 4) == [90, 96, 100]
+    assert placement(200, 100, [103, 150], 64, 4) == [150, 196, 200]
     # ... but the tail mark and the end cost no cut and stay
-    assert placement(100, 94, [63, 90], 64, 4) == [96, 100]
-    assert placement(100, 60, [63, 90], 64, 4, min_gap=0) == [63, 90, 96, 100]
+    assert placement(200, 194, [103, 150], 64, 4) == [196, 200]
+    assert placement(200, 100, [103, 150], 64, 4, min_gap=0) == [103, 150, 196, 200]
 
 
 def test_below_a_sliding_window_only_the_highest_mark_is_taken() -> None:

@@ -17,6 +17,9 @@ AUTO_SHARE = 4  # ... whose interval checkpoints may take 1/AUTO_SHARE of the bu
 # forward pass it costs (the cut in the prefill): e.g. the next user message's content start, a
 # role header above the previous reply's end.
 MIN_GAP = 8
+# A generation prompt is at most this long (a role header, maybe an opened think block): a
+# boundary that close to the prompt end is the last message's end.
+TAIL_REACH = 32
 # The automatic interval keeps the extra passes of interval checkpoints under this share of the
 # prefill time.
 PASS_SHARE = 0.02
@@ -36,12 +39,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def tail_mark(n: int, boundaries: Iterable[int], tail: int) -> int | None:
     """Where the last forward pass of a prompt of `n` tokens starts, and a checkpoint is taken:
-    the last message's end (the last boundary within `2 * tail` tokens of the end: the
-    generation prompt starts there, and the next turn often re-renders it differently), else
-    `max(tail, 1)` tokens before the end. The prefill passes through it anyway (the last pass
-    yields the logits), so this checkpoint costs no extra pass. An exact repeat restores here
-    and recomputes these few tokens in one pass."""
-    near = [b for b in boundaries if n - 2 * tail <= b < n]
+    the last message's end (the last boundary within `TAIL_REACH` (or `2 * tail`) tokens of the
+    end: the generation prompt starts there, and the next turn often re-renders it
+    differently), else `max(tail, 1)` tokens before the end. The prefill passes through it
+    anyway (the last pass yields the logits), so this checkpoint costs no extra pass. An exact
+    repeat restores here and recomputes these few tokens in one pass."""
+    near = [b for b in boundaries if n - max(TAIL_REACH, 2 * tail) <= b < n]
     pos = max(near) if near else n - max(tail, 1)
     if pos <= 0:  # a prompt shorter than the tail
         pos = n - 1
