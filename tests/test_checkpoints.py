@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from prefixd.backends.mlx import snapshot
 from prefixd.backends.mlx.engine import Engine, EngineConfig
-from prefixd.backends.mlx.placement import common_prefix, placement
+from prefixd.backends.mlx.placement import common_prefix, compute_interval, placement
 from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
 
@@ -194,7 +194,7 @@ def test_recurrent_checkpoints_are_never_trimmed(arch: str) -> None:
     engine = Engine(model, _settings(checkpoint_interval=256))
     _run(engine, base, (100,))
     (entry,) = engine.store.entries
-    assert sorted(entry.checkpoints) == [100, 298, 299, 300]
+    assert sorted(entry.checkpoints) == [100, 298, 300]  # boundary, tail mark, end
     assert not any(c.trimmable for c in entry.checkpoints.values())
     for shared, expected in ((7, None), (99, None), (150, 100), (298, 298)):
         prompt = base[:shared] + [t for t in _words(rng, 10) if t != base[shared]]
@@ -260,9 +260,11 @@ def test_stored_entry_covers_prompt_and_every_generated_token(model: CountingMod
     warm = _run(engine, nxt)
     assert warm[2].cached_tokens == 45 and model.tokens == 9 + MAX_TOKENS
     _assert_same(warm, _cold(model, nxt))
-    # an exact repeat recomputes one token on every architecture (tail 2 + the n - 1 mark)
+    # an exact repeat recomputes one token where the entry trims back to len - 1, else the
+    # tail (2 tokens, in the one pass from the tail mark)
+    (entry,) = engine.store.entries
     for p in (nxt, nxt):
-        assert _run(engine, p)[2].recomputed_tokens == 1
+        assert _run(engine, p)[2].recomputed_tokens == (1 if entry.trimmable else 2)
 
 
 def test_unknown_cache_class_falls_back_to_cold() -> None:
@@ -343,12 +345,18 @@ def test_auto_interval_is_sized_from_the_checkpoint_bytes(
     with caplog.at_level(logging.INFO, logger="prefixd.worker.cache"):
         engine = Engine(model, _settings(checkpoint_interval=None))
     info = engine.cache_info()
-    estimate = info["checkpoint_bytes_estimate"]
-    assert info["checkpoint_interval"] == 64 and estimate > 0  # tiny model, 4 GiB
-    assert "checkpoint interval 64 tokens" in caplog.text
+    estimate, auto = info["checkpoint_bytes_estimate"], info["checkpoint_interval_auto"]
+    assert auto["by_bytes"] == 64 and estimate > 0  # tiny model, 4 GiB
+    # ... and the interval whose extra forward passes cost at most 2% of the prefill, which
+    # depends on the machine (a tiny model's pass is mostly fixed cost)
+    assert auto["by_compute"] == compute_interval(auto["pass_ms"], auto["token_ms"])
+    interval = info["checkpoint_interval"]
+    assert interval == max(64, auto["by_compute"])
+    assert f"checkpoint interval {interval} tokens" in caplog.text
     _run(engine, _words(random.Random(17), 300), (100,))
     (entry,) = engine.store.entries
-    assert sorted(entry.checkpoints) == [64, 100, 164, 228, 292, 298, 299, 300]
+    assert sorted(entry.checkpoints) == placement(300, 0, (100,), interval, 2,
+                                                  trim_below=_window(model))
     assert max(c.nbytes for c in entry.checkpoints.values()) <= estimate
     # A budget that holds a handful of checkpoints gets the widest interval.
     tight = Engine(model, _settings(checkpoint_interval=None, cache_bytes=estimate * 16))
@@ -394,3 +402,28 @@ def test_stats_account_for_every_pass_and_checkpoint(model: CountingModel) -> No
     assert stats.checkpoints == len(entry.checkpoints)
     assert stats.checkpoint_bytes == sum(c.nbytes for c in entry.checkpoints.values())
     assert all(v >= 0 for v in stats.seconds().values())
+
+
+def test_an_append_only_turn_takes_two_prefill_passes_like_stock(model: CountingModel) -> None:
+    """Checkpoints for free: the next turn restores the previous prompt + reply and prefills
+    the rest in two passes (as stock mlx-lm: all but the tail, then the tail), taking its
+    checkpoints where the passes end anyway: the last message's end and the prompt's end.
+    An all-KV model takes no checkpoints: all but the last token, then the last token."""
+    rng = random.Random(22)
+    engine = Engine(model, _settings(checkpoint_interval=512, prefill_chunk=512,
+                                     checkpoint_tail=4))
+    turn1 = _words(rng, 160)
+    reply, _, _ = _run(engine, turn1, (3, 73, 155), max_tokens=8)
+    r = len(turn1) + len(reply)
+    turn2 = [*turn1, *reply, *_words(rng, 105)]
+    n = len(turn2)  # boundaries: the new message's content start and end, as the worker gives
+    warm = _run(engine, turn2, (3, 73, r + 5, n - 5))
+    stats = warm[2]
+    assert stats.cached_tokens == r
+    all_kv = not snapshot.snapshot_indices(make_prompt_cache(model))
+    assert [tokens for tokens, _ in stats.segments] == ([n - 1 - r, 1] if all_kv
+                                                         else [n - 5 - r, 5])
+    (entry,) = engine.store.entries
+    if not entry.trimmable:  # the tail mark and the end are checkpoints, nothing in between
+        assert [p for p in entry.checkpoints if p > r] == [n - 5, n]
+    _assert_same(warm, _cold(model, turn2))

@@ -190,14 +190,17 @@ async def test_tokenize(client: TestClient, generator: Generator) -> None:
     out = await post(client, {"messages": messages}, "/tokenize")
     done = await post(client, chat(messages, max_tokens=1))
     assert len(out["tokens"]) == done["usage"]["prompt_tokens"]
-    # Boundaries: each message's end (system, user, assistant; the last one ends the prompt)
-    # and the start of the next message's content, after its role header.
+    # Boundaries: where each message's content starts, after its role header, and where the
+    # last message's content ends (the generation prompt starts there).
     b = out["boundaries"]
-    assert len(b) == 6 and b == sorted(b) and b[0] > 0 and b[-1] < len(out["tokens"])
+    assert len(b) == 5 and b == sorted(b) and b[0] > 0 and b[-1] < len(out["tokens"])
     tok = generator.loaded.tokenizer
-    assert tok.decode(out["tokens"][: b[0]]).endswith("You are a cache.<|im_end|>\n")
-    assert tok.decode(out["tokens"][: b[1]]).endswith("<|im_end|>\n<|im_start|>user\n")
-    assert tok.decode(out["tokens"][b[-1]:]).startswith("And the sea?")
+    heads = [tok.decode(out["tokens"][:p]) for p in b]
+    assert heads[0] == "<|im_start|>system\n"
+    assert heads[1].endswith("You are a cache.<|im_end|>\n<|im_start|>user\n")
+    assert heads[2].endswith("<|im_start|>assistant\n")
+    assert tok.decode(out["tokens"][b[3]:]).startswith("And the sea?")
+    assert tok.decode(out["tokens"][b[4]:]) == "<|im_end|>\n<|im_start|>assistant\n"
     text = await post(client, {"content": " the river"}, "/tokenize")
     assert text["tokens"] == tok.encode(" the river", add_special_tokens=False)
 
@@ -215,25 +218,26 @@ def test_tool_calls_reach_the_template_as_dicts(generator: Generator) -> None:
     prompt = Renderer(generator.loaded.tokenizer).build(req)
     text = generator.loaded.tokenizer.decode(prompt.tokens)
     assert '"arguments": {"city": "Oslo"}' in text and "<tool_response>\nsunny" in text
-    # two message ends, and where the tool result's content starts (inside <tool_response>)
+    # the user's content start, the tool result's (inside <tool_response>) and its end (the
+    # assistant message, tool calls only, has no content)
     assert len(prompt.boundaries) == 3
-    tail = generator.loaded.tokenizer.decode(prompt.tokens[prompt.boundaries[-1]:])
-    assert tail.startswith("sunny")
+    tail = generator.loaded.tokenizer.decode(prompt.tokens[prompt.boundaries[-2]:])
+    assert tail.startswith("sunny\n</tool_response>")
 
 
 def test_boundary_where_a_prefix_renders_differently(generator: Generator) -> None:
     # The template shows reasoning only after the last user turn: rendered alone, the assistant
-    # message carries its <think> block, in the full prompt it does not. The boundary falls
-    # where the two renders part, at the start of the assistant message's text.
+    # message would carry its <think> block, in the full prompt it does not. Boundaries come
+    # from the full prompt: the assistant message's text starts after its role header.
     tok = generator.loaded.tokenizer
     messages = [{"role": "user", "content": "Hi there."},
                 {"role": "assistant", "content": "The river.", "reasoning_content": "Hmm."},
                 {"role": "user", "content": "And?"}]
     prompt = Renderer(tok).build(parse_request("chat", {"messages": messages}))
     heads = [tok.decode(prompt.tokens[:b]) for b in prompt.boundaries]
-    assert heads[0].endswith("Hi there.<|im_end|>\n")
-    assert heads[1].endswith("<|im_start|>assistant\n")    # the assistant text starts here
-    assert tok.decode(prompt.tokens[prompt.boundaries[-1]:]).startswith("And?")
+    assert heads[0] == "<|im_start|>user\n"
+    assert heads[1].endswith("Hi there.<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(prompt.tokens[prompt.boundaries[-2]:]).startswith("And?")
     assert "Hmm." not in tok.decode(prompt.tokens)
 
 

@@ -18,7 +18,7 @@ from worker_fixtures import HELLO, NAME, SETTINGS, chat, post, post_get, stream
 
 from prefixd.backends.mlx.chat import parse_request
 from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.prompt import BOUNDARY_RENDER_FACTOR, MAX_BOUNDARY_MESSAGES, Renderer
+from prefixd.backends.mlx.prompt import Renderer
 from prefixd.backends.mlx.stats import STAGES
 from prefixd.backends.mlx.worker import create_app
 
@@ -140,44 +140,37 @@ async def test_completion_logprobs_shape(client: TestClient) -> None:
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting chat-template renders and the messages they render, and
-    stopping a request after `limit` renders (an observer of the real thing, like a client
-    leaving mid-render)."""
+    """The real tokenizer, counting chat-template renders and the messages they render (an
+    observer of the real thing)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.renders, self.messages, self.limit = tokenizer, 0, 0, 10**9
+        self.tokenizer, self.renders, self.messages = tokenizer, 0, 0
 
     def apply_chat_template(self, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
         self.renders += 1
         self.messages += len(messages)
         return self.tokenizer.apply_chat_template(messages, *args, **kwargs)
 
-    def left(self) -> bool:
-        return self.renders >= self.limit
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tokenizer, name)
 
 
-def test_boundary_rendering_is_bounded_and_stops_when_the_client_leaves(
-        generator: Generator) -> None:
+def test_a_prompt_is_rendered_once_whatever_its_messages(generator: Generator) -> None:
+    """Boundaries come from the one render of the prompt, so thousands of tiny messages (the
+    schema allows 4096) cost one render of them, not one per message prefix."""
     counting = CountingTokenizer(generator.loaded.tokenizer)
     renderer = Renderer(counting)
-    n = 1001  # many tiny messages (the schema allows 4096): a few renders of them, not dozens
+    n = 1001
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"river {i}"}
                 for i in range(n)]
-    req = parse_request("chat", {"messages": messages})
     counting.renders = counting.messages = 0
-    prompt = renderer.build(req)
-    assert counting.messages <= (1 + BOUNDARY_RENDER_FACTOR) * n
-    assert counting.renders <= 1 + 2 * MAX_BOUNDARY_MESSAGES
+    prompt = renderer.build(parse_request("chat", {"messages": messages}))
+    assert (counting.renders, counting.messages) == (1, n)
     tok = generator.loaded.tokenizer
-    # the newest message's content start and the first message's end are found first
-    assert tok.decode(prompt.tokens[prompt.boundaries[-1]:]).startswith(f"river {n - 1}")
-    assert tok.decode(prompt.tokens[:prompt.boundaries[0]]).endswith("river 0<|im_end|>\n")
-    counting.renders, counting.limit = 0, 2
-    renderer.build(req, should_stop=counting.left)
-    assert counting.renders == 2  # the full prompt, one prefix, then it noticed and stopped
+    assert len(prompt.boundaries) == n + 1  # every content start, and the last content end
+    assert tok.decode(prompt.tokens[prompt.boundaries[0]:]).startswith("river 0<|im_end|>")
+    assert tok.decode(prompt.tokens[prompt.boundaries[-2]:]).startswith(f"river {n - 1}")
+    assert tok.decode(prompt.tokens[prompt.boundaries[-1]:]).startswith("<|im_end|>")
 
 
 async def test_responses_carry_the_turn_breakdown(client: TestClient) -> None:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.placement import auto_interval, placement_marks
+from prefixd.backends.mlx import probe, snapshot
+from prefixd.backends.mlx.placement import auto_interval, placement_marks, tail_mark
 from prefixd.backends.mlx.run import Run
 from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.store import CheckpointStore, Entry
@@ -59,14 +59,19 @@ class Engine:
         self.totals = {"requests": 0, "cached_tokens": 0, "recomputed_tokens": 0}
         self.fallbacks: dict[str, int] = {}
         self._evicted = (0, 0, 0)
-        self._kv = self._kv_quantization(config.kv_bits)
+        self._kv = probe.kv_quantization(model, config.kv_bits)
+        if config.kv_bits and not self._kv:
+            self._count_fallback("kv_quant_unsupported")
         template = self._fresh_cache()
         self._unsupported = snapshot.unsupported(template)
         if self._unsupported:
             log.warning("prompt cache disabled for this model: %s; every prompt is prefilled "
                         "cold", self._unsupported)
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
+        # Windows as the only snapshotted layers: a checkpoint below the window trims back.
+        self._trim_below = snapshot.trimmable_below(template, self._snap_idx)
         self.checkpoint_bytes: int | None = None  # estimated size of one checkpoint
+        self.interval_choice: probe.IntervalChoice | None = None
         self.interval = self._choose_interval()
         metrics.CACHE_BUDGET.set(config.cache_bytes)
         self._update_gauges()
@@ -76,38 +81,18 @@ class Engine:
         cache = make_prompt_cache(self.model)
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
 
-    def _kv_quantization(self, bits: int | None) -> tuple[int, int] | None:
-        """(bits, group_size) that this model's attention accepts, or None (full precision)."""
-        if not bits:
-            return None
-        for group in (64, 32):
-            cache = snapshot.quantize_kv(make_prompt_cache(self.model), bits, group)
-            try:
-                mx.eval(self.model(mx.array([[0]]), cache=cache))
-            except Exception as exc:  # mlx raises plain ValueError/RuntimeError here
-                log.debug("kv_bits=%d group %d rejected: %s", bits, group, exc)
-                continue
-            return bits, group
-        log.warning("kv_bits=%d is not supported by this model; keeping the KV cache in full "
-                    "precision", bits)
-        self._count_fallback("kv_quant_unsupported")
-        return None
-
     def _choose_interval(self) -> int:
-        """`checkpoint_interval` if set, else sized to the model's checkpoints and the budget."""
+        """`checkpoint_interval` if set, else sized to the model (`probe.choose_interval`)."""
         s = self.config
         if s.checkpoint_interval is not None:
             return s.checkpoint_interval
         if not self._snap_idx or not s.cache_bytes:
             return auto_interval(0, s.cache_bytes)  # no checkpoints are ever stored
-        probe = self._fresh_cache()
-        mx.eval(self.model(mx.array([[0]]), cache=probe))
-        snapshot.evaluate(probe)
-        self.checkpoint_bytes = snapshot.checkpoint_bytes(probe, self._snap_idx, s.prefill_chunk)
-        interval = auto_interval(self.checkpoint_bytes, s.cache_bytes)
-        log.info("checkpoint interval %d tokens (auto: %.3g MiB per checkpoint, budget %.3g "
-                 "GiB)", interval, self.checkpoint_bytes / 2**20, s.cache_bytes / 2**30)
-        return interval
+        self.interval_choice = probe.choose_interval(self.model, self._fresh_cache,
+                                                     self._snap_idx, s.cache_bytes,
+                                                     s.prefill_chunk)
+        self.checkpoint_bytes = self.interval_choice.checkpoint_bytes
+        return self.interval_choice.interval
 
     def _count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
@@ -164,7 +149,7 @@ class Engine:
 
         try:
             t0 = time.perf_counter()
-            logits = run.prefill(self._marks(len(prompt), start, boundaries), capture)
+            logits = run.prefill(*self._plan(len(prompt), start, boundaries), capture)
             stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
             self._finish_stats(stats, start, run.pos - start)
             if logits is not None:
@@ -177,12 +162,21 @@ class Engine:
             stats.commit_s = time.perf_counter() - t0
 
     # --- checkpoints and commit ---------------------------------------------------------------
-    def _marks(self, n: int, start: int, boundaries: Sequence[int]) -> dict[int, bool]:
-        """Checkpoint positions of this prompt; none for all-KV models (the entry's KV trims to
-        any prefix), so their prefill is never cut."""
+    def _plan(self, n: int, start: int, boundaries: Sequence[int]) -> tuple[dict[int, bool], int]:
+        """(checkpoint positions of this prompt, where its last forward pass starts).
+
+        The last pass is the only one whose logits are computed, so it is kept short: the last
+        token, as stock mlx-lm's (the passes before it skip the last layer's work past what the
+        cache needs, and lm_head), or from the tail mark a few tokens earlier, which then is a
+        checkpoint without an extra pass. All-KV models take no checkpoints (the entry's KV
+        trims to any prefix): their prefill is cut only by `prefill_chunk`."""
         if not self._snap_idx:
-            return {}
-        return placement_marks(n, start, boundaries, self.interval, self.config.checkpoint_tail)
+            return {}, n - 1
+        tail = self.config.checkpoint_tail
+        marks = placement_marks(n, start, boundaries, self.interval, tail,
+                                trim_below=self._trim_below)
+        last = tail_mark(n, [b for b in boundaries if 0 < b < n], tail)
+        return marks, last if last is not None and last in marks else n - 1
 
     def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
                  stats: PromptStats) -> None:
@@ -270,5 +264,7 @@ class Engine:
             "kv_bits": self._kv[0] if self._kv else None,
             "checkpoint_interval": self.interval,  # effective (the setting may be auto)
             "checkpoint_bytes_estimate": self.checkpoint_bytes,
+            "checkpoint_interval_auto": (self.interval_choice.info() if self.interval_choice
+                                         else None),
             "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
         }

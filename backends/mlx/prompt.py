@@ -2,10 +2,10 @@
 
 Owns: rendering a `GenRequest` through the model's chat template (with the text fallback of
 `tooltext` when the template ignores tools), the prompt token ids, and the message boundaries
-(token positions where each message ends and where its content starts) that the engine uses as
-checkpoint positions. Pure functions over a tokenizer; no mlx, no I/O. Rendering message
-prefixes is bounded (`MAX_BOUNDARY_MESSAGES`) and stops early when `should_stop()` says the
-client has left.
+(token positions where each message's content starts, and where the last one's ends) that the
+engine uses as checkpoint positions. One render and one tokenization per prompt: boundaries are
+found in the rendered text with the tokenizer's offsets. Pure functions over a tokenizer; no
+mlx, no I/O.
 """
 
 from __future__ import annotations
@@ -16,21 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixd.api.errors import ApiError
 from prefixd.backends.mlx import tooltext
 from prefixd.backends.mlx.chat import GenRequest, bad
 from prefixd.backends.mlx.oai import ToolFormat
 from prefixd.backends.mlx.placement import common_prefix
 
-# Rendering every message prefix costs O(messages x prompt). Past this many messages only the
-# system prompt end and the newest boundaries are computed: older ones were placed (as
-# checkpoints) by earlier turns of the same conversation already.
+# Without token offsets each boundary costs an encode of the prompt before it: then only the
+# first message and the newest ones are placed (older ones were placed, as checkpoints, by
+# earlier turns of the same conversation).
 MAX_BOUNDARY_MESSAGES = 12
-# ... and the prefix renders together render at most this many times the request's messages
-# (or BOUNDARY_RENDER_FLOOR messages, whichever is more), newest first: a conversation of
-# thousands of tiny messages costs a few renders of itself, not dozens.
-BOUNDARY_RENDER_FACTOR = 4
-BOUNDARY_RENDER_FLOOR = 256
 
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
@@ -58,6 +52,7 @@ class Renderer:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "has_chat_template", True))
         self.native_tools = not self.has_template or tooltext.renders_tools(self._probe)
+        self._backend_ids = backend_ids_match(tokenizer)
 
     def _probe(self, messages: Messages, tools: Tools) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -98,80 +93,94 @@ class Renderer:
         messages, tools = self.template_input(req)
         text = self.render(req, messages, tools)
         t1 = time.perf_counter()
-        tokens = encode(tok, text)
-        t2 = time.perf_counter()
-        timings = {"template": t1 - t0, "tokenize": t2 - t1}
         if not boundaries:
-            return Prompt(tokens, [], timings)
-        found = self.boundaries(req, messages, tools, text, tokens, should_stop)
-        return Prompt(tokens, found, {**timings, "boundaries": time.perf_counter() - t2})
+            tokens = encode(tok, text)
+            return Prompt(tokens, [], {"template": t1 - t0, "tokenize": time.perf_counter() - t1})
+        tokens, ends = self._encode(text)
+        t2 = time.perf_counter()
+        found = self.boundaries(messages, text, tokens, ends, should_stop)
+        return Prompt(tokens, found, {"template": t1 - t0, "tokenize": t2 - t1,
+                                      "boundaries": time.perf_counter() - t2})
 
-    def boundaries(self, req: GenRequest, messages: Messages, tools: Tools, text: str,
-                   tokens: list[int], should_stop: Callable[[], bool] = never) -> list[int]:
-        """Token positions in `tokens` where messages end and where their content starts, by
-        rendering message prefixes.
+    def _encode(self, text: str) -> tuple[list[int], list[int] | None]:
+        """The ids of `text`, and the end character offset of each token when the fast
+        tokenizer gives offsets that match the ids (else None)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and self._backend_ids:
+            enc = backend.encode(text, add_special_tokens=False)
+            return list(enc.ids), _ends(enc)
+        tokens = encode(self.tokenizer, text)
+        if backend is None:
+            return tokens, None
+        try:
+            enc = backend.encode(text, add_special_tokens=False)
+        except Exception:
+            return tokens, None
+        return tokens, _ends(enc) if list(enc.ids) == tokens else None
 
-        The content start (after the role header, e.g. `<|im_start|>user\\n`) is where a new
-        conversation with a known system prompt, or the next turn, first differs. A prefix
-        render is usually a string prefix of the full render; when the template renders it
-        differently (e.g. reasoning kept only after the last user turn) the position where the
-        two texts diverge is used instead, snapped down to a token boundary. Templates that
-        refuse a prefix (e.g. "conversation must start with a user turn") just give no boundary
-        there. Only the first and the newest messages are rendered (older ones are already
-        cached), within a budget of rendered messages (`BOUNDARY_RENDER_FACTOR`). Stops (with
-        what it found) as soon as `should_stop()`.
+    def boundaries(self, messages: Messages, text: str, tokens: list[int],
+                   ends: list[int] | None, should_stop: Callable[[], bool] = never
+                   ) -> list[int]:
+        """Token positions in `tokens` where each message's content starts (after its role
+        header, e.g. `<|im_start|>user\n`: where a new conversation with a known system
+        prompt, an edited message or the next turn first differs) and where the last message's
+        content ends (the generation prompt starts there), snapped down to token boundaries.
+
+        Found in the rendered prompt itself, no extra renders: each message's content is
+        searched in order after the previous one's; one the template rewrote (not found
+        verbatim) gives no boundary. Without token offsets (`ends`), each position costs an
+        encode of the text before it, so only the first message and the newest are placed,
+        stopping as soon as `should_stop()`.
         """
-        budget = max(BOUNDARY_RENDER_FACTOR * len(messages), BOUNDARY_RENDER_FLOOR)
-        token_ends = _token_ends(self.tokenizer, text, tokens)
-        found: set[int] = set()
-        for k in _prefix_lengths(len(messages)):
-            for prefix_messages in _variants(messages, k):
-                budget -= len(prefix_messages)
-                if budget < 0 or should_stop():
-                    return sorted(found)
-                try:
-                    prefix = self.render(req, prefix_messages, tools, add_generation_prompt=False)
-                except ApiError:
-                    continue
-                chars = common_prefix(prefix, text)
-                if token_ends is not None:
-                    pos = bisect.bisect_right(token_ends, chars)
-                else:
-                    pos = common_prefix(encode(self.tokenizer, prefix[:chars]), tokens)
-                if 0 < pos < len(tokens):
-                    found.add(pos)
-        return sorted(found)
+        chars = content_positions(messages, text)
+        if ends is not None:
+            found = {bisect.bisect_right(ends, c) for c in chars}
+        else:
+            found = set()
+            picked = chars[:1] + chars[1:][-MAX_BOUNDARY_MESSAGES:]
+            for c in reversed(picked):
+                if should_stop():
+                    break
+                found.add(common_prefix(encode(self.tokenizer, text[:c]), tokens))
+        return sorted(p for p in found if 0 < p < len(tokens))
 
 
-def _prefix_lengths(n: int) -> list[int]:
-    """The message prefixes to render, most useful first: the newest message's start, the
-    first message's end (a system prompt shared by new conversations), then older ones."""
-    ks = list(range(n - 1, 0, -1))
-    if len(ks) > MAX_BOUNDARY_MESSAGES:
-        ks = ks[:MAX_BOUNDARY_MESSAGES - 1] + ks[-1:]
-    return ks[:1] + ks[-1:] + ks[1:-1] if len(ks) > 1 else ks
+def content_positions(messages: Messages, text: str) -> list[int]:
+    """Character offsets in `text` where each message's content starts, in order, and where
+    the last message's content ends (if the last message was found)."""
+    out, cursor, last_end = [], 0, None
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, str) or not content.strip():
+            continue
+        at = text.find(content, cursor)
+        if at < 0:  # templates that trim content
+            content = content.strip()
+            at = text.find(content, cursor)
+        if at < 0:
+            continue
+        cursor = at + len(content)
+        out.append(at)
+        last_end = cursor if i == len(messages) - 1 else None
+    return out + ([last_end] if last_end is not None else [])
 
 
-def _variants(messages: Messages, k: int) -> list[Messages]:
-    """The renders that find message k-1's end and message k's content start."""
-    out = [messages[:k]]
-    nxt = messages[k]
-    if isinstance(nxt.get("content"), str) and nxt["content"]:
-        out.append([*messages[:k], {**nxt, "content": ""}])
-    return out
-
-
-def _token_ends(tokenizer: Any, text: str, tokens: list[int]) -> list[int] | None:
-    """The end character offset of each token of `text`, if the fast tokenizer gives offsets
-    that match `tokens` (one tokenization instead of one per message prefix)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    try:
-        enc = backend.encode(text, add_special_tokens=False)
-    except Exception:
-        return None
-    if list(enc.ids) != tokens:
-        return None
+def _ends(enc: Any) -> list[int] | None:
     ends = [end for _, end in enc.offsets]
     return ends if ends == sorted(ends) else None
+
+
+def backend_ids_match(tokenizer: Any) -> bool:
+    """Whether the fast tokenizer's own encode gives the same ids as the tokenizer's encode
+    (then one encode gives both the ids and their offsets)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    specials = [t for t in (getattr(tokenizer, "eos_token", None),
+                            getattr(tokenizer, "bos_token", None)) if isinstance(t, str)]
+    probe = " ".join(["Hello  world,\n\n\tthe river's 12,345 é 日本語 🙂", *specials, "end\n"])
+    try:
+        return list(backend.encode(probe, add_special_tokens=False).ids) == encode(tokenizer,
+                                                                                   probe)
+    except Exception:
+        return False

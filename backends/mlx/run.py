@@ -44,39 +44,47 @@ class Run:
         """Whether the cache holds more than the state it was restored from."""
         return self.pos > self.start or bool(self.fed)
 
-    def _forward(self, tokens: list[int]) -> mx.array:
+    def _forward(self, tokens: list[int], logits: bool = True) -> mx.array:
+        """The model over `tokens`; with `logits`, the last position's, evaluated together with
+        the cache."""
         self.broken = True
         out = self.model(mx.array(tokens)[None], cache=self.cache)
-        snapshot.evaluate(self.cache)
+        last = out[:, -1, :] if logits else None
+        snapshot.evaluate(self.cache, last)
         self.broken = False
-        return out
+        return last if last is not None else out
 
-    def prefill(self, marks: dict[int, bool], capture: Capture) -> mx.array | None:
-        """Run prompt[pos:] through the model, ending a chunk at every mark and calling
-        `capture` there; the last token's logits, or None if should_stop() ended it."""
+    def prefill(self, marks: dict[int, bool], final: int, capture: Capture) -> mx.array | None:
+        """Run prompt[pos:] through the model, ending a pass at every mark and calling
+        `capture` there; the last pass runs from `final` (or from where the prefill is, if
+        beyond) to the end. The last token's logits, or None if should_stop() ended it."""
         n = len(self.prompt)
-        cuts = sorted(p for p in marks if self.pos < p < n - 1)
-        while self.pos < n - 1:
+        final = min(max(final, self.pos), n - 1)
+        cuts = sorted(p for p in marks if self.pos < p < final)
+        while self.pos < final:
             if self.should_stop():
                 return None
-            end = min([n - 1, self.pos + self.chunk, *(p for p in cuts if p > self.pos)])
+            end = min([final, self.pos + self.chunk, *(p for p in cuts if p > self.pos)])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
-            t0 = time.perf_counter()
-            self._forward(self.prompt[self.pos:end])
-            self.segments.append((end - self.pos, time.perf_counter() - t0))
-            self.pos = end
+            self._pass(end)
             if end in marks:
                 capture(end, marks[end])
             mx.clear_cache()
         if self.should_stop():
             return None
-        t0 = time.perf_counter()
-        logits = self._forward(self.prompt[n - 1:])[:, -1, :]
-        self.segments.append((1, time.perf_counter() - t0))
-        self.pos = n
+        logits = self._pass(n, logits=True)
         if n in marks:
             capture(n, marks[n])
         return logits
+
+    def _pass(self, end: int, logits: bool = False) -> mx.array:
+        """One prefill pass over prompt[pos:end], timed; with `logits`, the last position's
+        logits, evaluated with the cache (one sync)."""
+        t0 = time.perf_counter()
+        out = self._forward(self.prompt[self.pos:end], logits)
+        self.segments.append((end - self.pos, time.perf_counter() - t0))
+        self.pos = end
+        return out
 
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
                processors: list, max_tokens: int, stats: PromptStats) -> Iterator[int]:
@@ -93,7 +101,7 @@ class Run:
             yield token
             if i == max_tokens - 1 or self.should_stop():
                 return
-            logits = self._forward([token])[:, -1, :]
+            logits = self._forward([token])
             self.fed.append(token)
             self.pending = None
 
@@ -105,5 +113,5 @@ class Run:
         token, self.pending = self.pending, None
         if token is None or self.broken or self.should_stop():
             return
-        self._forward([token])
+        self._forward([token], logits=False)
         self.fed.append(token)

@@ -14,13 +14,19 @@ Kinds (checked against mlx-lm 0.32, see docs/CHECKPOINTS.md):
 - "state": `ArraysCache` (Gated-DeltaNet, Mamba conv + recurrent state): never trimmable,
   snapshotted at every checkpoint.
 
-Value semantics: `a[i] = x` updates the Python array object `a` in place, and caches do that to
-their buffers. Every leaf handed out or stored here is rebuilt from `mx.array(a)` copies, so no
-array object is ever shared between a stored entry/snapshot and a live cache.
+Value semantics: `a[i] = x` updates the Python array object `a` in place (it rebinds it to the
+updated array), and caches do that to their buffers. Every leaf handed out or stored here is
+rebuilt from new array objects, so no array object is ever shared between a stored
+entry/snapshot and a live cache. They are shallow (`copy.copy`): MLX arrays are values, so the
+new object shares the old data and an in-place update of one copies the buffer first (copy on
+write). Snapshots and restores copy nothing; the live cache copies a buffer only when it updates
+one in place that a snapshot still holds (a sliding window during decode), and most updates
+replace arrays anyway (recurrent state, prefill concatenation).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -85,14 +91,14 @@ def snapshot_indices(cache: Cache) -> tuple[int, ...]:
 
 def _copy_state(x: Any) -> Any:
     if isinstance(x, mx.array):
-        return mx.array(x)
+        return copy.copy(x)  # a new array object on the same data (see the module docstring)
     if isinstance(x, list | tuple):
         return type(x)(_copy_state(v) for v in x)
     return x
 
 
 def copy_leaf(leaf: Any) -> Any:
-    """A value copy of one leaf cache (new array objects, same contents)."""
+    """A value copy of one leaf cache (new array objects sharing the contents)."""
     return type(leaf).from_state(_copy_state(leaf.state))
 
 
@@ -100,9 +106,10 @@ def nbytes(cache: Cache) -> int:
     return sum(leaf.nbytes for leaf in leaves(cache))
 
 
-def evaluate(cache: Cache) -> None:
-    """Materialize the cache so stored copies hold data, not lazy graphs of the prefill."""
-    mx.eval([leaf.state for leaf in leaves(cache)])
+def evaluate(cache: Cache, *also: Any) -> None:
+    """Materialize the cache (and `also`, e.g. logits: one sync) so stored copies hold data,
+    not lazy graphs of the prefill."""
+    mx.eval([leaf.state for leaf in leaves(cache)], *[a for a in also if a is not None])
 
 
 def trimmable(cache: Cache) -> bool:
@@ -121,6 +128,16 @@ def snapshot_trimmable(snap: Snapshot) -> bool:
     """Whether every leaf of a snapshot can be trimmed back to any shorter prefix (never a
     recurrent state; a sliding window only before it wraps)."""
     return all(leaf.is_trimmable() for leaf in snap.values())
+
+
+def trimmable_below(cache: Cache, indices: tuple[int, ...]) -> int:
+    """The smallest sliding window when windows are the only snapshotted leaves (a snapshot
+    taken below it can be trimmed back to any shorter prefix), else 0."""
+    all_leaves = leaves(cache)
+    picked = [all_leaves[i] for i in indices]
+    if not picked or any(type(leaf) is not RotatingKVCache for leaf in picked):
+        return 0
+    return min(leaf.max_size for leaf in picked)
 
 
 def checkpoint_bytes(probe: Cache, indices: tuple[int, ...], chunk: int) -> int:
