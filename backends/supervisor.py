@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from enum import StrEnum
 
 import aiohttp
 
@@ -37,32 +36,10 @@ from prefixd.backends.process import (
     wait_event,
     worker_env,
 )
+from prefixd.backends.states import ALLOWED, HEALTH_MISSES, HEALTH_PATH, ProcState, S
 from prefixd.metrics.proxy import BACKEND_RESTARTS, BACKEND_STATE, BACKEND_UP
 
 log = logging.getLogger("prefixd.backend")
-
-HEALTH_PATH = "/health"
-HEALTH_MISSES = 3       # consecutive failed probes of a running worker before it is restarted
-
-
-class ProcState(StrEnum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    FAILED = "failed"
-    SHUTDOWN = "shutdown"
-
-
-S = ProcState
-ALLOWED: dict[ProcState, frozenset[ProcState]] = {
-    S.STOPPED: frozenset({S.STARTING, S.FAILED, S.SHUTDOWN}),
-    S.STARTING: frozenset({S.READY, S.STOPPING, S.STOPPED}),   # STOPPED: exited early
-    S.READY: frozenset({S.STOPPING, S.STOPPED}),               # STOPPED: crashed
-    S.STOPPING: frozenset({S.STOPPED, S.SHUTDOWN}),
-    S.FAILED: frozenset({S.STARTING, S.SHUTDOWN}),              # STARTING: a retry
-    S.SHUTDOWN: frozenset(),
-}
 
 
 def local_session() -> aiohttp.ClientSession:
