@@ -79,7 +79,7 @@ class PrefixIndex:
         table = self._by_backend.setdefault(backend, OrderedDict())
         bounds = chain.bounds
         scale = 1.0
-        if exact_tokens and bounds and bounds[-1].tokens > 0:
+        if exact_tokens is not None and exact_tokens > 0 and bounds and bounds[-1].tokens > 0:
             scale = exact_tokens / bounds[-1].tokens
         for b in bounds:
             table[b.key] = _Entry(round(b.tokens * scale), now)

@@ -169,3 +169,19 @@ async def test_backend_truth_corrects_the_index(three, start_proxy, http):
     held = proxy.proxy.router.prefixes.longest(boundaries(flatten(body("sys " * 100, turns))),
                                                now=0.0)
     assert held["b0"] == (400, True)
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens": -5, "cached_tokens": -1},
+                                   {"prompt_tokens": True, "cached_tokens": "x"},
+                                   {"prompt_tokens": 10**30, "cached_tokens": None}])
+async def test_nonsense_usage_from_an_upstream_is_ignored(three, start_proxy, http, usage):
+    """Found by the long fuzz run: a negative prompt_tokens made the index predict a
+    negative count, and the metric refused it (a 500 on the next turn)."""
+    proxy = await start_proxy(backends=backends(three[:1]))
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+    turns = ["first question " * 20]
+    for _ in range(3):
+        async with http.post(base, json={**body("sys " * 50, turns),
+                                         "fake": {"usage": usage}}) as r:
+            assert r.status == 200
+        turns.append("more")

@@ -82,14 +82,13 @@ class RouteStage:
     def learn(self, decision: Decision, chain: Chain, usage: dict | None) -> None:
         """The backend now holds this prompt; what it reported corrects the prediction."""
         usage = usage or {}
-        prompt = usage.get("prompt_tokens")
+        prompt = _count(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(cached, int) and cached + MISPREDICT_SLACK < decision.predicted:
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        if cached is not None and cached + MISPREDICT_SLACK < decision.predicted:
             m.ROUTE_MISPREDICTIONS.labels(decision.name).inc()
             self.prefixes.forget(decision.name, chain, after_tokens=cached)
-        self.prefixes.record(decision.name, chain, time.monotonic(),
-                             prompt if isinstance(prompt, int) else None)
+        self.prefixes.record(decision.name, chain, time.monotonic(), prompt or None)
         m.INDEX_ENTRIES.labels(decision.name).set(self.prefixes.size(decision.name))
 
     def _check_epoch(self, name: str) -> None:
@@ -104,3 +103,10 @@ class RouteStage:
 
     def status(self, name: str) -> dict:
         return {"index_entries": self.prefixes.size(name)}
+
+
+def _count(value: object) -> int | None:
+    """A token count an upstream reported, if it is one (upstream data is not trusted)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40:
+        return value
+    return None
