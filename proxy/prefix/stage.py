@@ -228,7 +228,8 @@ class PrefixStage:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         lane = self.store.get(prepared.lane) if prepared.turn else None
         if lane is not None and lane.turn == prepared.turn:
-            lane.resp, lane.prompt_tokens = message, prompt if isinstance(prompt, int) else None
+            ok = isinstance(prompt, int) and not isinstance(prompt, bool) and prompt > 0
+            lane.resp, lane.prompt_tokens = message, prompt if ok else None
             self._learn_ratio(lane, prepared.segments, prompt)
         r = prepared.report
         if r is None:
