@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import aiohttp
 
@@ -36,6 +37,7 @@ from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
 from prefixd.backends.supervisor import ProcState, Supervisor, local_session
+from prefixd.backends.worker_api import call, token_ids, tokenize_payload
 
 log = logging.getLogger("prefixd.backend")
 
@@ -133,37 +135,24 @@ class ManagedBackend(BackendBase):
     async def tokenize(self, body: dict) -> list[int] | None:
         """The worker's exact token ids for a chat or completions body (rendered through its
         chat template), for exact prefix-report offsets. None when it cannot tell now."""
-        base = self._sup.base_url
-        if self._sup.state is not ProcState.READY or base is None:
-            return None
-        if self._session is None:
-            self._session = local_session()
-        payload = ({"content": body["prompt"]} if isinstance(body.get("prompt"), str)
-                   else {**body, "boundaries": False})   # ids only: no boundary rendering
-        try:
-            async with self._session.post(base + "/tokenize", json=payload,
-                                          headers=self._sup.auth,
-                                          timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status != 200:
-                    return None
-                tokens = (await r.json()).get("tokens")
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-            return None
-        return tokens if isinstance(tokens, list) else None
+        return token_ids(await self._call("/tokenize", tokenize_payload(body)))
 
     async def metrics_text(self) -> str | None:
         """The worker's own /metrics (its prompt cache), or None when it is not running."""
+        return await self._call("/metrics", text=True)
+
+    async def cache_info(self) -> dict | None:
+        """The worker's /v1/cache (its checkpoint store), or None when it is not running."""
+        answer = await self._call("/v1/cache")
+        return answer if isinstance(answer, dict) else None
+
+    async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
         base = self._sup.base_url
         if self._sup.state is not ProcState.READY or base is None:
             return None
         if self._session is None:
             self._session = local_session()
-        try:
-            async with self._session.get(base + "/metrics", headers=self._sup.auth,
-                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return await r.text() if r.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return None
+        return await call(self._session, base + path, self._sup.auth, payload, text)
 
     @property
     def loaded(self) -> bool:
@@ -180,20 +169,6 @@ class ManagedBackend(BackendBase):
             self._sup.request_unload(why)
             await self.wait_for(ProcState.STOPPED, ProcState.FAILED, ProcState.SHUTDOWN,
                                 timeout=timeout)
-
-    async def cache_info(self) -> dict | None:
-        """The worker's /v1/cache (its checkpoint store), or None when it is not running."""
-        base = self._sup.base_url
-        if self._sup.state is not ProcState.READY or base is None:
-            return None
-        if self._session is None:
-            self._session = local_session()
-        try:
-            async with self._session.get(base + "/v1/cache", headers=self._sup.auth,
-                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return await r.json() if r.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return None
 
     def status(self) -> BackendStatus:
         """The worker's pid and URL are shown (operators need them), never its token."""
