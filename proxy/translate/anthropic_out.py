@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefixd.proxy.translate.base import StreamTranslator, new_id, sse
-from prefixd.proxy.translate.chat import Block, BlockSequencer, Event, Usage, read_completion
+from prefixd.proxy.translate.base import new_id, sse
+from prefixd.proxy.translate.chat import Block, Event, Usage, read_completion
+from prefixd.proxy.translate.stream import BlockStream
 
 
 def usage(u: Usage | None) -> dict[str, int]:
@@ -68,35 +69,21 @@ _DELTA = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "te
           "tool": ("input_json_delta", "partial_json")}
 
 
-class AnthropicStream(StreamTranslator):
+class AnthropicStream(BlockStream):
     def __init__(self) -> None:
-        self._seq = BlockSequencer()
+        super().__init__()
         self._id = new_id("msg")
-        self._started = self._done = False
 
-    def feed(self, chunk: dict) -> bytes:
-        if self._done:
-            return b""
-        events = self._seq.feed(chunk)
-        return self._begin() + self._render(events)
-
-    def finish(self) -> bytes:
-        if self._done:
-            return b""
-        self._done = True
-        out = self._begin() + self._render(self._seq.finish())
+    def _close(self) -> bytes:
         seq = self._seq
         reason = stop_reason(seq.finish_reason, seq.blocks, seq.stop_sequence)
         delta = {"stop_reason": reason,
                  "stop_sequence": seq.stop_sequence if reason == "stop_sequence" else None}
-        out += sse("message_delta", {"type": "message_delta", "delta": delta,
-                                     "usage": usage(seq.usage)})
-        return out + sse("message_stop", {"type": "message_stop"})
+        return (sse("message_delta", {"type": "message_delta", "delta": delta,
+                                      "usage": usage(seq.usage)})
+                + sse("message_stop", {"type": "message_stop"}))
 
-    def error(self, body: dict) -> bytes:
-        if self._done:
-            return b""
-        self._done = True
+    def _fail(self, body: dict) -> bytes:
         return sse("error", body)
 
     def _begin(self) -> bytes:

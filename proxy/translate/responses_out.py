@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefixd.proxy.translate.base import StreamTranslator, new_id, sse
-from prefixd.proxy.translate.chat import Block, BlockSequencer, Event, Usage, read_completion
+from prefixd.proxy.translate.base import new_id, sse
+from prefixd.proxy.translate.chat import Block, Event, Usage, read_completion
+from prefixd.proxy.translate.stream import BlockStream
 
 NAMESPACE_SEP = "."
 _PREFIX = {"thinking": "rs", "text": "msg", "tool": "fc"}
@@ -81,37 +82,23 @@ def response(chat: dict) -> dict:
                            done.finish_reason, done.usage)
 
 
-class ResponsesStream(StreamTranslator):
+class ResponsesStream(BlockStream):
     def __init__(self) -> None:
-        self._seq = BlockSequencer()
+        super().__init__()
         self._id = new_id("resp")
         self._created = int(time.time())
         self._n = 0                            # sequence_number of the next event
         self._ids: dict[int, str] = {}         # output index -> item id
         self._items: list[dict] = []           # finished items, for the final response
-        self._started = self._done = False
 
-    def feed(self, chunk: dict) -> bytes:
-        if self._done:
-            return b""
-        events = self._seq.feed(chunk)
-        return self._begin() + self._render(events)
-
-    def finish(self) -> bytes:
-        if self._done:
-            return b""
-        self._done = True
-        out = self._begin() + self._render(self._seq.finish())
+    def _close(self) -> bytes:
         seq = self._seq
         final = response_object(self._id, self._created, seq.model, self._items,
                                  seq.finish_reason, seq.usage or Usage())
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        return out + self._event(kind, response=final)
+        return self._event(kind, response=final)
 
-    def error(self, body: dict) -> bytes:
-        if self._done:
-            return b""
-        self._done = True
+    def _fail(self, body: dict) -> bytes:
         err = body.get("error") if isinstance(body.get("error"), dict) else {}
         message = err.get("message") if isinstance(err.get("message"), str) else "upstream error"
         code = err.get("code") if err.get("code") == "context_length_exceeded" else (
