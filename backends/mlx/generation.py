@@ -166,6 +166,7 @@ class Generator:
         except Exception as e:
             log.exception("worker: generation failed")
             result = Failed(f"generation failed: {type(e).__name__}: {e}")
+            _reset_random_state()
         finally:
             self._pending.discard(job)
             self._after(result)
@@ -190,7 +191,7 @@ class Generator:
         s = job.sampling
         if s.seed is not None:
             mx.random.seed(s.seed)
-        sampler, processors = sampling_functions(s)
+        sampler, processors = sampling_functions(s, len(self.loaded.tokenizer))
         tap = None if job.logprobs is None else LogprobTap(sampler, job.logprobs, tokenizer)
         text = TextOut(job._emit, s.stop, tokenizer.detokenizer)
         eos = tokenizer.eos_token_ids
@@ -261,3 +262,12 @@ def observe_turn(stats: PromptStats | None, before: dict[str, float]) -> dict[st
     """Record the request's breakdown (metrics, DEBUG log) and return its JSON."""
     observe(stats, before)
     return breakdown(stats, before)
+
+
+def _reset_random_state() -> None:
+    """An exception inside mlx-lm's compiled sampler leaves MLX's global random state as a
+    trace placeholder, and every later generation fails ("eval an array without a
+    primitive"): give it a fresh key."""
+    import mlx.core as mx
+
+    mx.random.seed(time.time_ns() & 0xFFFFFFFF)

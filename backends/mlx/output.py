@@ -22,10 +22,13 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
-def sampling_functions(s: Sampling) -> tuple[Callable[[Any], Any], list[Any]]:
+def sampling_functions(s: Sampling, vocab: int) -> tuple[Callable[[Any], Any], list[Any]]:
+    """mlx-lm's sampler and logits processors. A `top_k` of the vocabulary's size or more
+    keeps every token (mlx-lm raises on it, inside its compiled sampler)."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    sampler = make_sampler(s.temperature, s.top_p, s.min_p, top_k=s.top_k)
+    top_k = s.top_k if 0 < s.top_k < vocab else 0
+    sampler = make_sampler(s.temperature, s.top_p, s.min_p, top_k=top_k)
     processors = make_logits_processors(
         s.logit_bias, s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty)
