@@ -37,7 +37,7 @@ async def main(out: Path) -> int:
     up = FakeUpstream()
     await up.start()
     settings = Settings(_env_file=None, backends=backends(up.url), prefix_excerpts=True)
-    server = Server(make_proxy(settings, build_backends(settings)))
+    server = Server(make_proxy(settings, build_backends(settings.backends, settings)))
     port = await server.start("127.0.0.1", 0)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -129,7 +129,8 @@ function fixRows(r) {
   }
   for (const w of list(r.would_fix)) {
     out.push(row("would fix", el("code", {}, `${setting(w.rule)}=on`),
-      ` keeps ${num(w.saved_tokens)} more tok (dry run)`));
+      ` keeps ${num(w.saved_tokens)} more tok`,
+      w.mode === "dry_run" ? " (dry run)" : " (rule off; measured on a copy)"));
   }
   const done = new Set([...list(r.fixed),
     ...list(r.would_fix).map((w) => w.rule)]);
