@@ -134,22 +134,29 @@ def chromium() -> str | None:
 
 
 async def run_chromium(profile: Path, *args: str, timeout: float = 120.0) -> bytes:
-    """Run headless Chromium with its own profile dir; its stdout (stderr on failure)."""
+    """Run headless Chromium with its own profile dir; its stdout (stderr on failure). Its
+    GPU process can die on a loaded container ("GPU process isn't usable"): the GPU thread
+    runs in the browser process, shared memory is not /dev/shm, and such a crash is retried
+    once."""
     binary = chromium()
     assert binary, "no chromium binary"
-    proc = await asyncio.create_subprocess_exec(
-        binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-        "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
-        f"--user-data-dir={profile}", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
-    return out
+    for attempt in (1, 2):
+        proc = await asyncio.create_subprocess_exec(
+            binary, "--headless", "--no-sandbox", "--disable-gpu", "--in-process-gpu",
+            "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
+            "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode == 0:
+            return out
+        if attempt == 2 or b"GPU process isn't usable" not in err:
+            break
+    raise AssertionError(err.decode(errors="replace")[-2000:])
 
 
 async def dump_dom(profile: Path, url: str) -> Node:
@@ -215,7 +222,8 @@ async def open_page(profile: Path, url: str) -> AsyncIterator[Page]:
     binary = chromium()
     assert binary, "no chromium binary"
     proc = await asyncio.create_subprocess_exec(
-        binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        binary, "--headless", "--no-sandbox", "--disable-gpu", "--in-process-gpu",
+        "--disable-dev-shm-usage", "--no-first-run",
         "--no-default-browser-check", "--disable-extensions", "--remote-debugging-port=0",
         f"--user-data-dir={profile}", "about:blank",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
