@@ -427,3 +427,27 @@ def test_an_append_only_turn_takes_two_prefill_passes_like_stock(model: Counting
     if not entry.trimmable:  # the tail mark and the end are checkpoints, nothing in between
         assert [p for p in entry.checkpoints if p > r] == [n - 5, n]
     _assert_same(warm, _cold(model, turn2))
+
+
+def test_a_shared_snapshot_keeps_its_values_while_the_live_cache_decodes() -> None:
+    """Snapshots share the live cache's arrays (no copy); the sliding window's single-token
+    updates then write into that shared buffer in place, which copies it first (MLX copy on
+    write), so the snapshot keeps its values."""
+    model = build_model("gemma3_text", seed=3)
+    cache = make_prompt_cache(model)
+    model(mx.array([_words(random.Random(23), 200)]), cache=cache)
+    model(mx.array([[4]]), cache=cache)  # the window buffer is now max_size, written in place
+    snapshot.evaluate(cache)
+    snap, _ = snapshot.take(cache, snapshot.snapshot_indices(cache))
+    before = _leaf_values(snap)
+    buffers = [c.keys for c in snap.values()]
+    for token in (5, 6, 7):
+        model(mx.array([[token]]), cache=cache)
+        snapshot.evaluate(cache)
+    live = [snapshot.leaves(cache)[i] for i in snap]
+    assert all(c.offset == 204 and c.keys.shape[2] == c.max_size for c in live)
+    assert all(c.keys is not b for c, b in zip(live, buffers, strict=True))
+    for (o1, i1, k1, v1), (o2, i2, k2, v2) in zip(before, _leaf_values(snap), strict=True):
+        assert (o1, i1) == (o2, i2) and o1 == 201
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(v1, v2)
