@@ -351,8 +351,12 @@ def test_auto_interval_is_sized_from_the_checkpoint_bytes(
     # depends on the machine (a tiny model's pass is mostly fixed cost)
     assert auto["by_compute"] == compute_interval(auto["pass_ms"], auto["token_ms"])
     interval = info["checkpoint_interval"]
-    assert interval == max(64, auto["by_compute"])
+    assert interval == 64                     # the default policy sizes by bytes alone
     assert f"checkpoint interval {interval} tokens" in caplog.text
+    by_cost = Engine(model, _settings(checkpoint_interval=None,
+                                      checkpoint_interval_policy="cost"))
+    assert by_cost.cache_info()["checkpoint_interval"] == max(
+        64, by_cost.cache_info()["checkpoint_interval_auto"]["by_compute"])
     _run(engine, _words(random.Random(17), 300), (100,))
     (entry,) = engine.store.entries
     assert sorted(entry.checkpoints) == placement(300, 0, (100,), interval, 2,

@@ -39,6 +39,7 @@ class EngineConfig:
 
     cache_bytes: int = 4 * 1024**3
     checkpoint_interval: int | None = None  # None: sized automatically at start-up
+    checkpoint_interval_policy: str = "bytes"   # "cost": also bounded by the pass cost
     checkpoint_tail: int = 4
     prefill_chunk: int = 512
     kv_bits: int | None = None
@@ -90,7 +91,8 @@ class Engine:
             return auto_interval(0, s.cache_bytes)  # no checkpoints are ever stored
         self.interval_choice = probe.choose_interval(self.model, self._fresh_cache,
                                                      self._snap_idx, s.cache_bytes,
-                                                     s.prefill_chunk)
+                                                     s.prefill_chunk,
+                                                     s.checkpoint_interval_policy == "cost")
         self.checkpoint_bytes = self.interval_choice.checkpoint_bytes
         return self.interval_choice.interval
 

@@ -83,18 +83,20 @@ def pass_costs(model: Any, fresh: Callable[[], list[Any]], chunk: int) -> tuple[
 
 
 def choose_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...],
-                    cache_bytes: int, chunk: int) -> IntervalChoice:
+                    cache_bytes: int, chunk: int, by_cost: bool = False) -> IntervalChoice:
     """The in-message checkpoint interval for a model whose checkpoints hold `snap_idx`: the
-    larger of the one whose checkpoints of a 32K-token conversation fit a quarter of the budget
-    (`auto_interval`) and the one whose extra forward passes cost at most 2% of the prefill
-    (`compute_interval`: a small model pays a large fixed cost per pass for little work)."""
+    one whose checkpoints of a 32K-token conversation fit a quarter of the budget
+    (`auto_interval`); with `by_cost`, the larger of that and the one whose extra forward
+    passes cost at most 2% of the prefill (`compute_interval`: a small model pays a large
+    fixed cost per pass for little work). Both are measured and reported either way."""
     probe = fresh()
     mx.eval(model(mx.array([[0]]), cache=probe))
     snapshot.evaluate(probe)
     size = snapshot.checkpoint_bytes(probe, snap_idx, chunk)
     pass_s, token_s = pass_costs(model, fresh, chunk)
     by_bytes, by_compute = auto_interval(size, cache_bytes), compute_interval(pass_s, token_s)
-    choice = IntervalChoice(max(by_bytes, by_compute), size, by_bytes, by_compute,
+    chosen = max(by_bytes, by_compute) if by_cost else by_bytes
+    choice = IntervalChoice(chosen, size, by_bytes, by_compute,
                             pass_s * 1000, token_s * 1000)
     log.info("checkpoint interval %d tokens (auto: %.3g MiB per checkpoint, budget %.3g GiB -> "
              "%d; a forward pass costs %.2f ms + %.3f ms/token -> %d)", choice.interval,

@@ -38,6 +38,12 @@ class WorkerSettings(BaseSettings):
         "Unset: automatic, the smallest power of two from 64 to 4096 whose checkpoints for a "
         "32K-token conversation fit in a quarter of cache_bytes (64 for small models, "
         "thousands for large hybrids).")
+    checkpoint_interval_policy: Literal["bytes", "cost"] = Field(
+        "bytes", description="Worker: how the automatic interval is sized. bytes: by the "
+        "checkpoints' size alone (a mid-message edit recomputes at most ~one interval; a long "
+        "new message costs one extra prefill pass per interval). cost: also so that the extra "
+        "passes cost at most 2% of the prefill (append-only turns as fast as stock mlx-lm; on "
+        "small models a mid-message edit then falls back to the message start).")
     checkpoint_tail: int = Field(4, ge=0, description="Worker: checkpoint this many tokens "
                                  "before the prompt end (besides the end itself).")
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
