@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,13 +65,14 @@ class RequestTrace:
                                                   if v is not None or k == "status"))
 
 
+_PLAIN = re.compile(r"[!#-<>-~]+")    # printable ASCII but space, `"` and `=`
+
+
 def _value(v: Any) -> str:
     """A text-log value that cannot forge fields or lines: plain tokens as they are,
-    anything with spaces, quotes, `=` or control characters JSON-quoted."""
+    anything else (spaces, quotes, `=`, control characters) JSON-quoted."""
     text = str(v)
-    if text and all(c.isprintable() and c not in ' "=' for c in text):
-        return text
-    return json.dumps(text)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
 
 def _r(x: float | None) -> float | None:
