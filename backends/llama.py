@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prefixd.metrics.proxy import SLOT_PINS
+
 log = logging.getLogger("prefixd.backend")
 
 ACTIVE_S = 300.0          # a conversation with a request this recent is active
@@ -345,6 +347,7 @@ class LlamaSlots:
             p.pin = decide_slot(self.book.view(p.lane, now, settled=not self._unplaced))
         self.book.seen(p.lane, now)
         self.pins[p.pin.reason] = self.pins.get(p.pin.reason, 0) + 1
+        SLOT_PINS.labels(self.name, p.pin.reason).inc()
         if p.pin.slot is None:
             self._unplaced += 1
             return body

@@ -304,7 +304,10 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
     recomputed = sum(r.prompt - r.cached for r in reqs)
     ideal = ideal_computed(reqs, toks)
     waits = sorted(max(0.0, r.ttft - r.prompt_ms / 1000) for r in reqs)
-    firsts = collections.Counter(r.backend for r in reqs if r.turn == 0)
+    firsts = {f"b{i}": 0 for i in range(len(ups.urls))}
+    for r in reqs:
+        if r.turn == 0:
+            firsts[r.backend] = firsts.get(r.backend, 0) + 1
     return {
         "setup": setup, "upstream": ups.kind, "flags": ups.flags, "policy": policy,
         "pins": pins, "convs": convs, "requests": len(reqs), "prompt_tokens": prompt,
@@ -312,7 +315,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "reuse": (prompt - recomputed) / max(1, prompt - ideal),
         "ttft_median_ms": 1000 * statistics.median(r.ttft for r in reqs),
         "queue_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
-        "first_turns": dict(sorted(firsts.items())), "slot_pins": dict(slot_pins),
+        "first_turns": firsts, "slot_pins": dict(slot_pins),
         "wall_s": wall,
     }
 

@@ -54,3 +54,7 @@ ROUTE_MISPREDICTIONS = Counter("prefixd_route_mispredictions_total",
                                ["backend"], registry=REGISTRY)
 INDEX_ENTRIES = Gauge("prefixd_route_index_entries", "Prefix boundaries indexed per backend.",
                       ["backend"], registry=REGISTRY)
+SLOT_PINS = Counter("prefixd_slot_decisions_total",
+                    "llama-server slot decisions: pinned (holds_prefix, spare_slot) or left to "
+                    "the server (server, taken, unsettled, single_slot, untrusted, client).",
+                    ["backend", "reason"], registry=REGISTRY)
