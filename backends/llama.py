@@ -193,6 +193,7 @@ class SlotBook:
         self.lanes: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
         self.trusted = True
         self.misses = 0
+        self.certain = True       # no request ran where the book could not tell
 
     def view(self, lane: str, now: float, settled: bool = True) -> SlotView:
         own = self.lanes.get(lane, (None, 0.0))[0]
@@ -226,6 +227,7 @@ class SlotBook:
     def lost(self, lane: str) -> None:
         """`lane`'s request ran in a slot nobody knows: any slot may have been overwritten."""
         self.holder = [UNKNOWN if h is not None else None for h in self.holder]
+        self.certain = False
         self.lanes[lane] = (None, self.lanes.get(lane, (None, 0.0))[1])
 
     def occupied(self, slots: list[SlotState]) -> None:
@@ -316,6 +318,7 @@ class LlamaSlots:
         self.pins: dict[str, int] = {}
         self._pending: dict[str, Placement] = {}
         self._unplaced = 0                       # sent unpinned, not located yet
+        self.takeover_seen = False               # measured: it selects slots by similarity
         if slots:
             self.book.occupied(slots)
 
@@ -371,8 +374,22 @@ class LlamaSlots:
         except Exception:
             slot = None
         if slot is not None:
+            self._check_takeover(p.lane, slot)
             self.book.placed(p.lane, slot, time.monotonic())
             p.learned = True
+
+    def _check_takeover(self, lane: str, slot: int) -> None:
+        """Measure what /props does not say: the server put a request into another
+        conversation's slot while a slot was empty. Its least-recently-used pick takes empty
+        slots first, so it chose by prompt similarity (-sps > 0)."""
+        book, held = self.book, self.book.holder[slot]
+        if (self.info.similarity is None and not self.takeover_seen and book.certain
+                and held is not None and held != lane and None in book.holder):
+            self.takeover_seen = True
+            log.warning("backend %s: llama-server put a conversation into another one's slot "
+                        "while a slot was empty, so it picks slots by prompt similarity "
+                        "(-sps > 0), which discards the other conversation's cache: restart it "
+                        "with -sps 0", self.name)
 
     def done(self, p: Placement) -> None:
         """The request ended (answered, failed or abandoned)."""
@@ -386,4 +403,5 @@ class LlamaSlots:
     def status(self) -> dict[str, Any]:
         return {"slots": self.info.total_slots, "slot_similarity": self.info.similarity,
                 "cache_ram_mib": self.info.cache_ram_mib, "slot_pins": dict(self.pins),
+                "slot_takeover_seen": self.takeover_seen,
                 "slot_pins_trusted": self.book.trusted}

@@ -13,6 +13,7 @@ import pytest
 from fake_llama import FakeLlama, Served, lcp, render, tokenize
 
 from prefixd.backends.llama import (
+    LlamaSlots,
     Pin,
     ServerInfo,
     SlotBook,
@@ -86,6 +87,45 @@ def test_the_pin_is_spliced_into_the_bytes_as_sent():
     assert with_slot(b'{"model": "m",  "messages": []}', 3) == \
         b'{"id_slot":3,"model": "m",  "messages": []}'
     assert with_slot(b' { } ', 0) == b' {"id_slot":0 } '
+
+
+async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
+    """expect -> prepare (when sent) -> learn -> done, over a scripted /slots."""
+    answers: dict[str, object] = {}
+
+    async def fetch(path: str) -> object:
+        return answers.get(path)
+
+    ls = LlamaSlots("ls", ServerInfo(2, 4096), fetch)
+    usage = {"prompt_tokens": 800, "prompt_tokens_details": {"cached_tokens": 700}}
+    # a new conversation: the server places it; /slots says slot 1 ran it
+    a1 = ls.expect("r1", "A", 0)
+    assert ls.prepare("r1", b'{"messages":[]}') == b'{"messages":[]}'
+    b1 = ls.expect("r2", "B", 0)
+    assert ls.prepare("r2", b"{}") == b"{}" and b1.pin == Pin(None, "unsettled")
+    answers["/slots"] = [{"id": 1, "is_processing": False, "id_task": 3,
+                          "n_prompt_tokens_cache": 700, "n_prompt_tokens_processed": 100}]
+    await ls.learn(a1, usage)
+    ls.done(a1)
+    ls.done(b1)                                   # failed: where it ran is unknown
+    assert not ls.book.view("A", 0.0).own_intact  # ... so A's slot may be gone too
+    a2 = ls.expect("r3", "A", 700)
+    ls.prepare("r3", b"{}")
+    answers["/slots"] = [{"id": 0, "is_processing": False, "id_task": 4,
+                          "n_prompt_tokens_cache": 700, "n_prompt_tokens_processed": 100}]
+    await ls.learn(a2, usage)
+    ls.done(a2)
+    # A's next turn finds its slot intact: pinned, spliced into the bytes as sent
+    a3 = ls.expect("r4", "A", 800)
+    assert ls.prepare("r4", b'{"model":"m"}') == b'{"id_slot":0,"model":"m"}'
+    await ls.learn(a3, usage)
+    ls.done(a3)
+    # the client's own id_slot is left alone
+    c = ls.expect("r5", "C", 0)
+    assert ls.prepare("r5", b'{"id_slot":1}') == b'{"id_slot":1}' and c.pin == Pin(None, "client")
+    ls.done(c)
+    assert ls.pins == {"server": 1, "unsettled": 1, "taken": 1, "holds_prefix": 1, "client": 1}
+    assert ls.prepare("unknown", b"{}") == b"{}"   # never announced: untouched
 
 
 # llama.cpp's server (b7xxx): /props and /slots as it answers them
@@ -304,6 +344,23 @@ async def test_back_to_back_turns_of_one_conversation_stay_in_its_slot(
     tail = f.served[-3:]
     assert all(s.id_slot == tail[0].slot and not s.restored for s in tail), f.served
     assert all(s.cached >= s.prompt - 60 for s in tail)
+
+
+async def test_similarity_takeover_is_measured_when_the_server_does_not_say(
+        llama, start_proxy, http, caplog):
+    """A build that does not report -sps: the second conversation lands in the first one's
+    slot while three are empty, which only similarity selection does. One warning says so."""
+    f = await llama(slots=4, similarity=0.1, report_settings=False)
+    caplog.set_level(logging.INFO, logger="prefixd.backend")
+    proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": f.url,
+                                         "models": ["m"]}])
+    slots = await proxy.proxy.backends["ls"].detect_slots()
+    assert slots is not None and slots.info.similarity is None
+    await play(http, proxy.port, convs=3, turns=1)
+    assert [s.slot for s in f.served] == [3, 3, 3]
+    warned = [r.getMessage() for r in caplog.records if "by prompt similarity" in r.getMessage()]
+    assert len(warned) == 1 and "restart it with -sps 0" in warned[0]
+    assert slots.status()["slot_takeover_seen"]
 
 
 async def test_a_server_that_is_not_llama_server_gets_no_pins(start_proxy, upstream, http):
