@@ -259,26 +259,39 @@ class SlotBook:
         return out
 
 
-def locate(slots: list[SlotState], prompt_tokens: int | None, cached: int | None) -> int | None:
-    """The slot whose last task is the request that reported `prompt_tokens`/`cached`: the
-    one whose reused and computed counts match, the newest task among several."""
-    if prompt_tokens is None or cached is None:
+def locate(slots: list[SlotState], prompt: int | None, cached: int | None,
+           completion: int | None = None) -> int | None:
+    """The slot whose last task is the request that reported these counts, the newest task
+    among several: its reused/computed counts match where the server still shows them;
+    llama-server clears them when the slot is released, and then what the slot holds is
+    the prompt and the tokens it generated (the last one sampled, not decoded)."""
+    if prompt is None:
         return None
-    hits = [s for s in slots if s.n_cached == cached
-            and s.n_processed is not None and s.n_cached + s.n_processed == prompt_tokens]
+
+    def ran(s: SlotState) -> bool:
+        if s.id_task is None:
+            return False
+        if s.n_processed:
+            return s.n_cached == cached and (s.n_cached or 0) + s.n_processed == prompt
+        held = prompt + (completion or 0)
+        return held - 2 <= s.n_prompt_tokens <= held
+
+    hits = [s for s in slots if ran(s)]
     if not hits:
         return None
-    return max(hits, key=lambda s: s.id_task if s.id_task is not None else -1).id
+    return max(hits, key=lambda s: s.id_task or 0).id
 
 
-def usage_counts(usage: dict | None) -> tuple[int | None, int | None]:
-    """(prompt_tokens, cached_tokens) of an OpenAI usage object (llama-server's included)."""
+def usage_counts(usage: dict | None) -> tuple[int | None, int | None, int | None]:
+    """(prompt_tokens, cached_tokens, completion_tokens) of an OpenAI usage object."""
     usage = usage or {}
-    prompt = usage.get("prompt_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (prompt if isinstance(prompt, int) else None,
-            cached if isinstance(cached, int) else None)
+
+    def n(v: object) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    return n(usage.get("prompt_tokens")), n(cached), n(usage.get("completion_tokens"))
 
 
 Fetch = Callable[[str], Awaitable[Any]]   # GET a path of the server -> its JSON (or None)
@@ -361,7 +374,7 @@ class LlamaSlots:
         """After a good answer: a pin's hit or miss; where an unpinned request ran."""
         if p.pin is None:
             return
-        prompt, cached = usage_counts(usage)
+        prompt, cached, completion = usage_counts(usage)
         if self.book.outcome(p.pin, cached, p.predicted):
             log.warning("backend %s: llama-server slots do not keep a conversation between "
                         "its turns (idle slots cleared: --kv-unified with --cache-idle-slots?); "
@@ -370,7 +383,7 @@ class LlamaSlots:
             p.learned = True
             return
         try:
-            slot = locate(parse_slots(await self._fetch("/slots")), prompt, cached)
+            slot = locate(parse_slots(await self._fetch("/slots")), prompt, cached, completion)
         except Exception:
             slot = None
         if slot is not None:

@@ -204,6 +204,7 @@ class FakeLlama:
     async def _release(self, slot: Slot) -> None:
         async with self._changed:
             slot.busy = False
+            slot.n_cached = slot.n_processed = 0      # llama-server resets a slot's stats
             slot.t_last_used = time.monotonic()
             self._changed.notify_all()
 

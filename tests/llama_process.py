@@ -86,9 +86,9 @@ class LlamaServer:
         return " ".join(out)
 
     async def start(self, timeout_s: float = 120.0) -> None:
-        sink = self.log.open("ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.args, stdout=sink, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        with open(self.log or os.devnull, "ab") as sink:     # the child keeps its own copy
+            self.proc = subprocess.Popen(self.args, stdout=sink, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as s:
             while True:

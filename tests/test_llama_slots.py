@@ -139,7 +139,11 @@ SLOTS = [{"id": 0, "n_ctx": 4096, "speculative": False, "is_processing": False,
          {"id": 1, "n_ctx": 4096, "speculative": False, "is_processing": True,
           "id_task": 9, "n_prompt_tokens": 760, "n_prompt_tokens_processed": 46,
           "n_prompt_tokens_cache": 714},
-         {"id": 2, "n_ctx": 4096, "speculative": False, "is_processing": False}]
+         {"id": 2, "n_ctx": 4096, "speculative": False, "is_processing": False},
+         # released: llama-server cleared its counts; it holds 804 prompt + 7 generated
+         {"id": 3, "n_ctx": 4096, "speculative": False, "is_processing": False,
+          "id_task": 8, "n_prompt_tokens": 811, "n_prompt_tokens_processed": 0,
+          "n_prompt_tokens_cache": 0}]
 
 
 def test_props_and_slots_are_read_and_anything_else_is_not_llama_server():
@@ -150,13 +154,14 @@ def test_props_and_slots_are_read_and_anything_else_is_not_llama_server():
     assert parse_props({**PROPS, "slot_prompt_similarity": 0.1, "cache_ram_mib": 0}) == \
         ServerInfo(4, 4096, 0.1, 0, "b7100-abc")
     slots = parse_slots(SLOTS)
-    assert [s.id for s in slots] == [0, 1, 2] and slots[1].is_processing
+    assert [s.id for s in slots] == [0, 1, 2, 3] and slots[1].is_processing
     assert slots[2] == SlotState(2, 4096, False)
     assert parse_slots({"error": "not supported"}) == []
     # the slot whose last task reused 714 and computed 90 of 804 prompt tokens
     assert locate(slots, 804, 714) == 0
     assert locate(slots, 760, 714) == 1
     assert locate(slots, 804, 700) is None and locate(slots, None, 714) is None
+    assert locate(slots, 804, 300, completion=8) == 3       # by what the slot holds
 
 
 @pytest.mark.parametrize(("info", "level", "says"), [
