@@ -18,6 +18,7 @@ conversation is an opaque key here (this package imports nothing of the proxy).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,7 @@ class SlotState:
     n_prompt_tokens: int = 0           # what the slot holds now (prompt + generated)
     n_cached: int | None = None        # its last task: prompt tokens it reused ...
     n_processed: int | None = None     # ... and computed
+    seed: int | None = None            # ... and its sampling seed
 
 
 def _num(*dicts: Any, keys: tuple[str, ...]) -> float | None:
@@ -94,9 +96,12 @@ def parse_slots(obj: Any) -> list[SlotState]:
             v = s.get(key)
             return v if isinstance(v, int) and not isinstance(v, bool) else None
 
+        params = s.get("params")
+        seed = params.get("seed") if isinstance(params, dict) else None
         out.append(SlotState(s["id"], i("n_ctx"), bool(s.get("is_processing")), i("id_task"),
                              i("n_prompt_tokens") or 0, i("n_prompt_tokens_cache"),
-                             i("n_prompt_tokens_processed")))
+                             i("n_prompt_tokens_processed"),
+                             seed if isinstance(seed, int) else None))
     return out
 
 
@@ -260,11 +265,15 @@ class SlotBook:
 
 
 def locate(slots: list[SlotState], prompt: int | None, cached: int | None,
-           completion: int | None = None) -> int | None:
-    """The slot whose last task is the request that reported these counts, the newest task
-    among several: its reused/computed counts match where the server still shows them;
-    llama-server clears them when the slot is released, and then what the slot holds is
-    the prompt and the tokens it generated (the last one sampled, not decoded)."""
+           completion: int | None = None, seed: int | None = None) -> int | None:
+    """The slot whose last task is the request that reported these counts: the one that
+    shows its `seed` (a marker prefixd gave it), else the newest task whose reused/computed
+    counts match where the server still shows them; llama-server clears them when the slot
+    is released, and then what the slot holds is the prompt and the tokens it generated
+    (the last one sampled, not decoded) — ambiguous among conversations of one length."""
+    if seed is not None:
+        marked = [s.id for s in slots if s.seed == seed]
+        return marked[0] if len(marked) == 1 else None
     if prompt is None:
         return None
 
@@ -297,11 +306,12 @@ def usage_counts(usage: dict | None) -> tuple[int | None, int | None, int | None
 Fetch = Callable[[str], Awaitable[Any]]   # GET a path of the server -> its JSON (or None)
 
 
-def with_slot(raw: bytes, slot: int) -> bytes:
-    """The same JSON object with `"id_slot": slot` first, every other byte as it was."""
+def with_field(raw: bytes, key: str, value: int) -> bytes:
+    """The same JSON object with `"key": value` first, every other byte as it was."""
     start = raw.index(b"{") + 1
     empty = raw[start:].lstrip().startswith(b"}")
-    return raw[:start] + b'"id_slot":%d' % slot + (b"" if empty else b",") + raw[start:]
+    field = b'"%s":%d' % (key.encode(), value)
+    return raw[:start] + field + (b"" if empty else b",") + raw[start:]
 
 
 @dataclass
@@ -312,6 +322,7 @@ class Placement:
     lane: str
     predicted: int               # cached tokens the prefix index expects on this server
     pin: Pin | None = None       # decided when the request is sent
+    marker: int | None = None    # the seed it was sent with, to find it in /slots
     learned: bool = False        # where it ran is known
 
 
@@ -364,11 +375,16 @@ class LlamaSlots:
         self.book.seen(p.lane, now)
         self.pins[p.pin.reason] = self.pins.get(p.pin.reason, 0) + 1
         SLOT_PINS.labels(self.name, p.pin.reason).inc()
-        if p.pin.slot is None:
-            self._unplaced += 1
-            return body
-        self.book.placed(p.lane, p.pin.slot, now)
-        return with_slot(body, p.pin.slot)
+        if p.pin.slot is not None:
+            self.book.placed(p.lane, p.pin.slot, now)
+            return with_field(body, "id_slot", p.pin.slot)
+        self._unplaced += 1
+        if self.info.total_slots > 1 and p.pin.reason != "client" and b'"seed"' not in body:
+            # The server shows each slot's last seed: a random one (what it would draw
+            # itself for a request without one) tells which slot this request ran in.
+            p.marker = random.randrange(1, 1 << 31)
+            return with_field(body, "seed", p.marker)
+        return body
 
     async def learn(self, p: Placement, usage: dict | None) -> None:
         """After a good answer: a pin's hit or miss; where an unpinned request ran."""
@@ -383,7 +399,8 @@ class LlamaSlots:
             p.learned = True
             return
         try:
-            slot = locate(parse_slots(await self._fetch("/slots")), prompt, cached, completion)
+            slot = locate(parse_slots(await self._fetch("/slots")), prompt, cached, completion,
+                          p.marker)
         except Exception:
             slot = None
         if slot is not None:

@@ -261,16 +261,16 @@ async def tokens_of(http: aiohttp.ClientSession, url: str | None, reqs: list[Req
     return out
 
 
-def ideal_computed(reqs: list[Req], toks: list[tuple[list[Any], list[Any]]]) -> int:
-    """Tokens one backend with an unbounded cache computes, serving the requests one after
-    another in the order they were sent: for each, all but the longest prefix it shares
-    with an earlier request's prompt + reply (`reqs` are in that order)."""
-    total = 0
+def ideal_computed(reqs: list[Req], toks: list[tuple[list[Any], list[Any]]]) -> list[int]:
+    """Per request, the tokens one backend with an unbounded cache computes, serving the
+    requests one after another in the order they were sent: all but the longest prefix it
+    shares with an earlier request's prompt + reply (`reqs` are in that order)."""
+    out = []
     for i in range(len(reqs)):
         prompt = toks[i][0]
         best = max((lcp(toks[j][0] + toks[j][1], prompt) for j in range(i)), default=0)
-        total += len(prompt) - min(best, len(prompt) - 1)
-    return total
+        out.append(len(prompt) - min(best, len(prompt) - 1))
+    return out
 
 
 async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
@@ -302,7 +302,9 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         await ups.stop()
     prompt = sum(r.prompt for r in reqs)
     recomputed = sum(r.prompt - r.cached for r in reqs)
-    ideal = ideal_computed(reqs, toks)
+    ideals = ideal_computed(reqs, toks)
+    ideal = sum(ideals)
+    later = [(r.prompt - r.cached, i) for r, i in zip(reqs, ideals, strict=True) if r.turn]
     waits = sorted(max(0.0, r.ttft - r.prompt_ms / 1000) for r in reqs)
     firsts = {f"b{i}": 0 for i in range(len(ups.urls))}
     for r in reqs:
@@ -312,6 +314,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "setup": setup, "upstream": ups.kind, "flags": ups.flags, "policy": policy,
         "pins": pins, "convs": convs, "requests": len(reqs), "prompt_tokens": prompt,
         "recomputed": recomputed, "ideal": ideal, "ratio": recomputed / max(1, ideal),
+        "ratio_later": sum(a for a, _ in later) / max(1, sum(i for _, i in later)),
         "reuse": (prompt - recomputed) / max(1, prompt - ideal),
         "ttft_median_ms": 1000 * statistics.median(r.ttft for r in reqs),
         "queue_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
@@ -331,9 +334,9 @@ def plan(setups: list[str]) -> list[tuple[str, str, bool]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| setup | upstream | policy | convs | reqs | recomputed | ideal | ratio | reuse "
-           "| TTFT p50 ms | queue p99 ms | first turns | slot pins |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| setup | upstream | policy | convs | reqs | recomputed | ideal | ratio "
+           "| ratio, turns 2+ | reuse | TTFT p50 ms | queue p99 ms | first turns | slot pins |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         policy = r["policy"] if r["setup"] not in ("c4", "c12") else \
             ("prefixd + slot pins" if r["pins"] else "prefixd, no pins")
@@ -341,6 +344,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         pins = ", ".join(f"{k} {v}" for k, v in sorted(r["slot_pins"].items())) or "-"
         out.append(f"| {r['setup']} | {r['upstream']} | {policy} | {r['convs']} | "
                    f"{r['requests']} | {r['recomputed']} | {r['ideal']} | {r['ratio']:.2f} | "
+                   f"{r['ratio_later']:.2f} | "
                    f"{100 * r['reuse']:.1f}% | {r['ttft_median_ms']:.0f} | "
                    f"{r['queue_p99_ms']:.0f} | {firsts} | {pins} |")
     return "\n".join(out)
@@ -375,6 +379,7 @@ async def main() -> int:
         row = await run_one(setup, policy, pins, args, real)
         rows.append(row)
         print(f"{setup:4} {policy:13} pins={pins!s:5} ratio={row['ratio']:.2f} "
+              f"later={row['ratio_later']:.2f} "
               f"reuse={100 * row['reuse']:.1f}% ttft50={row['ttft_median_ms']:.0f}ms "
               f"q99={row['queue_p99_ms']:.0f}ms firsts={row['first_turns']} "
               f"({row['wall_s']:.1f}s)", flush=True)

@@ -70,6 +70,7 @@ class Slot:
     id_task: int | None = None
     n_cached: int = 0
     n_processed: int = 0
+    seed: int = -1
 
 
 @dataclass
@@ -236,6 +237,8 @@ class FakeLlama:
             reply = " ".join(f"w{(len(tokens) * 7 + i) % 97}" for i in range(self.reply_tokens))
             slot.tokens = tokens + tokenize(reply)
             slot.id_task, slot.n_cached, slot.n_processed = self._tasks, cached, processed
+            seed = body.get("seed")
+            slot.seed = seed if isinstance(seed, int) else 0xFFFFFFFF
             self.served.append(Served(id_slot, slot.id, len(tokens), cached, restored))
             usage = {"prompt_tokens": len(tokens), "completion_tokens": self.reply_tokens,
                      "total_tokens": len(tokens) + self.reply_tokens,
@@ -297,6 +300,6 @@ class FakeLlama:
             if s.id_task is not None:
                 d.update(id_task=s.id_task, n_prompt_tokens=len(s.tokens),
                          n_prompt_tokens_processed=s.n_processed,
-                         n_prompt_tokens_cache=s.n_cached)
+                         n_prompt_tokens_cache=s.n_cached, params={"seed": s.seed})
             out.append(d)
         return web.json_response(out)

@@ -24,7 +24,7 @@ from prefixd.backends.llama import (
     locate,
     parse_props,
     parse_slots,
-    with_slot,
+    with_field,
 )
 
 
@@ -84,9 +84,9 @@ def test_two_missed_pins_in_a_row_stop_pinning():
 
 
 def test_the_pin_is_spliced_into_the_bytes_as_sent():
-    assert with_slot(b'{"model": "m",  "messages": []}', 3) == \
+    assert with_field(b'{"model": "m",  "messages": []}', "id_slot", 3) == \
         b'{"id_slot":3,"model": "m",  "messages": []}'
-    assert with_slot(b' { } ', 0) == b' {"id_slot":0 } '
+    assert with_field(b' { } ', "id_slot", 0) == b' {"id_slot":0 } '
 
 
 async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
@@ -96,23 +96,29 @@ async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
     async def fetch(path: str) -> object:
         return answers.get(path)
 
+    def ran(slot: int, seed: int | None) -> list[dict]:
+        return [{"id": slot, "is_processing": False, "id_task": 3, "n_prompt_tokens": 805,
+                 "params": {"seed": seed}}]
+
     ls = LlamaSlots("ls", ServerInfo(2, 4096), fetch)
-    usage = {"prompt_tokens": 800, "prompt_tokens_details": {"cached_tokens": 700}}
-    # a new conversation: the server places it; /slots says slot 1 ran it
+    usage = {"prompt_tokens": 800, "completion_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 700}}
+    # a new conversation: the server places it, with a random seed that /slots shows back
     a1 = ls.expect("r1", "A", 0)
-    assert ls.prepare("r1", b'{"messages":[]}') == b'{"messages":[]}'
+    sent = ls.prepare("r1", b'{"messages":[]}')
+    assert a1.marker is not None and sent == b'{"seed":%d,"messages":[]}' % a1.marker
     b1 = ls.expect("r2", "B", 0)
-    assert ls.prepare("r2", b"{}") == b"{}" and b1.pin == Pin(None, "unsettled")
-    answers["/slots"] = [{"id": 1, "is_processing": False, "id_task": 3,
-                          "n_prompt_tokens_cache": 700, "n_prompt_tokens_processed": 100}]
+    ls.prepare("r2", b"{}")
+    assert b1.pin == Pin(None, "unsettled")          # A is not located yet
+    answers["/slots"] = ran(1, a1.marker)
     await ls.learn(a1, usage)
     ls.done(a1)
     ls.done(b1)                                   # failed: where it ran is unknown
     assert not ls.book.view("A", 0.0).own_intact  # ... so A's slot may be gone too
     a2 = ls.expect("r3", "A", 700)
-    ls.prepare("r3", b"{}")
-    answers["/slots"] = [{"id": 0, "is_processing": False, "id_task": 4,
-                          "n_prompt_tokens_cache": 700, "n_prompt_tokens_processed": 100}]
+    ls.prepare("r3", b'{"seed":7}')               # the client's seed: found by counts
+    assert a2.marker is None
+    answers["/slots"] = ran(0, 7)
     await ls.learn(a2, usage)
     ls.done(a2)
     # A's next turn finds its slot intact: pinned, spliced into the bytes as sent
