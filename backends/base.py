@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from prefixd.backends.llama import LlamaSlots
 
 
 class BackendUnavailable(Exception):
@@ -92,6 +95,9 @@ class Backend(Protocol):
     async def cache_info(self) -> dict[str, Any] | None:
         """A summary of the backend's prompt cache (bytes, budget, entries), or None."""
 
+    def slots(self) -> LlamaSlots | None:
+        """The upstream's slots where it has and reports them (llama-server), else None."""
+
 
 class BackendBase:
     """Defaults for the optional capabilities of `Backend`: none of them."""
@@ -103,4 +109,7 @@ class BackendBase:
         return None
 
     async def cache_info(self) -> dict[str, Any] | None:
+        return None
+
+    def slots(self) -> LlamaSlots | None:
         return None

@@ -1,5 +1,7 @@
 """Backend kind `openai`: any OpenAI-compatible upstream (llama-server, mlx_lm.server, vLLM,
-Ollama). Owns its HTTP session and a periodic health probe that sets its up/down state."""
+Ollama). Owns its HTTP session and a periodic health probe that sets its up/down state; each
+time the upstream comes up it is asked whether it is a llama-server with slots
+(`backends/llama.py`)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import aiohttp
 
 from prefixd.backends.base import BackendBase, BackendStatus, UpstreamRequest, UpstreamResponse
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.http import client_session, post_stream
+from prefixd.backends.llama import LlamaSlots
 from prefixd.metrics.proxy import BACKEND_UP
 
 log = logging.getLogger("prefixd.backend")
@@ -42,6 +46,8 @@ class OpenAIBackend(BackendBase):
         self._probe_from = 0               # index into PROBE_PATHS of the path that works
         self._can_tokenize: bool | None = None   # None until /apply-template was tried
         self._tokenize_probe = asyncio.Lock()
+        self._llama: LlamaSlots | None = None     # set while up, if it is a llama-server
+        self._detecting: asyncio.Task[None] | None = None
         key = config.api_key.get_secret_value() if config.api_key else None
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -59,6 +65,9 @@ class OpenAIBackend(BackendBase):
     @asynccontextmanager
     async def forward(self, request: UpstreamRequest) -> AsyncIterator[UpstreamResponse]:
         session = self._ensure_session()
+        if self._llama is not None:    # a slot pin, decided now that it is being sent
+            request = replace(request, body=self._llama.prepare(request.request_id,
+                                                                 request.body))
         async with post_stream(session, self._base + request.path, request, self.name,
                                self._auth) as resp:
             yield resp
@@ -119,6 +128,7 @@ class OpenAIBackend(BackendBase):
                     break
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             up, err = False, f"health probe: {e or type(e).__name__}"
+        came_up = up and self._up is not True
         if up != self._up:
             log.log(logging.INFO if up else logging.WARNING, "backend %s is %s%s", self.name,
                     "up" if up else "down", "" if up else f" ({err})")
@@ -126,7 +136,38 @@ class OpenAIBackend(BackendBase):
         if err:
             self._last_error = err
         BACKEND_UP.labels(self.name).set(1 if up else 0)
+        if not up:
+            self._llama = None                # a restarted server has empty slots
+        elif came_up:
+            self._detecting = asyncio.create_task(self._detect_slots())
+            await self._detecting
         return up
+
+    async def detect_slots(self) -> LlamaSlots | None:
+        """Wait for the slot detection of the current up period (probing once if none ran)."""
+        if self._detecting is None:
+            await self.probe_once()
+        if self._detecting is not None:
+            await asyncio.shield(self._detecting)
+        return self._llama
+
+    def slots(self) -> LlamaSlots | None:
+        return self._llama
+
+    async def _detect_slots(self) -> None:
+        try:
+            self._llama = await LlamaSlots.detect(self.name, self._get_json)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+            log.debug("backend %s: no slot detection (%s)", self.name, e)
+
+    async def _get_json(self, path: str) -> object:
+        """GET `path` of the upstream: its JSON, or None when it has no such endpoint."""
+        session = self._ensure_session()
+        async with session.get(self._base + path, headers=self._auth,
+                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                return None
+            return await r.json(content_type=None)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -138,9 +179,14 @@ class OpenAIBackend(BackendBase):
         return BackendStatus(name=self.name, kind=self.kind, state=state,
                              up=self._up is not False, models=self.models,
                              last_error=self._last_error,
-                             detail={"url": redact_url(self._base), "last_probe": self._last_probe})
+                             detail={"url": redact_url(self._base), "last_probe": self._last_probe,
+                                     **(self._llama.status() if self._llama else {})})
 
     async def stop(self) -> None:
+        if self._detecting is not None and not self._detecting.done():
+            self._detecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._detecting
         if self._probe is not None:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):

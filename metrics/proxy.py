@@ -66,3 +66,7 @@ MODEL_FOOTPRINT = Gauge("prefixd_model_footprint_bytes",
 MODEL_MEMORY_BUDGET = Gauge("prefixd_model_memory_budget_bytes",
                             "PREFIXD_MODEL_MEMORY_BYTES: memory managed models may use.",
                             registry=REGISTRY)
+SLOT_PINS = Counter("prefixd_slot_decisions_total",
+                    "llama-server slot decisions: pinned (holds_prefix, spare_slot) or left to "
+                    "the server (server, taken, unsettled, single_slot, untrusted, client).",
+                    ["backend", "reason"], registry=REGISTRY)

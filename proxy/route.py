@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -40,6 +41,10 @@ class Balance:
     slack: int = 2
     ratio: float = 2.0
     min_hit_tokens: int = 32     # a shorter shared prefix is not worth a longer wait
+
+
+# decide()'s shape: (candidates, the lane's last backend, the conversation's key) -> Decision
+Policy = Callable[[list["Candidate"], "str | None", str], "Decision"]
 
 
 def models_index(backends: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -1,6 +1,8 @@
 """route: the requested model → its backends → one of them. The decision is pure policy
 (`proxy/route.py`) over what the prefix index (`proxy/index.py`) says each backend holds;
-after the answer, the backend's reported usage corrects the index (backend truth)."""
+after the answer, the backend's reported usage corrects the index (backend truth). On a
+llama-server, the request is announced to the backend's slot book (`backends/llama.py`),
+which may pin it to a slot when it is sent, and told how it ended."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.index import Chain, PrefixIndex, boundaries
 from prefixd.proxy.prefix.report import header
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.route import AffinityMap, Candidate, Decision, decide, resolve_model
+from prefixd.proxy.route import AffinityMap, Candidate, Decision, Policy, decide, resolve_model
 from prefixd.proxy.stages import Next
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
@@ -29,6 +31,7 @@ class RouteStage:
         self.affinity = AffinityMap()
         self.prefixes = PrefixIndex()
         self._epochs: dict[str, object] = {}
+        self.policy: Policy = decide     # benchmarks swap in other policies (bench/routing.py)
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.parsed is not None
@@ -41,7 +44,16 @@ class RouteStage:
         if ex.prepared is not None and ex.prepared.report is not None:
             ex.prepared.report.predicted_cached_tokens = decision.predicted
             ex.prepared.header = header(ex.prepared.report)
-        await call_next(ex)
+        slots = ex.backend.slots()        # a llama-server's: it may pin a slot when sent
+        placed = (slots.expect(ex.trace.request_id, lane, decision.predicted)
+                  if slots is not None and lane else None)
+        try:
+            await call_next(ex)
+            if slots is not None and placed is not None and ex.trace.status == 200:
+                await slots.learn(placed, ex.usage)
+        finally:
+            if slots is not None and placed is not None:
+                slots.done(placed)
         if ex.trace.status == 200 and chain.bounds:
             self.learn(decision, chain, ex.usage)
 
@@ -70,7 +82,7 @@ class RouteStage:
             cands.append(Candidate(n, self.backends[n].status().available,
                                    q.waiting + q.in_flight, q.max_concurrency,
                                    tokens if own else 0, tokens))
-        decision = decide(cands, self.affinity.get(lane), chain.key or str(lane))
+        decision = self.policy(cands, self.affinity.get(lane), chain.key or str(lane))
         self.affinity.set(lane, decision.name)
         m.ROUTE_DECISIONS.labels(decision.name, decision.reason).inc()
         m.ROUTE_PREDICTED_TOKENS.labels(decision.name).inc(decision.predicted)
