@@ -107,3 +107,16 @@ async def test_upstream_that_never_answers_is_a_504(proxy, http):
         assert r.status == 504
         err = (await r.json())["error"]
     assert err["code"] == "upstream_timeout" and "'up'" in err["message"]
+
+
+def test_an_endless_event_is_refused_after_max_event_bytes():
+    """An upstream event with no blank line is scanned once per byte (not once per chunk
+    per buffered byte: 80 MB used to cost 11 s) and refused past MAX_EVENT_BYTES."""
+    from prefixd.proxy.sse import MAX_EVENT_BYTES, SSERecorder, UpstreamProtocolError
+
+    rec = SSERecorder(strip_usage=True)
+    chunk = b"data: " + b"x" * (64 * 1024)
+    with pytest.raises(UpstreamProtocolError):
+        for _ in range(MAX_EVENT_BYTES // len(chunk) + 2):
+            assert rec.feed(chunk) == b""
+    assert rec._scanned <= MAX_EVENT_BYTES + 2 * len(chunk)
