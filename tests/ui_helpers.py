@@ -142,7 +142,7 @@ async def run_chromium(profile: Path, *args: str, timeout: float = 120.0) -> byt
     assert binary, "no chromium binary"
     for attempt in (1, 2):
         proc = await asyncio.create_subprocess_exec(
-            binary, "--headless", "--no-sandbox", "--disable-gpu", "--in-process-gpu",
+            binary, "--headless", "--no-sandbox", "--disable-gpu",
             "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
             "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -222,7 +222,7 @@ async def open_page(profile: Path, url: str) -> AsyncIterator[Page]:
     binary = chromium()
     assert binary, "no chromium binary"
     proc = await asyncio.create_subprocess_exec(
-        binary, "--headless", "--no-sandbox", "--disable-gpu", "--in-process-gpu",
+        binary, "--headless", "--no-sandbox", "--disable-gpu",
         "--disable-dev-shm-usage", "--no-first-run",
         "--no-default-browser-check", "--disable-extensions", "--remote-debugging-port=0",
         f"--user-data-dir={profile}", "about:blank",
