@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 from collections.abc import AsyncIterator
@@ -128,6 +129,12 @@ async def play(http: aiohttp.ClientSession, base: str, *, key: str | None = None
 
 
 # --- headless Chromium ------------------------------------------------------------------------
+def chromium_env() -> dict[str, str]:
+    """Our environment without LD_PRELOAD: `./run test` preloads OpenBLAS for MLX, and
+    Chromium's GPU process fails to launch with it (error_code=1002)."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
 def chromium() -> str | None:
     names = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
     return next((p for p in map(shutil.which, names) if p), None)
@@ -145,7 +152,7 @@ async def run_chromium(profile: Path, *args: str, timeout: float = 120.0) -> byt
             binary, "--headless", "--no-sandbox", "--disable-gpu",
             "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
             "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}", *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=chromium_env())
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
         except TimeoutError:
@@ -226,7 +233,7 @@ async def open_page(profile: Path, url: str) -> AsyncIterator[Page]:
         "--disable-dev-shm-usage", "--no-first-run",
         "--no-default-browser-check", "--disable-extensions", "--remote-debugging-port=0",
         f"--user-data-dir={profile}", "about:blank",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=chromium_env())
     assert proc.stderr is not None
     drain: asyncio.Task | None = None
     try:
