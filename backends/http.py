@@ -70,9 +70,6 @@ def client_session(unix_socket: str | None = None, limit: int = 64) -> aiohttp.C
     if unix_socket:
         connector = aiohttp.UnixConnector(path=unix_socket, limit=limit)
     else:
-        # Reuse an idle connection for 4 s at most: llama-server (cpp-httplib) and uvicorn
-        # close theirs after 5 s, and a request written into a connection the server is
-        # closing fails ("Can not write request body": a 502 for the client).
-        connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=4)
+        connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300)
     return aiohttp.ClientSession(connector=connector, auto_decompress=True,
                                  timeout=aiohttp.ClientTimeout(total=None))
