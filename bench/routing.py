@@ -182,8 +182,31 @@ class Req:
     reply: str
 
 
+class StreamFailed(Exception):
+    pass
+
+
+async def read_stream(r: aiohttp.ClientResponse, start: float, text: list[str], usage: dict,
+                      timings: dict) -> None:
+    """Read an SSE answer: content pieces, usage, llama-server's timings, and the time to
+    the first content piece (as timings["_ttft"], from `start`)."""
+    async for line in r.content:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if "error" in ev:                       # failed after a queued stream began
+            raise StreamFailed(str(ev["error"])[:200])
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content")
+            if piece:
+                timings.setdefault("_ttft", time.monotonic() - start)
+                text.append(piece)
+        usage.update(ev.get("usage") or {})
+        timings.update(ev.get("timings") or {})
+
+
 async def converse(http: aiohttp.ClientSession, ports: list[int], conv: int,
-                   args: argparse.Namespace, out: list[Req]) -> None:
+                   args: argparse.Namespace, out: list[Req], errors: list[str]) -> None:
     rng = random.Random(args.seed * 100 + conv)
     replies: list[str] = []
     turns, max_tokens = args.turns, args.max_tokens
@@ -198,23 +221,26 @@ async def converse(http: aiohttp.ClientSession, ports: list[int], conv: int,
         body = {"model": "m", "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         replica = (conv + t) % len(ports)
-        start = time.monotonic()
-        ttft, text, usage, timings = None, [], {}, {}
-        async with http.post(f"http://127.0.0.1:{ports[replica]}/v1/chat/completions",
-                             json=body) as r:
-            assert r.status == 200, await r.text()
-            backend = r.headers.get("X-Prefixd-Backend", "?")
-            async for line in r.content:
-                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+        for _attempt in range(3):
+            start = time.monotonic()
+            text: list[str] = []
+            usage: dict[str, Any] = {}
+            timings: dict[str, Any] = {}
+            async with http.post(f"http://127.0.0.1:{ports[replica]}/v1/chat/completions",
+                                 json=body) as r:
+                if r.status != 200:             # counted, and the turn is sent again
+                    errors.append(f"{r.status}: {(await r.text())[:200]}")
                     continue
-                ev = json.loads(line[6:])
-                for ch in ev.get("choices") or []:
-                    piece = (ch.get("delta") or {}).get("content")
-                    if piece:
-                        ttft = ttft or time.monotonic() - start
-                        text.append(piece)
-                usage = ev.get("usage") or usage
-                timings = ev.get("timings") or timings
+                backend = r.headers.get("X-Prefixd-Backend", "?")
+                try:
+                    await read_stream(r, start, text, usage, timings)
+                except StreamFailed as e:
+                    errors.append(f"stream: {e}")
+                    continue
+                ttft = timings.pop("_ttft", None)
+                break
+        else:
+            raise RuntimeError(f"conversation {conv} turn {t} failed 3 times: {errors[-1]}")
         reply = "".join(text)
         replies.append(reply)
         details = usage.get("prompt_tokens_details") or {}
@@ -286,7 +312,9 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         async with aiohttp.ClientSession(timeout=timeout) as http:
             ports = [s.port for s in servers]
             t0 = time.monotonic()
-            await asyncio.gather(*(converse(http, ports, c, args, reqs) for c in range(convs)))
+            errors: list[str] = []
+            await asyncio.gather(*(converse(http, ports, c, args, reqs, errors)
+                                   for c in range(convs)))
             wall = time.monotonic() - t0
             reqs.sort(key=lambda r: r.start)
             toks = await tokens_of(http, ups.urls[0] if ups.procs else None, reqs)
@@ -319,7 +347,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "ttft_median_ms": 1000 * statistics.median(r.ttft for r in reqs),
         "queue_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
         "first_turns": firsts, "slot_pins": dict(slot_pins),
-        "wall_s": wall,
+        "wall_s": wall, "errors": errors,
     }
 
 
