@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROCESS_OVERHEAD = 300 * 2**20      # interpreter, mlx runtime, tokenizer: measured ~250 MiB
+AUTO_CACHE_ESTIMATE = 2 * 2**30     # a worker sizing its own cache (PREFIXD_CACHE_BYTES unset)
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
 
 
@@ -84,7 +85,8 @@ def weights_bytes(model_dir: Path) -> int:
                if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
 
 
-def estimate_footprint(model_dir: Path | None, cache_bytes: int) -> int:
+def estimate_footprint(model_dir: Path | None, cache_bytes: int | None) -> int:
     """Before a model is loaded: its weights + its prompt-cache budget + process overhead."""
     weights = weights_bytes(model_dir) if model_dir is not None else 0
-    return weights + cache_bytes + PROCESS_OVERHEAD
+    cache = AUTO_CACHE_ESTIMATE if cache_bytes is None else cache_bytes
+    return weights + cache + PROCESS_OVERHEAD

@@ -48,7 +48,7 @@ class ManagedBackend(BackendBase):
     kind = "mlx"
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
-                 command: CommandBuilder | None = None, stop_grace_s: float = 5.0,
+                 command: CommandBuilder | None = None, stop_grace_s: float = 20.0,
                  backoff_s: tuple[float, float] = (0.5, 30.0), stable_s: float = 60.0,
                  retry_min_s: float = 5.0) -> None:
         """`command(port)` gives the worker argv (tests run a fake worker); `stop_grace_s`

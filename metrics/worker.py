@@ -46,3 +46,28 @@ CHECKPOINTS_TAKEN = Counter("prefixd_worker_checkpoints_taken_total",
 CHECKPOINT_TAKEN_BYTES = Counter("prefixd_worker_checkpoint_taken_bytes_total",
                                  "Bytes of the checkpoints taken during prefills.",
                                  registry=REGISTRY)
+
+# --- the two tiers (RAM, disk) -------------------------------------------------------------
+TIER_HITS = Counter("prefixd_worker_cache_tier_hits_total",
+                    "Requests whose cached prefix came from a tier (ram, disk).", ["tier"],
+                    registry=REGISTRY)
+TIER_BYTES = Gauge("prefixd_worker_cache_tier_bytes",
+                   "Bytes held by each tier of the prompt cache (ram, disk).", ["tier"],
+                   registry=REGISTRY)
+TIER_WRITTEN_BYTES = Counter("prefixd_worker_disk_written_bytes_total",
+                             "Bytes written to the disk tier (blocks and records).",
+                             registry=REGISTRY)
+TIER_READ_BYTES = Counter("prefixd_worker_disk_read_bytes_total",
+                          "Bytes read from the disk tier by restores.", registry=REGISTRY)
+TIER_LOAD_SECONDS = Histogram("prefixd_worker_cache_tier_load_seconds",
+                              "Time to load a cached prefix from a tier (disk).", ["tier"],
+                              buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                       5, 10), registry=REGISTRY)
+TIER_SECONDS_SAVED = Counter("prefixd_worker_cache_tier_prefill_seconds_saved_total",
+                             "Prefill seconds the restored tokens saved (at the measured "
+                             "prefill rate), by tier.", ["tier"], registry=REGISTRY)
+TIER_MISSES = Counter("prefixd_worker_cache_misses_total",
+                      "Lookups that restored less than the longest prefix the worker knew, "
+                      "by reason (evicted, disk_evicted, not_on_disk, write_pending, "
+                      "load_slower_than_prefill, format_mismatch, restore_error).", ["reason"],
+                      registry=REGISTRY)

@@ -40,12 +40,13 @@ def default_budget() -> int:
 
 class ModelPool:
     def __init__(self, backends: list[ManagedBackend], queues: dict[str, BackendQueue],
-                 budget: int, cache_bytes: int) -> None:
+                 budget: int, cache_bytes: int | None) -> None:
         self.backends = {b.name: b for b in backends}
         self.queues = queues
         self.budget = budget
         self.footprints = {b.name: estimate_footprint(_model_dir(b.model_spec),
-                                                      b.cache_budget or cache_bytes)
+                                                      b.cache_budget if b.cache_budget is not None
+                                                      else cache_bytes)
                            for b in backends}
         self.last_used = {b.name: 0.0 for b in backends}
         m.MODEL_MEMORY_BUDGET.set(budget)

@@ -3,6 +3,10 @@
 
 import os
 
+# The disk tier of the worker's prompt cache is off in tests unless a test turns it on with
+# its own directory: a warm start from an earlier test (or run) would change what tests see.
+os.environ.setdefault("PREFIXD_DISK_CACHE_BYTES", "0")
+
 from hypothesis import settings as _hyp
 from proxy_fixtures import *  # noqa: F403
 from tiny_fixtures import *  # noqa: F403

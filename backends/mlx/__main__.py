@@ -30,6 +30,7 @@ from prefixd.backends.mlx.worker import TOKEN_ENV, create_app
 from prefixd.backends.parent import follow_parent, watch_parent
 
 log = logging.getLogger("prefixd.worker")
+PERSIST_TIMEOUT_S = 15.0   # writing the cache at shutdown (the supervisor's grace is longer)
 # Set by the supervisor to its own pid: the worker exits when that process is gone.
 
 
@@ -56,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but "
                    "/health (default: $PREFIXD_WORKER_API_KEY); for a worker other machines use")
     p.add_argument("--port", type=int, default=8401)
+    p.add_argument("--cache-dir", type=Path, help="models and the prompt cache's disk tier "
+                   "(default: PREFIXD_CACHE_DIR, ~/.cache/prefixd)")
     p.add_argument("--unix-socket", type=Path, help="listen on this socket instead of a port")
     return p
 
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     code (0; 1 if the model cannot be loaded; 2 if the address cannot be bound) via os._exit:
     see the comment at the end."""
     args = _parser().parse_args(argv)
-    settings = WorkerSettings()
+    settings = WorkerSettings(**({"cache_dir": args.cache_dir} if args.cache_dir else {}))
     # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
     reexec_with_blas(enabled=settings.use_system_blas)
     # Supervised, each line is re-logged by prefixd with its own timestamp and backend tag.
@@ -125,6 +128,8 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
     if args.unix_socket:
         args.unix_socket.unlink(missing_ok=True)
     drained = await generator.drain(timeout=2.0)
+    if drained and rc == 0:
+        await generator.persist(timeout=PERSIST_TIMEOUT_S)
     generator.close()
     if watcher:
         watcher.cancel()

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx import probe, snapshot
+from prefixd.backends.mlx.disktier import DiskSpec, TierGlue
 from prefixd.backends.mlx.placement import auto_interval, placement_marks, tail_mark
 from prefixd.backends.mlx.run import Run
 from prefixd.backends.mlx.stats import PromptStats
@@ -45,14 +46,16 @@ class EngineConfig:
     kv_bits: int | None = None
 
     @classmethod
-    def from_settings(cls, settings: WorkerSettings) -> EngineConfig:
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+    def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:
+        values = {f.name: getattr(settings, f.name) for f in fields(cls)}
+        return cls(**{**values, **override})
 
 
 class Engine:
     """One model, one checkpoint store, one generation at a time."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig,
+                 disk: DiskSpec | None = None) -> None:
         self.model = model
         self.config = config
         self.store = CheckpointStore(config.cache_bytes)
@@ -74,6 +77,9 @@ class Engine:
         self.checkpoint_bytes: int | None = None  # estimated size of one checkpoint
         self.interval_choice: probe.IntervalChoice | None = None
         self.interval = self._choose_interval()
+        # RAM first, disk second (disk only when `disk` is given and the cache is supported)
+        self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
+                              self._snap_idx, config)
         metrics.CACHE_BUDGET.set(config.cache_bytes)
         self._update_gauges()
 
@@ -111,8 +117,14 @@ class Engine:
         match = self.store.lookup(prompt)
         t1 = time.perf_counter()
         stats.lookup_s = t1 - t0
+        loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
+                                    self._fresh_cache)
+        if loaded is not None:
+            stats.restore_s = time.perf_counter() - t1
+            return loaded.cache, loaded.pos
         if match is None:
             return self._fresh_cache(), 0
+        self.tiers.used(match.entry)
         snap = match.checkpoint.payload if match.checkpoint else None
         try:
             cache = snapshot.restore(match.entry.payload, snap, match.pos)
@@ -144,6 +156,8 @@ class Engine:
         stats = self.last_stats = PromptStats(len(prompt))
         cache, start = self._restore(prompt, stats)
         entry = None if self._unsupported else self.store.begin(prompt)
+        if entry is not None and stats.tier == "disk":
+            self._capture_restored(entry, cache, start)
         run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop)
 
         def capture(pos: int, interval: bool) -> None:
@@ -154,6 +168,7 @@ class Engine:
             logits = run.prefill(*self._plan(len(prompt), start, boundaries), capture)
             stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
             self._finish_stats(stats, start, run.pos - start)
+            self.tiers.prefilled(stats)
             if logits is not None:
                 yield from run.decode(logits, sampler, logits_processors or [], max_tokens,
                                       stats)
@@ -197,6 +212,13 @@ class Engine:
             self._count_fallback("checkpoint_error")
         stats.checkpoint_s += time.perf_counter() - t0
 
+    def _capture_restored(self, entry: Entry, cache: list[Any], pos: int) -> None:
+        """Keep the state loaded from disk in RAM too (as a checkpoint of the new entry)."""
+        if self._snap_idx:
+            payload, size = snapshot.take(cache, self._snap_idx)
+            self.store.add_checkpoint(entry, pos, payload, size,
+                                      trimmable=snapshot.snapshot_trimmable(payload))
+
     def _commit(self, entry: Entry | None, run: Run) -> None:
         """Store what the KV state holds (the last yielded token fed first, unless should_stop()
         ended the request); drop the entry if the state is unknown or nothing is new. Never
@@ -213,8 +235,9 @@ class Engine:
             if run.broken or not run.advanced:  # unknown state, or nothing the store lacks
                 self.store.discard(entry)
                 return
-            self.store.finish(entry, run.tokens, run.cache, snapshot.nbytes(run.cache),
-                              snapshot.trimmable(run.cache), self._end_snapshot)
+            if self.store.finish(entry, run.tokens, run.cache, snapshot.nbytes(run.cache),
+                                 snapshot.trimmable(run.cache), self._end_snapshot):
+                self.tiers.committed(entry)
         except Exception:
             log.exception("storing this request's prompt cache failed; the reply is unaffected")
             self._count_fallback("commit_error")
@@ -269,4 +292,23 @@ class Engine:
             "checkpoint_interval_auto": (self.interval_choice.info() if self.interval_choice
                                          else None),
             "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
+            "disk": self.tiers.info(),
+            "misses": dict(self.tiers.tiers.misses),
         }
+
+    # --- the disk tier (generation thread) ----------------------------------------------------
+    def next_write_due(self) -> float | None:
+        """When (time.monotonic) the next idle entry is due to be written, if any."""
+        return self.tiers.next_due()
+
+    def write_due(self) -> int:
+        """Submit the writes that are due; how many entries."""
+        return self.tiers.flush_due()
+
+    def persist(self) -> None:
+        """Submit everything not yet on disk (at shutdown); `close` waits for it."""
+        self.tiers.flush_all()
+
+    def close(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) for pending disk writes, then stop the writer."""
+        return self.tiers.close(timeout)

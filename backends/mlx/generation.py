@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prefixd.backends.mlx.chat import Sampling
@@ -108,11 +109,57 @@ class Generator:
         self.stats = {"requests": 0, "cancelled": 0, "completion_tokens": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-gen")
         self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
+        self._ticker: asyncio.Task[None] | None = None
 
     async def load(self, spec: str) -> Loaded:
-        """Load the model and build the Engine on the generation thread."""
+        """Load the model and build the Engine on the generation thread; then keep submitting
+        the disk writes that fall due while no request runs."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._load, spec)
+        loaded = await loop.run_in_executor(self._executor, self._load, spec)
+        self._ticker = asyncio.create_task(self._write_ticker())
+        return loaded
+
+    async def _write_ticker(self) -> None:
+        """Hand idle entries to the disk writer (on the generation thread: it makes array
+        views, which take microseconds; the writer thread does the I/O)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0.25)
+            engine = self.loaded.engine if self.loaded else None
+            due = engine.next_write_due() if engine else None
+            if engine is None or due is None or due > time.monotonic():
+                continue
+            try:
+                await loop.run_in_executor(self._executor, engine.write_due)
+            except RuntimeError:          # the executor is shut down
+                return
+            except Exception:
+                log.exception("worker: submitting disk writes failed")
+
+    async def persist(self, timeout: float) -> bool:
+        """At shutdown: write everything the disk tier lacks, waiting at most `timeout` s."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self.loaded is None:
+            return True
+        engine = self.loaded.engine
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+
+        def run() -> bool:
+            engine.persist()
+            return engine.close(timeout)
+
+        try:
+            done = await loop.run_in_executor(self._executor, run)
+        except RuntimeError:
+            return False
+        info = engine.cache_info().get("disk")
+        if info:
+            log.info("worker: disk cache %s at shutdown in %.2fs (%.1f MiB on disk)",
+                     "written" if done else "NOT fully written", time.perf_counter() - t0,
+                     info["bytes_used"] / 2**20)
+        return done
 
     def load_blocking(self, spec: str) -> Loaded:
         """`load` for callers without an event loop (tests, benchmarks)."""
@@ -120,16 +167,48 @@ class Generator:
 
     def _load(self, spec: str) -> Loaded:
         from prefixd.backends.mlx.engine import Engine, EngineConfig
-        from prefixd.backends.mlx.provision import load_model
+        from prefixd.backends.mlx.provision import load_model, resolve_model
 
-        model, tokenizer = load_model(spec, self.settings.cache_dir, progress=log.info,
-                                      dequantize=wants_dequantize(self.settings.dequantize, spec))
-        engine = Engine(model, EngineConfig.from_settings(self.settings))
+        target = resolve_model(spec, self.settings.cache_dir, progress=log.info)
+        dequantize = wants_dequantize(self.settings.dequantize, spec)
+        model, tokenizer = load_model(target, self.settings.cache_dir, progress=log.info,
+                                      dequantize=dequantize)
+        ram = self._ram_budget()
+        engine = Engine(model, EngineConfig.from_settings(self.settings, cache_bytes=ram),
+                        self._disk_spec(target, dequantize))
         self.cache_info = engine.cache_info()
         self.loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
         log.info("worker: model %s loaded (%s, max context %s)", spec,
                  type(model).__module__.rsplit(".", 1)[-1], self.loaded.max_context)
         return self.loaded
+
+    def _ram_budget(self) -> int:
+        from prefixd.backends.mlx.memory import auto_ram_bytes, available_memory
+
+        if self.settings.cache_bytes is not None:
+            return self.settings.cache_bytes
+        available = available_memory()
+        budget = auto_ram_bytes(available)
+        log.info("worker: prompt cache budget %.2f GiB in RAM (auto: %.1f GiB available after "
+                 "loading the model)", budget / 2**30, available / 2**30)
+        return budget
+
+    def _disk_spec(self, target: str, dequantize: bool) -> Any:
+        from prefixd.backends.mlx.disktier import DiskSpec, model_fingerprint
+        from prefixd.backends.mlx.memory import auto_disk_bytes, free_space
+
+        s = self.settings
+        if s.disk_cache_bytes == 0:
+            return None
+        base = Path(s.cache_dir).expanduser() / "prompts"
+        try:
+            budget = s.disk_cache_bytes if s.disk_cache_bytes is not None else \
+                auto_disk_bytes(free_space(base))
+        except OSError as e:
+            log.warning("worker: no disk tier: cannot use %s (%s)", base, e)
+            return None
+        return DiskSpec(base, model_fingerprint(target, dequantize), budget,
+                        s.disk_write_delay, s.disk_block_tokens)
 
     def submit(self, prompt: Prompt, sampling: Sampling, max_tokens: int,
                logprobs: int | None = None) -> Job:
@@ -179,7 +258,11 @@ class Generator:
             self.stats["completion_tokens"] += result.completion_tokens
         try:
             if self.loaded is not None:
-                self.cache_info = self.loaded.engine.cache_info()
+                engine = self.loaded.engine
+                due = engine.next_write_due()
+                if due is not None and due <= time.monotonic():
+                    engine.write_due()
+                self.cache_info = engine.cache_info()
         except Exception:
             log.exception("worker: Engine.cache_info() failed")
 
@@ -242,6 +325,10 @@ class Generator:
 
     def close(self) -> None:
         self.cancel_all()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self.loaded is not None:  # stop the disk writer without waiting (persist waits)
+            self._executor.submit(self.loaded.engine.close, 0.0)
         self._executor.shutdown(wait=False)
 
 

@@ -28,11 +28,24 @@ class WorkerSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level.")
-    cache_dir: Path = Field(Path("~/.cache/prefixd"), description="Where converted models and "
-                            "downloaded model packages are kept.")
+    cache_dir: Path = Field(Path("~/.cache/prefixd"), description="Where converted models, "
+                            "downloaded model packages and the prompt cache's disk tier "
+                            "(prompts/<cache key>/) are kept.")
 
-    cache_bytes: int = Field(4 * 1024**3, ge=0, description="Worker: byte budget of the "
-                             "prompt cache (stored KV + checkpoints); never exceeded.")
+    cache_bytes: int | None = Field(None, ge=0, description="Worker: byte budget of the "
+                                    "prompt cache in RAM (stored KV + checkpoints); never "
+                                    "exceeded. Unset: half of the memory available once the "
+                                    "model is loaded, less 2 GiB (at least 256 MiB).")
+    disk_cache_bytes: int | None = Field(
+        None, ge=0, description="Worker: byte budget of the prompt cache's disk tier (0: no "
+        "disk tier). Unset: a quarter of the free space under cache_dir, at most 32 GiB.")
+    disk_write_delay: float = Field(
+        2.0, ge=0, description="Worker: seconds a conversation must be idle before its newest "
+        "state is written to disk (states a newer turn supersedes sooner are never written; "
+        "states evicted from RAM, and everything at shutdown, are written at once).")
+    disk_block_tokens: int = Field(256, ge=16, description="Worker: tokens per shared KV "
+                                   "block on disk (a block is written once, whatever shares "
+                                   "its prefix).")
     checkpoint_interval: int | None = Field(
         None, ge=16, description="Worker: also checkpoint every N tokens inside long messages. "
         "Unset: automatic, the smallest power of two from 64 to 4096 whose checkpoints for a "

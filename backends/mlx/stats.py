@@ -45,6 +45,10 @@ class PromptStats:
     checkpoint_s: float = 0.0
     first_token_s: float = 0.0
     commit_s: float = 0.0
+    tier: str | None = None  # where the cached prefix came from: ram, disk (None: nowhere)
+    known_tokens: int = 0  # the longest restorable prefix the worker knew of for this prompt
+    miss: str | None = None  # why fewer than known_tokens were restored (tiers.MISS_REASONS)
+    disk_load_s: float = 0.0  # reading and rebuilding a disk record (part of restore)
 
     def seconds(self) -> dict[str, float]:
         """The engine's stages (forward passes and checkpoints counted apart)."""
@@ -69,6 +73,10 @@ def breakdown(stats: PromptStats | None, before: dict[str, float]) -> dict[str, 
         out["checkpoints"] = {"count": stats.checkpoints, "bytes": stats.checkpoint_bytes}
         if stats.fallback:
             out["fallback"] = stats.fallback
+        out["cache"] = {"tier": stats.tier, "known_tokens": stats.known_tokens,
+                        "miss": stats.miss}
+        if stats.tier == "disk":
+            out["cache"]["disk_load_ms"] = round(stats.disk_load_s * 1000, 3)
     return out
 
 

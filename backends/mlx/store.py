@@ -84,6 +84,10 @@ class CheckpointStore:
         self.evicted_entries = 0
         self.evicted_checkpoints = 0
         self.rejected = 0
+        # Told what leaves the store: (entry, why: merged | discarded | rejected | evicted),
+        # and (entry, position, snapshot) of a checkpoint evicted under budget pressure.
+        self.on_remove: Callable[[Entry, str], None] = lambda entry, why: None
+        self.on_drop: Callable[[Entry, int, Any], None] = lambda entry, pos, payload: None
 
     # --- lookup ------------------------------------------------------------------------------
     def lookup(self, prompt: Sequence[int]) -> Match | None:
@@ -154,7 +158,7 @@ class CheckpointStore:
         if entry not in self.entries:
             return False
         if not tokens:
-            self._remove(entry)
+            self._remove(entry, "discarded")
             return False
         entry.tokens, entry.trimmable = list(tokens), trimmable
         for pos in [p for p in entry.checkpoints if p >= len(entry.tokens)]:
@@ -164,7 +168,7 @@ class CheckpointStore:
                 self._merge_into(entry, other, end_snapshot)
         entry.in_progress = False
         if not self._make_room(nbytes, len(entry.tokens), keep=entry):
-            self._remove(entry)
+            self._remove(entry, "rejected")
             return False
         entry.payload, entry.nbytes = payload, nbytes
         self.bytes_used += nbytes
@@ -173,7 +177,7 @@ class CheckpointStore:
     def discard(self, entry: Entry) -> None:
         """Drop an entry (e.g. a request that failed with its cache in an unknown state)."""
         if entry in self.entries:
-            self._remove(entry)
+            self._remove(entry, "discarded")
 
     def _merge_into(self, entry: Entry, other: Entry, end_snapshot: EndSnapshot) -> None:
         lcp = common_prefix(other.tokens, entry.tokens)
@@ -187,7 +191,7 @@ class CheckpointStore:
         if lcp < len(other.tokens):
             return
         end = len(other.tokens)
-        self._remove(other)
+        self._remove(other, "merged")
         if 0 < end < len(entry.tokens) and end not in entry.checkpoints and not entry.trimmable:
             snap = end_snapshot(other)
             if snap is not None:
@@ -257,9 +261,10 @@ class CheckpointStore:
             plan.append((e, pos))
         for e, pos in plan:
             if pos is None:
-                self._remove(e)
+                self._remove(e, "evicted")
                 self.evicted_entries += 1
             elif e in self.entries and pos in e.checkpoints and id(e) not in gone:
+                self.on_drop(e, pos, e.checkpoints[pos].payload)
                 self._drop_checkpoint(e, pos)
                 self.evicted_checkpoints += 1
         return True
@@ -267,9 +272,10 @@ class CheckpointStore:
     def _drop_checkpoint(self, entry: Entry, pos: int) -> None:
         self.bytes_used -= entry.checkpoints.pop(pos).nbytes
 
-    def _remove(self, entry: Entry) -> None:
+    def _remove(self, entry: Entry, why: str) -> None:
         self.entries.remove(entry)
         self.bytes_used -= entry.nbytes + sum(c.nbytes for c in entry.checkpoints.values())
+        self.on_remove(entry, why)
 
     # --- reporting ---------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

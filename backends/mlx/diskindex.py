@@ -1,0 +1,130 @@
+"""Opening a disk tier: rebuild its index from the files' own descriptions.
+
+Owns: the start-up scan of one cache key's directory. Every file is checked before it joins
+the index (a prefixd description of this format, key, block size and cache layout; a block's
+tokens hash to its id; a record's blocks all present and its tokens hash to its id); anything
+else is skipped, counted by reason and summarized in one log line, and never loaded. Leftover
+temp files (a write cut short by a crash) and blocks no record needs are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from prefixd.backends.mlx import chain, diskfmt
+from prefixd.backends.mlx.disk import Block, DiskTier, Record
+
+log = logging.getLogger("prefixd.worker.disk")
+
+
+def open_tier(root: Path, salt: str, layout: list[str], budget: int, block: int,
+              **kw: object) -> DiskTier:
+    tier = DiskTier(root, salt, layout, budget, block, **kw)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    index_directory(tier)
+    if tier.bytes_used > tier.budget:      # the budget was lowered since the last run
+        with tier._lock:
+            tier._make_room(0, set())
+    tier.start()
+    skipped = sum(tier.skipped.values())
+    log.info("disk cache: %s: %d records, %d blocks, %.1f MiB of %.1f MiB, indexed in %.2fs%s",
+             root, len(tier.records), len(tier.blocks), tier.bytes_used / 2**20,
+             tier.budget / 2**20, time.perf_counter() - t0,
+             f"; skipped {skipped} files ({_reasons(tier)}): never loaded" if skipped else "")
+    return tier
+
+
+def _reasons(tier: DiskTier) -> str:
+    return ", ".join(f"{n} {r}" for r, n in sorted(tier.skipped.items()))
+
+
+def index_directory(tier: DiskTier) -> None:
+    for tmp in list(tier.root.glob("*/.*.tmp")):
+        tmp.unlink(missing_ok=True)
+        tier.skipped["partial_write"] += 1
+    blocks = _scan_blocks(tier)
+    for path in sorted((tier.root / "records").iterdir()):
+        if path.name.startswith("."):
+            continue
+        rec = _read_record(tier, path, blocks)
+        if isinstance(rec, str):
+            tier.skipped[rec] += 1
+            log.debug("disk cache: skipped %s (%s)", path, rec)
+            continue
+        for b in rec.blocks:
+            tier.blocks.setdefault(b, blocks[b])
+        tier.add_record(rec)
+    for bid, _blk in blocks.items():          # blocks no record needs: free their space
+        if bid not in tier.blocks:
+            (tier.root / "blocks" / (bid + diskfmt.SUFFIX)).unlink(missing_ok=True)
+    tier.bytes_used += sum(b.nbytes for b in tier.blocks.values())
+
+
+def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
+    found: dict[str, tuple[str | None, np.ndarray, int]] = {}
+    for path in (tier.root / "blocks").iterdir():
+        if path.name.startswith(".") or path.suffix != diskfmt.SUFFIX:
+            if not path.name.startswith("."):
+                tier.skipped["foreign"] += 1
+            continue
+        try:
+            desc, f = diskfmt.describe(path)
+            with f:
+                why = tier.desc_ok(desc, "block")
+                tokens = f.get_tensor("tokens") if why is None else None
+        except diskfmt.FormatError:
+            why, tokens = "corrupt", None
+        if why is None and (desc.get("id") != path.stem or tokens is None
+                            or len(tokens) != tier.block):
+            why = "corrupt"
+        if why is not None:
+            tier.skipped[why] += 1
+            continue
+        found[path.stem] = (desc.get("parent"), chain.as_tokens(tokens), path.stat().st_size)
+    # A block is valid when its tokens hash to its id from its parent's (itself valid) id.
+    valid: dict[str, Block] = {}
+
+    def check(bid: str) -> bool:
+        if bid in valid:
+            return True
+        parent, tokens, size = found[bid]
+        if parent is not None and (parent not in found or not check(parent)):
+            return False
+        first = chain.block_ids(tier.salt, tokens, tier.block)[0] if parent is None else None
+        if (first or chain.next_block_id(parent, tokens)) != bid:
+            return False
+        valid[bid] = Block(size, tokens)
+        return True
+
+    for bid in found:
+        if not check(bid):
+            tier.skipped["corrupt"] += 1
+    return valid
+
+
+def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record | str:
+    try:
+        desc, f = diskfmt.describe(path)
+        with f:
+            why = tier.desc_ok(desc, "record")
+            tail = f.get_tensor("tokens") if why is None else None
+    except diskfmt.FormatError:
+        return "corrupt"
+    except Exception:
+        return "corrupt"
+    if why is not None:
+        return why
+    ids = desc.get("blocks") or []
+    if any(b not in blocks for b in ids):
+        return "missing_block"
+    tokens = chain.as_tokens(np.concatenate([blocks[b].tokens for b in ids] + [tail]))
+    pos = desc.get("pos")
+    if pos != len(tokens) or desc.get("id") != path.stem or \
+            chain.record_id(tier.salt, tokens, pos, tier.block, list(ids)) != path.stem:
+        return "corrupt"
+    return Record(path.stem, pos, tuple(ids), tokens, path.stat().st_size,
+                  bool(desc.get("trimmable")), path.stat().st_mtime)

@@ -1,0 +1,244 @@
+"""The disk tier of the worker's prompt cache, in-process: warm after a restart == cold on every
+tiny architecture, each byte written once, the budget kept, bad files skipped, and every lookup
+that restores less than the worker knew names a reason.
+
+A "restart" is a new Engine over the same directory (the worker process is tested in
+tests/test_disk_worker.py). Expected numbers come from the prompts, not from the code: a
+finished turn holds its prompt and every generated token (MAX_TOKENS), so a next turn that
+extends it restores exactly `len(prompt) + MAX_TOKENS` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from prefixd.backends.mlx import diskfmt
+from prefixd.backends.mlx.disktier import DiskSpec
+from prefixd.backends.mlx.engine import Engine, EngineConfig
+from prefixd.backends.mlx.tinymodels import ARCHS, build_model
+
+LOGPROB_ATOL = 1e-4      # as tests/test_checkpoints.py
+MAX_TOKENS = 4
+BOUNDS = (60, 150, 220)
+BLOCK = 64
+
+
+def _config(**kw: Any) -> EngineConfig:
+    return EngineConfig(**{"checkpoint_interval": 16, "prefill_chunk": 16, "checkpoint_tail": 2,
+                           **kw})
+
+
+def _engine(model: Any, root: Path, budget: int = 1 << 30, delay: float = 0.0,
+            **kw: Any) -> Engine:
+    return Engine(model, _config(**kw), DiskSpec(root, "test-model", budget, delay, BLOCK))
+
+
+def _run(engine: Engine, prompt: list[int], bounds: tuple[int, ...] = ()) -> tuple:
+    logprobs: list[np.ndarray] = []
+
+    def greedy(lp: mx.array) -> mx.array:
+        logprobs.append(np.array(lp.astype(mx.float32)))
+        return mx.argmax(lp, axis=-1)
+
+    tokens = list(engine.generate(prompt, sampler=greedy, max_tokens=MAX_TOKENS,
+                                  boundaries=bounds))
+    return tokens, logprobs, engine.last_stats
+
+
+def _cold(model: Any, prompt: list[int]) -> tuple:
+    return _run(Engine(model, EngineConfig(cache_bytes=0, prefill_chunk=512)), prompt)
+
+
+def _same(warm: tuple, cold: tuple) -> None:
+    assert warm[0] == cold[0]
+    for w, c in zip(warm[1], cold[1], strict=True):
+        np.testing.assert_allclose(w, c, atol=LOGPROB_ATOL, rtol=0)
+
+
+def _words(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def _stop(engine: Engine) -> None:
+    """What the worker does at SIGTERM: write everything, wait for the writer."""
+    engine.persist()
+    assert engine.close(30.0)
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*" + diskfmt.SUFFIX)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request: pytest.FixtureRequest) -> Any:
+    return build_model(request.param, seed=3)
+
+
+def test_warm_after_restart_equals_cold(model: Any, tmp_path: Path) -> None:
+    base = _words(1, 300)
+    first = _engine(model, tmp_path)
+    reply = _run(first, base, BOUNDS)[0]
+    _stop(first)
+
+    again = _engine(model, tmp_path)
+    # the next turn extends the whole first turn (prompt + reply)
+    prompt = base + reply + _words(2, 30)
+    warm = _run(again, prompt)
+    assert (warm[2].cached_tokens, warm[2].tier, warm[2].miss) == (300 + MAX_TOKENS, "disk",
+                                                                   None)
+    _same(warm, _cold(model, prompt))
+    # an edit inside the history restores a checkpoint below the edit, from disk
+    edited = base[:170] + _words(3, 20)
+    warm = _run(_engine(model, tmp_path), edited)
+    assert warm[2].tier == "disk" and 0 < warm[2].cached_tokens <= 170
+    _same(warm, _cold(model, edited))
+    again.close(5)
+
+
+def test_each_block_is_written_once_and_superseded_turns_never(tmp_path: Path) -> None:
+    model = build_model("qwen3_next", seed=3)
+    engine = _engine(model, tmp_path, delay=3600.0)    # nothing is idle long enough
+    prompt = _words(4, 150)
+    for turn in range(4):
+        reply = _run(engine, prompt, (len(prompt) - 20,))[0]
+        prompt = prompt + reply + _words(10 + turn, 70)
+    assert not _files(tmp_path), "an active conversation was written before it went idle"
+    (entry,) = engine.store.entries
+    engine.tiers.tiers.flush_due(float("inf"))
+    assert engine.close(30.0)
+    info = engine.cache_info()["disk"]
+    assert info["written_blocks"] == len(entry.tokens) // BLOCK
+    assert info["written_records"] == len(entry.checkpoints) + 1
+    # A second flush of the same state writes nothing.
+    engine2 = _engine(model, tmp_path, delay=3600.0)
+    _run(engine2, [*entry.tokens, 7])
+    engine2.persist()
+    assert engine2.close(30.0)
+    assert engine2.cache_info()["disk"]["written_blocks"] <= 1
+
+
+def test_ram_eviction_writes_to_disk_and_serves_from_it(tmp_path: Path) -> None:
+    model = build_model("qwen3_5", seed=3)
+    one, two = _words(20, 400), _words(21, 1500)    # the longer one is worth more
+    probe = Engine(model, _config())
+    _run(probe, two, (100,))
+    budget = probe.store.entries[0].nbytes * 13 // 10      # the second one's KV, not both
+    engine = _engine(model, tmp_path, delay=3600.0, cache_bytes=budget,
+                     checkpoint_interval=1024)
+    reply = _run(engine, one, (100,))[0]
+    _run(engine, two, (100,))
+    assert all(e.tokens[:10] != one[:10] for e in engine.store.entries), "one is still in RAM"
+    assert engine.tiers.disk.drain(30.0)
+    prompt = one + reply + _words(22, 10)
+    warm = _run(engine, prompt)
+    assert (warm[2].cached_tokens, warm[2].tier) == (400 + MAX_TOKENS, "disk")
+    _same(warm, _cold(model, prompt))
+    engine.close(5)
+
+
+def test_disk_budget_is_never_exceeded(tmp_path: Path) -> None:
+    model = build_model("gemma3_text", seed=3)
+    budget = 400_000
+    engine = _engine(model, tmp_path, budget=budget)
+    for i in range(8):
+        _run(engine, _words(30 + i, 260), (100,))
+        engine.tiers.tiers.flush_due(float("inf"))
+        assert engine.tiers.disk.drain(30.0)
+        on_disk = sum(p.stat().st_size for p in _files(tmp_path))
+        assert on_disk <= budget
+        assert engine.cache_info()["disk"]["bytes_used"] == on_disk
+    assert engine.cache_info()["disk"]["evicted_records"] > 0
+    engine.close(5)
+
+
+def test_bad_files_are_skipped_with_one_log_line(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    model = build_model("qwen3_next", seed=3)
+    base = _words(40, 200)
+    engine = _engine(model, tmp_path)
+    reply = _run(engine, base, (80,))[0]
+    _stop(engine)
+    (key_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    records = sorted((key_dir / "records").iterdir(), key=lambda p: p.stat().st_size)
+    end = max(records, key=lambda p: diskfmt.describe(p)[0]["pos"])
+    end.write_bytes(end.read_bytes()[:-100])                         # truncated
+    (key_dir / "records" / ("0" * 32 + diskfmt.SUFFIX)).write_bytes(b"not a cache file")
+    (key_dir / "blocks" / "notes.txt").write_text("foreign")
+    (key_dir / "records" / ".x.safetensors.123.tmp").write_bytes(b"partial")  # a crashed write
+    caplog.set_level(logging.INFO, logger="prefixd.worker.disk")
+    again = _engine(model, tmp_path)
+    lines = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1
+    skipped = again.cache_info()["disk"]["skipped_files"]
+    assert skipped == {"corrupt": 2, "foreign": 1, "partial_write": 1}
+    assert not list((key_dir / "records").glob(".*.tmp"))
+    prompt = base + reply + _words(41, 10)
+    warm = _run(again, prompt)
+    assert warm[2].cached_tokens < 200 + MAX_TOKENS     # not from the truncated record
+    _same(warm, _cold(model, prompt))
+    again.close(5)
+
+
+def test_a_record_whose_block_is_gone_is_never_loaded(tmp_path: Path) -> None:
+    model = build_model("falcon_h1", seed=3)
+    base = _words(50, 200)
+    engine = _engine(model, tmp_path)
+    _run(engine, base, (80,))
+    _stop(engine)
+    (key_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    for block in (key_dir / "blocks").iterdir():
+        block.unlink()
+    again = _engine(model, tmp_path)
+    info = again.cache_info()["disk"]
+    assert info["records"] == sum(1 for p in (key_dir / "records").iterdir()
+                                  if diskfmt.describe(p)[0]["pos"] < BLOCK)
+    assert info["skipped_files"]["missing_block"] > 0
+    prompt = base + _words(51, 10)
+    _same(_run(again, prompt), _cold(model, prompt))
+    again.close(5)
+
+
+def test_another_model_never_sees_the_files(tmp_path: Path) -> None:
+    base = _words(60, 150)
+    a = _engine(build_model("qwen3", seed=3), tmp_path)
+    _run(a, base)
+    _stop(a)
+    other = build_model("qwen3", seed=4)             # same shapes, other weights
+    b = Engine(other, _config(), DiskSpec(tmp_path, "other-model", 1 << 30, 0.0, BLOCK))
+    warm = _run(b, [*base, 1, 2, 3])
+    assert warm[2].cached_tokens == 0 and b.cache_info()["disk"]["records"] == 0
+    b.close(5)
+
+
+def test_misses_name_their_reason(tmp_path: Path) -> None:
+    model = build_model("qwen3_next", seed=3)
+    one, two = _words(70, 300), _words(71, 1500)
+    probe = Engine(model, _config())
+    _run(probe, two)
+    budget = probe.store.entries[0].nbytes * 13 // 10
+    # RAM only: the first conversation is evicted by the second, then comes back
+    ram_only = Engine(model, _config(cache_bytes=budget, checkpoint_interval=1024))
+    reply = _run(ram_only, one)[0]
+    _run(ram_only, two)
+    back = _run(ram_only, one + reply + [5, 6])
+    assert back[2].miss == "evicted" and back[2].known_tokens == 300 + MAX_TOKENS
+    assert back[2].cached_tokens < back[2].known_tokens
+    assert ram_only.cache_info()["misses"] == {"evicted": 1}
+    # on disk, but the worker measured that reading it is slower than prefilling
+    engine = _engine(model, tmp_path)
+    reply = _run(engine, one)[0]
+    _stop(engine)
+    slow = _engine(model, tmp_path)
+    slow.tiers.tiers.rates.prefill_tps, slow.tiers.tiers.rates.read_bps = 1e12, 1.0
+    back = _run(slow, one + reply + [5, 6])
+    assert (back[2].miss, back[2].cached_tokens, back[2].known_tokens) == \
+        ("load_slower_than_prefill", 0, 300 + MAX_TOKENS)
+    slow.close(5)
