@@ -185,10 +185,12 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _cache(request: web.Request) -> web.Response:
     """The Engine's cache_info as of the end of the last generation (the Engine is only ever
-    touched on the generation thread, so this never waits behind a long request)."""
-    _loaded(request)
+    touched on the generation thread, so this never waits behind a long request), with the
+    disk tier's live state (its own lock guards it)."""
+    loaded = _loaded(request)
     generator = request.app[GENERATOR]
-    return web.json_response({**generator.cache_info, "worker": dict(generator.stats)})
+    return web.json_response({**generator.cache_info, "disk": loaded.engine.tiers.info(),
+                              "worker": dict(generator.stats)})
 
 
 async def _metrics(request: web.Request) -> web.Response:
