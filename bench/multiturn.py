@@ -184,6 +184,8 @@ def stream_chat(port: int, body: dict[str, Any]) -> tuple[str, dict[str, Any], f
         if "error" in event:
             raise RuntimeError(f"stream error: {event['error']}")
         usage = event.get("usage") or usage
+        if isinstance(event.get("prefixd"), dict):  # a prefixd worker's per-turn breakdown
+            usage = {**usage, "prefixd": event["prefixd"]}
         for choice in event.get("choices", []):
             delta = choice.get("delta") or {}
             if delta.get("content") or delta.get("tool_calls"):
