@@ -242,3 +242,37 @@ def test_misses_name_their_reason(tmp_path: Path) -> None:
     assert (back[2].miss, back[2].cached_tokens, back[2].known_tokens) == \
         ("load_slower_than_prefill", 0, 300 + MAX_TOKENS)
     slow.close(5)
+
+
+def test_sliding_window_edits_recompute_at_most_64_beyond_the_edit(tmp_path: Path) -> None:
+    """A sliding-window model (window 128, one global layer in six), default checkpoint
+    settings: an edit anywhere inside a long message restores within 64 tokens of the edit,
+    from RAM and, after a restart, from disk (disk records keep RAM's granularity)."""
+    from prefixd.backends.mlx.tinymodels import model_from_config, tiny_config
+
+    config = tiny_config("gemma3_text")
+    config.update(num_hidden_layers=6, sliding_window=128, sliding_window_pattern=6)
+    model = model_from_config(config, seed=1)
+    rng = random.Random(9)
+    prompt = [rng.randrange(1, 1000) for _ in range(1600)]
+    bounds = (300, 1000, 1600)
+    spec = DiskSpec(tmp_path, "swa", 1 << 30, 0.0, 256)
+    engine = Engine(model, EngineConfig(cache_bytes=1 << 30), spec)
+    _run(engine, prompt, bounds)
+    engine.persist()
+    assert engine.close(30)
+    cuts = [rng.randrange(310, 1590) for _ in range(8)]
+    for label, make in (("ram", lambda: engine),
+                        ("disk", lambda: Engine(model, EngineConfig(cache_bytes=1 << 30),
+                                                spec))):
+        for cut in cuts:
+            target = make()
+            edited = prompt[:cut] + _words(cut, 20)
+            warm = _run(target, edited, tuple(b for b in bounds if b < cut))
+            assert warm[2].tier == label
+            assert 0 <= cut - warm[2].cached_tokens <= 64, (label, cut, warm[2].cached_tokens)
+            if label == "ram":
+                _run(target, prompt, bounds)        # back to the original conversation
+            else:
+                target.close(5)
+    _same(warm, _cold(model, edited))
