@@ -1,11 +1,12 @@
 """Which managed models may be loaded together: the memory-budget policy (issue 16).
 
-Pure: a plan over plain data, no processes. A model to load needs its footprint (weights on
-disk + its cache budget + a per-process overhead, corrected by what its worker reports once
-loaded) to fit in the budget beside what stays loaded. Models of the same `group` are never
-loaded together (llama-swap style). To make room, idle models are unloaded least recently
-used first; a pinned model is never unloaded, and a busy one (requests in flight or queued)
-is never unloaded: the new load waits for it instead.
+Pure: plans over plain data, no processes. A model to load needs its footprint (weights on
+disk + its cache budget + a per-process overhead, replaced by what its worker measures once
+loaded: `measured_footprint`) to fit in the budget beside what stays loaded. A model with no
+cache budget of its own gets a share of the memory budget (`cache_shares`). Models of the
+same `group` are never loaded together (llama-swap style). To make room, idle models are
+unloaded least recently used first; a pinned model is never unloaded, and a busy one
+(requests in flight or queued) is never unloaded: the new load waits for it instead.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROCESS_OVERHEAD = 300 * 2**20      # interpreter, mlx runtime, tokenizer: measured ~250 MiB
-AUTO_CACHE_ESTIMATE = 2 * 2**30     # a worker sizing its own cache (PREFIXD_CACHE_BYTES unset)
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
+MIN_SHARE = 256 * 2**20  # a smaller cache share is not worth keeping models loaded together
+SHARED_PART = 0.75       # of what the weights leave: the rest absorbs the estimate's errors
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,84 @@ def weights_bytes(model_dir: Path) -> int:
                if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
 
 
-def estimate_footprint(model_dir: Path | None, cache_bytes: int | None) -> int:
+def estimate_footprint(weights: int, cache_bytes: int) -> int:
     """Before a model is loaded: its weights + its prompt-cache budget + process overhead."""
-    weights = weights_bytes(model_dir) if model_dir is not None else 0
-    cache = AUTO_CACHE_ESTIMATE if cache_bytes is None else cache_bytes
-    return weights + cache + PROCESS_OVERHEAD
+    return weights + cache_bytes + PROCESS_OVERHEAD
+
+
+def measured_footprint(info: dict | None) -> int | None:
+    """A loaded model's footprint from its worker's GET /v1/cache: the memory it holds now
+    (the larger of the process's resident set and MLX's live + cached buffers, which on Apple
+    silicon need not all show in the resident set) plus the room its prompt cache may still
+    grow by (`bytes_budget - bytes_used`). None when the worker does not report its memory."""
+    memory = info.get("memory") if isinstance(info, dict) else None
+    if not isinstance(memory, dict):
+        return None
+    rss = _int(memory.get("rss_bytes"))
+    mlx = _int(memory.get("mlx_active_bytes")) + _int(memory.get("mlx_cache_bytes"))
+    held = max(rss, mlx)
+    if held <= 0:
+        return None
+    room = max(0, _int(info.get("bytes_budget")) - _int(info.get("bytes_used")))
+    return held + room
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+@dataclass(frozen=True)
+class CacheNeed:
+    """A managed model as the cache-share rule sees it."""
+
+    name: str
+    weights: int            # bytes on disk (0 when unknown: a Hub id not yet downloaded)
+    cache: int | None       # its own cache budget; None: it gets a share
+    group: str | None = None
+
+
+def cache_shares(models: list[CacheNeed], budget: int) -> dict[str, int]:
+    """Prompt-cache budgets for the models that have none of their own, so that whatever the
+    pool loads together stays within `budget`.
+
+    The models that can be loaded at the same time are every model outside a group and one
+    per group (its largest). If, beside their weights, process overheads and own cache
+    budgets, the budget leaves at least `MIN_SHARE` each, three quarters of what is left is
+    split evenly among them: all of them stay loaded together. Otherwise they take turns:
+    each gets half of what the budget leaves beside its own weights and overhead (it fits
+    alone, with room to spare for the estimate's errors).
+    """
+    fixed = {m.name: m.weights + PROCESS_OVERHEAD + (m.cache or 0) for m in models}
+    free = [m for m in models if m.cache is None]
+    if not free:
+        return {}
+    used, sharers = 0, 0
+    groups: dict[str, list[CacheNeed]] = {}
+    for m in models:
+        if m.group is None:
+            used += fixed[m.name]
+            sharers += m.cache is None
+        else:
+            groups.setdefault(m.group, []).append(m)
+    for members in groups.values():
+        used += max(fixed[m.name] for m in members)
+        sharers += any(m.cache is None for m in members)
+    share = int((budget - used) * SHARED_PART) // sharers if budget > used else 0
+    if share >= MIN_SHARE:
+        return {m.name: share for m in free}
+    return {m.name: max(0, budget - fixed[m.name]) // 2 for m in free}
+
+
+def over_budget(slots: list[ModelSlot], budget: int, keep: str) -> list[str]:
+    """After a loaded model measured more than its estimate: the idle models to unload (least
+    recently used first, never `keep`, a pinned or a busy one) until the loaded ones fit."""
+    loaded = [s for s in slots if s.loaded]
+    used = sum(s.footprint for s in loaded)
+    idle = sorted((s for s in loaded if s.name != keep and not s.busy and not s.pinned),
+                  key=lambda s: (s.last_used, s.name))
+    out: list[str] = []
+    while used > budget and idle:
+        victim = idle.pop(0)
+        out.append(victim.name)
+        used -= victim.footprint
+    return out

@@ -156,19 +156,34 @@ class ManagedBackend(BackendBase):
 
     @property
     def loaded(self) -> bool:
-        """A worker is running or starting (it holds, or is about to hold, memory)."""
-        return self._sup.state in (ProcState.STARTING, ProcState.READY, ProcState.STOPPING)
+        """A worker is running, starting, or about to be restarted after a crash (it holds,
+        or is about to hold, memory)."""
+        return (self._sup.state in (ProcState.STARTING, ProcState.READY, ProcState.STOPPING)
+                or self._sup.restarting)
+
+    @property
+    def ready(self) -> bool:
+        return self._sup.state is ProcState.READY
 
     @property
     def busy(self) -> bool:
         return self._sup.active > 0
 
-    async def unload(self, why: str, timeout: float = 60.0) -> None:
-        """Stop the worker to free its memory; it starts again on the next request."""
-        if self._sup.state in (ProcState.READY, ProcState.STARTING):
-            self._sup.request_unload(why)
-            await self.wait_for(ProcState.STOPPED, ProcState.FAILED, ProcState.SHUTDOWN,
-                                timeout=timeout)
+    def set_cache_bytes(self, n: int) -> None:
+        """The prompt-cache budget its next workers get (the model pool's share, for a
+        backend configured without one)."""
+        self.cache_budget = n
+        self._sup.cache_bytes = n
+
+    async def unload(self, why: str, reason: str, timeout: float = 60.0) -> None:
+        """Stop the worker to free its memory; it starts again on the next request.
+        `reason` (budget, group) labels `prefixd_model_unloads_total`."""
+        sup = self._sup
+        if sup.state in (ProcState.READY, ProcState.STARTING) or sup.restarting:
+            sup.request_unload(why, reason)
+            async with asyncio.timeout(timeout):
+                while self.loaded:
+                    await sup.changed.wait()
 
     def status(self) -> BackendStatus:
         """The worker's pid and URL are shown (operators need them), never its token."""

@@ -53,11 +53,12 @@ def _env_value(value: object) -> str:
 
 
 def worker_env(config: BackendConfig, settings: WorkerSettings,
-               base: Mapping[str, str] | None = None, token: str | None = None
-               ) -> dict[str, str]:
+               base: Mapping[str, str] | None = None, token: str | None = None,
+               cache_bytes: int | None = None) -> dict[str, str]:
     """The child's environment: ours, plus the worker settings, the parent pid (so the worker
     exits when we are gone, even after a SIGKILL), the backend's own `worker_env` and the
-    start's `token` (in the environment, never on the command line that any user can read)."""
+    start's `token` (in the environment, never on the command line that any user can read).
+    `cache_bytes`: the cache budget the model pool gave a backend that has none of its own."""
     # The proxy's own PREFIXD_* (its port, backends, a bad value overridden on its command
     # line) are not the worker's: it gets exactly the worker settings below.
     env = {k: v for k, v in (os.environ if base is None else base).items()
@@ -66,8 +67,9 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
         value = getattr(settings, field)
         if value is not None:
             env[f"PREFIXD_{field.upper()}"] = _env_value(value)
-    if config.cache_bytes is not None:
-        env["PREFIXD_CACHE_BYTES"] = str(config.cache_bytes)
+    cache = config.cache_bytes if config.cache_bytes is not None else cache_bytes
+    if cache is not None:
+        env["PREFIXD_CACHE_BYTES"] = str(cache)
     env = _with_blas(settings.use_system_blas, env)
     env.update(config.worker_env)
     env.pop(TOKEN_ENV, None)               # only the supervisor's own token, or none

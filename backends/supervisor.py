@@ -37,7 +37,14 @@ from prefixd.backends.process import (
     worker_env,
 )
 from prefixd.backends.states import ALLOWED, HEALTH_MISSES, HEALTH_PATH, ProcState, S
-from prefixd.metrics.proxy import BACKEND_RESTARTS, BACKEND_STATE, BACKEND_UP
+from prefixd.metrics.proxy import (
+    BACKEND_RESTARTS,
+    BACKEND_STATE,
+    BACKEND_UP,
+    MODEL_LOAD_SECONDS,
+    MODEL_LOADS,
+    MODEL_UNLOADS,
+)
 
 log = logging.getLogger("prefixd.backend")
 
@@ -51,10 +58,12 @@ def local_session() -> aiohttp.ClientSession:
 
 
 class _Idle:
-    """The watch loop's verdict when the worker should be unloaded (idle, or asked to)."""
+    """The watch loop's verdict when the worker should be unloaded (idle, or asked to);
+    `reason` labels the unload metric: ttl, or what the model pool said (budget, group)."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, reason: str) -> None:
         self.why = why
+        self.reason = reason
 
 
 class Supervisor:
@@ -84,7 +93,8 @@ class Supervisor:
         self.suspect = False                   # a request failed: verify before handing out
         self.active = 0
         self._last_used = 0.0
-        self._unload_why: str | None = None     # an unload was asked for (memory budget)
+        self._unload_why: tuple[str, str] | None = None   # asked for (memory budget): why, reason
+        self.cache_bytes = config.cache_bytes  # the worker's cache budget (the pool may set it)
         self._set_gauges()
 
     # --- the state machine -----------------------------------------------------------
@@ -119,6 +129,12 @@ class Supervisor:
         """The header every request to the current worker carries."""
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
+    @property
+    def restarting(self) -> bool:
+        """Stopped after a crash, its task waiting to start it again (it holds no memory now
+        but will without asking the model pool, unless unloaded meanwhile)."""
+        return self.state is S.STOPPED and self._task is not None and not self._task.done()
+
     def start(self) -> None:
         """Run the supervisor task if the worker is stopped (or failed) and nothing runs it."""
         if self.state in (S.STOPPED, S.FAILED) and (self._task is None or self._task.done()):
@@ -145,9 +161,9 @@ class Supervisor:
             return None
         return max(0.0, self.retry_at - self._now())
 
-    def request_unload(self, why: str) -> None:
+    def request_unload(self, why: str, reason: str) -> None:
         """Stop the worker once no request is in flight (it can start again on demand)."""
-        self._unload_why = why
+        self._unload_why = (why, reason)
         self._poke.set()
 
     def request_started(self) -> None:
@@ -210,7 +226,8 @@ class Supervisor:
             elif setbacks:
                 delay = min(self._backoff[0] * 2 ** (setbacks - 1), self._backoff[1])
                 log.info("backend %s: restarting in %.2fs", self.name, delay)
-                await asyncio.sleep(delay)
+                if not await self._backoff_unless_unloaded(delay):
+                    return
             if not first:
                 self.restarts += 1
                 BACKEND_RESTARTS.labels(self.name).inc()
@@ -219,6 +236,8 @@ class Supervisor:
             if error is None:                           # ready: watch it until it ends
                 self.consecutive, ready_at = 0, self._now()
                 verdict = await self._watch()
+                MODEL_UNLOADS.labels(self.name, verdict.reason if isinstance(verdict, _Idle)
+                                     else "failure").inc()
                 if isinstance(verdict, _Idle):
                     await self._reap(verdict.why)
                     return
@@ -236,9 +255,23 @@ class Supervisor:
             elif self.consecutive > self._cfg.max_restarts:
                 self._fail(f"{error} (gave up after {self.consecutive} attempts)")
 
+    async def _backoff_unless_unloaded(self, delay: float) -> bool:
+        """Wait `delay` before a restart; False (no restart) once an unload is asked for: the
+        memory budget gave the crashed model's room to another one."""
+        end = self._now() + delay
+        while self._unload_why is None and end > self._now():
+            self._poke.clear()
+            await wait_event(self._poke, end - self._now())
+        if self._unload_why is None:
+            return True
+        log.info("backend %s: not restarted (%s)", self.name, self._unload_why[0])
+        self._unload_why = None
+        return False
+
     def _fail(self, why: str, scheduled: bool = True) -> None:
         """Enter FAILED (from STOPPED), with the next scheduled retry already known."""
         self.last_error = why
+        self._unload_why = None                # nothing loaded to unload
         if scheduled:
             self.retry_at = self._now() + self._cfg.retry_failed_s
         self._set_state(S.FAILED, why + (f"; retrying in {self._cfg.retry_failed_s:g}s"
@@ -268,14 +301,17 @@ class Supervisor:
         self._set_state(S.STARTING, f"port {port}")
         try:
             self.worker = await WorkerProcess.spawn(
-                self._command(port), worker_env(self._cfg, self._settings, token=self.token),
+                self._command(port), worker_env(self._cfg, self._settings, token=self.token,
+                                                cache_bytes=self.cache_bytes),
                 self.name, on_exit=self._poke.set)
         except OSError as e:
             error: str | None = f"cannot start the worker: {e}"
         else:
             self.base_url = f"http://127.0.0.1:{port}"
             error = await self._await_healthy(self.worker)
+        MODEL_LOADS.labels(self.name, "failed" if error else "ready").inc()
         if error is None:
+            MODEL_LOAD_SECONDS.labels(self.name).observe(self._now() - self._last_attempt)
             self._set_state(S.READY, f"pid {self.worker.pid}" if self.worker else "")
             self._last_used = self._now()
             return None, False
@@ -323,11 +359,11 @@ class Supervisor:
                 return "worker stopped answering after a failed request"
             now = self._now()
             if self._unload_why is not None and not self.active:
-                why, self._unload_why = self._unload_why, None
-                return _Idle(why)
+                (why, reason), self._unload_why = self._unload_why, None
+                return _Idle(why, reason)
             idle_at = self._last_used + idle_s if idle_s is not None and not self.active else None
             if idle_at is not None and now >= idle_at:
-                return _Idle(f"idle for {idle_s:g}s")
+                return _Idle(f"idle for {idle_s:g}s", "ttl")
             if now >= next_probe:
                 ok = await self._probe(5.0)
                 misses = 0 if ok else misses + 1

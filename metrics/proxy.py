@@ -54,15 +54,29 @@ ROUTE_MISPREDICTIONS = Counter("prefixd_route_mispredictions_total",
                                ["backend"], registry=REGISTRY)
 INDEX_ENTRIES = Gauge("prefixd_route_index_entries", "Prefix boundaries indexed per backend.",
                       ["backend"], registry=REGISTRY)
+MODEL_LOADS = Counter("prefixd_model_loads_total",
+                      "Managed worker starts (model loads), by outcome (ready, failed).",
+                      ["backend", "outcome"], registry=REGISTRY)
+MODEL_LOAD_SECONDS = Histogram("prefixd_model_load_seconds",
+                               "Time from spawning a managed worker to its first healthy "
+                               "answer (its model loaded).", ["backend"], buckets=_LAT,
+                               registry=REGISTRY)
 MODEL_UNLOADS = Counter("prefixd_model_unloads_total",
-                        "Managed models unloaded to make room, by reason (budget, group).",
+                        "Managed workers that were ready and stopped, by reason (budget, group: "
+                        "to make room; ttl: idle; failure: crashed or stopped answering).",
                         ["backend", "reason"], registry=REGISTRY)
 MODEL_LOAD_WAIT = Histogram("prefixd_model_load_wait_seconds",
-                            "Time a request waited for room in the memory budget.",
+                            "Time a request for a model that was not ready waited for it: "
+                            "room in the memory budget, then the worker's start.",
                             ["backend"], buckets=_LAT, registry=REGISTRY)
 MODEL_FOOTPRINT = Gauge("prefixd_model_footprint_bytes",
-                        "Estimated memory of each managed model when loaded.", ["backend"],
+                        "Memory of each managed model when loaded, as the budget counts it: "
+                        "estimated, then measured by its worker once loaded.", ["backend"],
                         registry=REGISTRY)
+MODEL_LOADED_BYTES = Gauge("prefixd_model_loaded_bytes",
+                           "Footprint of each managed model that is loaded (0 when not): their "
+                           "sum is what the memory budget holds now.", ["backend"],
+                           registry=REGISTRY)
 MODEL_MEMORY_BUDGET = Gauge("prefixd_model_memory_budget_bytes",
                             "PREFIXD_MODEL_MEMORY_BYTES: memory managed models may use.",
                             registry=REGISTRY)

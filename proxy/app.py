@@ -147,16 +147,28 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
+    """Every backend's state, queue and cache; under a memory budget, each managed model's
+    footprint (`footprint_bytes`, `footprint_source`) and `model_memory`: the budget and
+    what the loaded models hold of it."""
     proxy = request.app[PROXY_KEY]
+    names = list(proxy.backends)
+    infos = await asyncio.gather(*(proxy.backends[n].cache_info() for n in names))
+    if proxy.pool is not None:
+        for name, info in zip(names, infos, strict=True):
+            proxy.pool.observe(name, info)       # a loaded worker's measured footprint
     statuses = _statuses(proxy)
-    infos = await asyncio.gather(*(proxy.backends[s["name"]].cache_info() for s in statuses))
     for status, info in zip(statuses, infos, strict=True):
         status["cache"] = cache_summary(info)
-    return web.json_response({"backends": statuses})
+    body: dict = {"backends": statuses}
+    if proxy.pool is not None:
+        body["model_memory"] = proxy.pool.summary()
+    return web.json_response(body)
 
 
 async def _metrics(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
+    if proxy.pool is not None:
+        proxy.pool.publish()                    # which models are loaded now
     names = list(proxy.backends)
     texts = await asyncio.gather(*(proxy.backends[n].metrics_text() for n in names))
     workers = label_worker_metrics({n: t for n, t in zip(names, texts, strict=True) if t})
@@ -189,11 +201,12 @@ async def _start_backends(app: web.Application) -> None:
         except Exception as e:  # reported through /status and to requests
             log.warning("backend %s not ready at start-up: %s", name, e)
 
-    # Under a memory budget, only what fits together starts now (configuration order);
-    # the rest load on demand.
-    names = proxy.pool.warm_order() if proxy.pool is not None else []
-    names += [n for n in proxy.backends if proxy.pool is None or n not in proxy.pool.backends]
+    # Under a memory budget, only what fits together starts now, one after another (the
+    # pool measures each); the rest load on demand.
+    names = [n for n in proxy.backends if proxy.pool is None or n not in proxy.pool.backends]
     app[WARMUPS_KEY] = [asyncio.create_task(warm(n)) for n in names]
+    if proxy.pool is not None:
+        app[WARMUPS_KEY].append(asyncio.create_task(proxy.pool.warm()))
 
 
 async def _stop_backends(app: web.Application) -> None:

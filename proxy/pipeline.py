@@ -21,7 +21,7 @@ from prefixd.backends.base import Backend
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.managed import ManagedBackend
 from prefixd.proxy.exchange import ClientApi, Exchange
-from prefixd.proxy.pool import LoadStage, ModelPool, default_budget
+from prefixd.proxy.pool import LoadStage, ModelPool
 from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.queue import BackendQueue
 from prefixd.proxy.route import models_index
@@ -59,8 +59,7 @@ class Proxy:
         self.index = models_index({b.name: b.models for b in backends})
         self.prefix = PrefixStage(settings)
         managed = [b for b in backends if isinstance(b, ManagedBackend)]
-        self.pool = (ModelPool(managed, self.queues, settings.model_memory_bytes
-                               or default_budget(), settings.cache_bytes) if managed else None)
+        self.pool = ModelPool.from_settings(managed, self.queues, settings) if managed else None
         self.router = RouteStage(self.backends, self.queues, self.index, settings.model_aliases)
         self.stages = build_stages(self)
         self._run = chain(self.stages)

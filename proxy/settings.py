@@ -52,9 +52,11 @@ class Settings(WorkerSettings):
                                   "this many seconds (else 408).")
     model_memory_bytes: int | None = Field(
         None, ge=0, description="Memory the managed (mlx) models may use together: weights + "
-        "cache budget + process overhead each. A model that does not fit unloads the least "
-        "recently used idle ones first; busy or pinned ones are never unloaded. Unset: 75% "
-        "of physical memory.")
+        "cache budget + process overhead each (estimated, then measured by each worker once "
+        "loaded). A model that does not fit unloads the least recently used idle ones first; "
+        "busy or pinned ones are never unloaded. Models without a cache budget (no "
+        "`cache_bytes`, no PREFIXD_CACHE_BYTES) get a share of it. Unset: 75% of physical "
+        "memory.")
     model_aliases: dict[str, str] = Field(
         default_factory=dict, description="JSON object of model-name patterns (shell-style "
         "wildcards, first match wins) -> a served model, for clients that send their own "

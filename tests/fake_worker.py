@@ -16,6 +16,9 @@ FAKE_WORKER_CRASH_ONCE=<path>: crash in the middle of the first stream only (the
 marks that it happened, so the restarted worker serves). Request header `x-fake-crash: 1`
 crashes that request's stream. FAKE_WORKER_CHUNKS / FAKE_WORKER_DELAY shape the stream,
 a body field `"fake": {"chunks": N, "delay": s}` one request's. GET /stats counts requests.
+GET /v1/cache answers like the real worker's: `bytes_budget` is PREFIXD_CACHE_BYTES (what the
+proxy gave it), nothing used; with FAKE_WORKER_RSS=<bytes> it also reports that much memory
+(the real worker's "memory" object), so the proxy's pool measures its footprint.
 Like the real worker, it exits when PREFIXD_PARENT_PID is no longer its parent.
 """
 # ruff: noqa: E402  (the hang notice is printed before the slower imports)
@@ -104,6 +107,14 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.json_response({"tokens": [1, 2, 3]})
 
 
+async def cache(request: web.Request) -> web.Response:
+    body: dict = {"bytes_budget": int(os.environ.get("PREFIXD_CACHE_BYTES", "0")),
+                  "bytes_used": 0, "entries": [], "checkpoints": 0}
+    if rss := os.environ.get("FAKE_WORKER_RSS"):
+        body["memory"] = {"rss_bytes": int(rss), "rss_source": "fake"}
+    return web.json_response(body)
+
+
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(text="fake_worker_up 1\n")
 
@@ -156,6 +167,7 @@ async def main(port: int) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/cache", cache)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app, handle_signals=False)

@@ -348,6 +348,9 @@ def test_worker_command_and_env() -> None:
     assert "PREFIXD_PORT" not in env and "PREFIXD_BACKENDS" not in env   # the proxy's own
     assert env["PREFIXD_PARENT_PID"] == str(os.getpid())
     assert env["PREFIXD_CACHE_BYTES"] == "12345"          # the backend's budget wins
+    shared = cfg.model_copy(update={"cache_bytes": None})
+    assert worker_env(cfg, SETTINGS, cache_bytes=999)["PREFIXD_CACHE_BYTES"] == "12345"
+    assert worker_env(shared, SETTINGS, cache_bytes=999)["PREFIXD_CACHE_BYTES"] == "999"
     assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly
     assert env["PREFIXD_PREFILL_CHUNK"] == "64" and env["X"] == "1"
     assert "LD_PRELOAD" not in env

@@ -6,17 +6,21 @@ waits, a streaming client hears why), and a model that can never fit is a start-
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import aiohttp
 import psutil
 import pytest
 from fake_worker import fake_command
+from prometheus_client.parser import text_string_to_metric_families
 from proxy_fixtures import read_until
 
-from prefixd.backends.budget import PROCESS_OVERHEAD
-from prefixd.backends.managed import ManagedBackend
+from prefixd.backends.budget import PROCESS_OVERHEAD, CacheNeed, cache_shares
+from prefixd.backends.managed import ManagedBackend, ProcState
 from prefixd.metrics import proxy as m
+from prefixd.metrics import render
 from prefixd.proxy.server import Server, StartupError, make_proxy, serve
 from prefixd.proxy.settings import Settings
 
@@ -109,3 +113,103 @@ async def test_a_model_that_cannot_fit_alone_is_a_startup_error():
         s = settings(ONE // 2)
         await serve(s.model_copy(update={"port": 0}),
                     [ManagedBackend(c, s, command=fake_command) for c in s.backends])
+
+
+async def status(http: aiohttp.ClientSession, server: Server) -> dict:
+    async with http.get(f"http://127.0.0.1:{server.port}/status") as r:
+        return await r.json()
+
+
+async def test_a_measured_footprint_replaces_the_estimate(start, http):
+    """By their estimates both fit; once loaded, `a` reports more memory than estimated, so
+    loading `b` now unloads it, and /status shows what was measured."""
+    measured_rss = 2 * ONE
+    server, backends = await start(settings(3 * ONE, a={"worker_env": {
+        "FAKE_WORKER_RSS": str(measured_rss)}}))
+    await ask(http, server, "a")
+    body = await status(http, server)
+    a = next(b for b in body["backends"] if b["name"] == "a")
+    assert (a["footprint_bytes"], a["footprint_source"]) == (measured_rss + CACHE, "measured")
+    assert body["model_memory"] == {"budget_bytes": 3 * ONE, "loaded": ["a"],
+                                    "loaded_bytes": measured_rss + CACHE}
+    await ask(http, server, "b")
+    assert loaded(backends) == ["b"]
+    b = next(x for x in (await status(http, server))["backends"] if x["name"] == "b")
+    assert (b["footprint_bytes"], b["footprint_source"]) == (ONE, "estimate")  # no report
+
+
+async def test_models_without_a_cache_budget_get_shares_that_fit_together(start, http):
+    budget = 4 * 2**30
+    s = settings(budget)
+    s = s.model_copy(update={"backends": [c.model_copy(update={"cache_bytes": None})
+                                          for c in s.backends]})
+    server, backends = await start(s)
+    share = cache_shares([CacheNeed("a", 0, None), CacheNeed("b", 0, None)], budget)["a"]
+    await ask(http, server, "a")
+    await ask(http, server, "b")
+    assert loaded(backends) == ["a", "b"]
+    body = await status(http, server)
+    # each worker was started with its share as PREFIXD_CACHE_BYTES (it reports it back)
+    assert [b["cache"]["budget"] for b in body["backends"]] == [share, share]
+    assert [b["footprint_bytes"] for b in body["backends"]] == [PROCESS_OVERHEAD + share] * 2
+    assert 2 * (PROCESS_OVERHEAD + share) <= budget
+
+
+def samples(text: str) -> dict[tuple, float]:
+    return {(s.name, *sorted(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+async def scrape(http: aiohttp.ClientSession, server: Server) -> dict[tuple, float]:
+    async with http.get(f"http://127.0.0.1:{server.port}/metrics") as r:
+        return samples(await r.text())
+
+
+async def test_loads_unloads_waits_and_bytes_reach_metrics(start, http):
+    """/metrics of a real proxy: loads (and their seconds), unloads by reason (budget, group,
+    ttl, failure), the requests that waited for a load, and the bytes each loaded model holds."""
+    before = samples(render().decode())
+
+    def delta(after: dict, name: str, **labels: str) -> float:
+        key = (name, *sorted(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    server, backends = await start(settings(int(1.5 * ONE)))     # a starts at start-up
+    for model in ("a", "b", "a"):                  # b unloads a, a unloads b: budget
+        await ask(http, server, model)
+    os.kill(backends["a"].status().detail["pid"], signal.SIGKILL)     # a crashes: failure
+    await backends["a"].wait_for(ProcState.STOPPED, ProcState.STARTING, timeout=30)
+    await backends["a"].wait_for(ProcState.READY, timeout=30)        # restarted
+    await ask(http, server, "b")                   # b unloads a again
+    _, idle_backends = await start(settings(3 * ONE, a={"ttl_s": 0.3}))   # both start
+    await idle_backends["a"].wait_for(ProcState.READY, timeout=30)
+    await idle_backends["a"].wait_for(ProcState.STOPPED, timeout=30)       # idle: ttl
+    grouped, _ = await start(settings(3 * ONE, a={"group": "g"}, b={"group": "g"}))
+    await ask(http, grouped, "a")
+    await ask(http, grouped, "b")                  # same group: group
+    after = await scrape(http, grouped)
+    assert delta(after, "prefixd_model_unloads_total", backend="a", reason="budget") == 2
+    assert delta(after, "prefixd_model_unloads_total", backend="b", reason="budget") == 1
+    assert delta(after, "prefixd_model_unloads_total", backend="a", reason="failure") == 1
+    assert delta(after, "prefixd_model_unloads_total", backend="a", reason="ttl") == 1
+    assert delta(after, "prefixd_model_unloads_total", backend="a", reason="group") == 1
+    # a: at start-up, after b, after its crash, at the start-up of `idle` and of `grouped`
+    assert delta(after, "prefixd_model_loads_total", backend="a", outcome="ready") == 5
+    assert delta(after, "prefixd_model_load_seconds_count", backend="a") == 5
+    assert delta(after, "prefixd_model_load_seconds_sum", backend="a") > 0
+    # every request that found b not ready waited for its load: two here, one in `grouped`
+    assert delta(after, "prefixd_model_load_wait_seconds_count", backend="b") == 3
+    # what `grouped` holds now: b, by its estimate
+    assert after[("prefixd_model_loaded_bytes", ("backend", "b"))] == ONE
+    assert after[("prefixd_model_loaded_bytes", ("backend", "a"))] == 0
+    assert after[("prefixd_model_footprint_bytes", ("backend", "a"))] == ONE
+    assert after[("prefixd_model_memory_budget_bytes",)] == 3 * ONE
+
+
+async def test_a_crashed_model_does_not_restart_beside_the_one_that_took_its_room(start, http):
+    server, backends = await start(settings(int(1.5 * ONE)))
+    await ask(http, server, "a")
+    os.kill(backends["a"].status().detail["pid"], signal.SIGKILL)
+    await ask(http, server, "b")      # a is being restarted (or about to be): b unloads it
+    assert loaded(backends) == ["b"]
+    assert backends["a"].status().state == "stopped"

@@ -96,8 +96,16 @@ async def test_status_shows_the_workers_cache(tiny_model_dir: Callable[[str], Pa
                 "messages": [{"role": "user", "content": "hello " * 20}]}) as r:
             assert r.status == 200
         async with http.get(base + "/status") as r:
-            cache = (await r.json())["backends"][0]["cache"]
+            status = (await r.json())["backends"][0]
+        cache = status["cache"]
         assert cache["budget"] == 50_000_000 and cache["entries"] == 1
         assert 0 < cache["bytes_used"] <= cache["budget"]
+        # the worker reports its memory, and the pool counts it as the model's footprint
+        memory = (await managed.cache_info() or {})["memory"]
+        assert memory["rss_bytes"] > 0 and memory["mlx_active_bytes"] > 0
+        assert memory["mlx_peak_bytes"] >= memory["mlx_active_bytes"]
+        assert status["footprint_source"] == "measured"
+        room = cache["budget"] - cache["bytes_used"]
+        assert room < status["footprint_bytes"] <= room + 2 * memory["rss_bytes"]
     finally:
         await server.shutdown(1.0)

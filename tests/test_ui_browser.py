@@ -53,7 +53,8 @@ async def test_overview_shows_backends_lanes_and_a_mutation(upstream, start_prox
     assert "ready" in llama.text and "qwen3-coder-30b" in llama.text
     cells = [td.text for td in dom.one("tr", data_backend="vllm-gpu").all("td")]
     assert cells[3] == "0" and cells[4] == "0 / 4"     # queued, in flight / max
-    assert cells[5] == "—"                             # no checkpoint store for openai backends
+    assert cells[5:7] == ["—", "—"]          # no memory budget, no checkpoint store (openai)
+    assert "hidden" in dom.one(id="model-memory").attrs
 
     goose = dom.one("tr", data_lane=lanes["goose-7f3a"])
     assert "goose" in goose.text
@@ -160,18 +161,25 @@ async def test_login_form_stores_the_key_for_the_tab_and_retries(upstream, start
         assert await page.eval("document.querySelector('#login').hidden") is True
 
 
-async def test_checkpoint_store_column_follows_the_status_contract(profile):
-    """/status of a managed mlx backend with its worker's cache (`backends[i].cache`), served
-    canned: the page's side of the contract, ahead of the field landing in /status."""
+async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(profile):
+    """/status of managed mlx backends with their worker's cache (`backends[i].cache`) and
+    their footprint in the memory budget (`footprint_bytes`, `footprint_source`,
+    `memory_budget`, and `model_memory` for all), served canned: the page's side of the
+    contract."""
     status = {"backends": [
         {"name": "q35", "kind": "mlx", "state": "ready", "up": True, "models": ["qwen3.5-9b"],
          "model": "/models/Qwen3.5-9B-4bit", "queue_depth": 2, "in_flight": 1,
-         "max_concurrency": 1, "last_error": None,
+         "max_concurrency": 1, "last_error": None, "footprint_bytes": 14_100_000_000,
+         "footprint_source": "measured", "memory_budget": 24_000_000_000,
          "cache": {"bytes_used": 1_240_000_000, "budget": 8_000_000_000, "entries": 3,
                    "checkpoints": 41, "hit_tokens_total": 183_420}},
         {"name": "gone", "kind": "mlx", "state": "failed", "up": False, "models": ["x"],
          "queue_depth": 0, "in_flight": 0, "max_concurrency": 1, "cache": None,
-         "last_error": "worker exited with status 1: out of memory"}]}
+         "footprint_bytes": 9_000_000_000, "footprint_source": "estimate",
+         "memory_budget": 24_000_000_000,
+         "last_error": "worker exited with status 1: out of memory"}],
+        "model_memory": {"budget_bytes": 24_000_000_000, "loaded": ["q35"],
+                         "loaded_bytes": 14_100_000_000}}
 
     async def get_status(request: web.Request) -> web.Response:
         return web.json_response(status)
@@ -194,7 +202,10 @@ async def test_checkpoint_store_column_follows_the_status_contract(profile):
         await runner.cleanup()
     q35 = [td.text for td in dom.one("tr", data_backend="q35").all("td")]
     assert q35[2] == "qwen3.5-9b/models/Qwen3.5-9B-4bit" and q35[3:5] == ["2", "1 / 1"]
-    assert q35[5] == "1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
+    assert q35[5] == "14.1 GB / 24.0 GBmeasured"
+    assert q35[6] == "1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
     gone = [td.text for td in dom.one("tr", data_backend="gone").all("td")]
-    assert gone[1] == "failed" and gone[5] == "—" and "out of memory" in gone[6]
+    assert gone[1] == "failed" and gone[5] == "9.0 GB / 24.0 GBestimate · not loaded"
+    assert gone[6] == "—" and "out of memory" in gone[7]
+    assert dom.one(id="model-memory").text.strip() == "models loaded: 14.1 GB of 24.0 GB (q35)"
     assert "detection is off" in dom.one(id="lanes-note").text

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.memory import mlx_memory
 from prefixd.backends.mlx.output import Delta, LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.prompt import Prompt, Renderer
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -106,6 +107,7 @@ class Generator:
         self.settings = settings
         self.loaded: Loaded | None = None
         self.cache_info: dict[str, Any] = {}
+        self.memory: dict[str, int] = {}  # MLX's allocator, read with cache_info (memory.py)
         self.stats = {"requests": 0, "cancelled": 0, "completion_tokens": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-gen")
         self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
@@ -177,6 +179,7 @@ class Generator:
         engine = Engine(model, EngineConfig.from_settings(self.settings, cache_bytes=ram),
                         self._disk_spec(target, dequantize))
         self.cache_info = engine.cache_info()
+        self.memory = mlx_memory()
         self.loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
         log.info("worker: model %s loaded (%s, max context %s)", spec,
                  type(model).__module__.rsplit(".", 1)[-1], self.loaded.max_context)
@@ -263,6 +266,7 @@ class Generator:
                 if due is not None and due <= time.monotonic():
                     engine.write_due()
                 self.cache_info = engine.cache_info()
+                self.memory = mlx_memory()
         except Exception:
             log.exception("worker: Engine.cache_info() failed")
 

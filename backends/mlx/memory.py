@@ -1,15 +1,23 @@
-"""Default sizes of the worker's two cache tiers, from what the machine has.
+"""The worker's memory: what it holds (for the proxy's model pool) and how big its cache tiers
+may be by default (from what the machine has).
 
-Owns: the RAM budget rule (a share of the memory still available once the model is loaded,
-so the cache never pushes the machine into swap) and the disk budget rule (a share of the free
-space where the cache lives, capped). Explicit settings always win; these only fill in unset
-ones. Pure functions of measured numbers, plus the two measurements (psutil, shutil).
+Owns: the "memory" object of GET /v1/cache (the process's resident set now and MLX's last
+allocator snapshot; the pool replaces its estimate of a loaded model's footprint by it, see
+`backends/budget.py`, `measured_footprint`), the RAM budget rule (a share of the memory still
+available once the model is loaded, so the cache never pushes the machine into swap) and the
+disk budget rule (a share of the free space where the cache lives, capped). Explicit settings
+always win over the rules. `mlx_memory()` runs on the generation thread; the rest is pure or
+reads the OS.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import shutil
+import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -37,3 +45,31 @@ def available_memory() -> int:
 def free_space(path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     return shutil.disk_usage(path).free
+
+
+def process_rss() -> tuple[int, str]:
+    """(bytes, source): the resident set now (Linux, /proc/self/statm), else the peak
+    resident set the OS reports (`ru_maxrss`: bytes on macOS, KiB elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE"), "statm"
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak * (1 if sys.platform == "darwin" else 1024), "maxrss"
+
+
+def mlx_memory() -> dict[str, int]:
+    """MLX's allocator: memory in live arrays, memory kept for reuse (its buffer cache), and
+    the peak of live arrays since start. Call it on the generation thread."""
+    import mlx.core as mx
+
+    return {"mlx_active_bytes": int(mx.get_active_memory()),
+            "mlx_cache_bytes": int(mx.get_cache_memory()),
+            "mlx_peak_bytes": int(mx.get_peak_memory())}
+
+
+def memory_info(mlx_snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The "memory" object of GET /v1/cache: the process's RSS now and MLX's last snapshot."""
+    rss, source = process_rss()
+    return {"rss_bytes": rss, "rss_source": source, **mlx_snapshot}

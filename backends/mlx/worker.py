@@ -23,6 +23,7 @@ from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.api.schema import Kind, decode_json, parse_body
 from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
 from prefixd.backends.mlx.generation import Generator, Loaded, WorkerClosed
+from prefixd.backends.mlx.memory import memory_info
 from prefixd.backends.mlx.oai import ChatOutput, Shapes
 from prefixd.backends.mlx.prompt import Prompt, Renderer, encode
 from prefixd.backends.mlx.respond import Reply
@@ -184,13 +185,15 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _cache(request: web.Request) -> web.Response:
-    """The Engine's cache_info as of the end of the last generation (the Engine is only ever
-    touched on the generation thread, so this never waits behind a long request), with the
-    disk tier's live state (its own lock guards it)."""
+    """The Engine's cache_info and MLX's memory as of the end of the last generation (the
+    Engine is only ever touched on the generation thread, so this never waits behind a long
+    request), with the disk tier's live state (its own lock guards it) and the process's
+    resident memory now: the proxy's model pool measures a loaded model's footprint by it."""
     loaded = _loaded(request)
     generator = request.app[GENERATOR]
     return web.json_response({**generator.cache_info, "disk": loaded.engine.tiers.info(),
-                              "worker": dict(generator.stats)})
+                              "worker": dict(generator.stats),
+                              "memory": memory_info(generator.memory)})
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -56,6 +56,25 @@ function cacheCell(c) {
       `${plural(count(c.checkpoints), "checkpoint")} · ${num(c.hit_tokens_total)} hit tok`));
 }
 
+// A managed model's footprint against the memory budget (estimated until its worker measured
+// it); a model that is not loaded holds none of it now.
+const LOADED = new Set(["starting", "ready", "stopping"]);
+function memoryCell(b) {
+  if (typeof b.footprint_bytes !== "number") return el("span", { class: "muted" }, DASH);
+  const held = LOADED.has(b.state);
+  return el("div", { class: "cache" }, meter(held ? b.footprint_bytes : 0, b.memory_budget),
+    el("span", {}, `${bytes(b.footprint_bytes)} / ${bytes(b.memory_budget)}`),
+    el("div", { class: "muted small" },
+      `${b.footprint_source || "estimate"}${held ? "" : " · not loaded"}`));
+}
+
+function modelMemory(mm) {
+  if (!mm) return [];
+  return [meter(mm.loaded_bytes, mm.budget_bytes), " ",
+    `models loaded: ${bytes(mm.loaded_bytes)} of ${bytes(mm.budget_bytes)} ` +
+    `(${(mm.loaded || []).join(", ") || "none"})`];
+}
+
 function backendRow(b) {
   const models = (b.models || []).join(", ");
   const state = b.state === "ready" && b.up === false ? "unhealthy" : b.state;
@@ -66,6 +85,7 @@ function backendRow(b) {
       b.model && b.model !== models ? el("div", { class: "muted small" }, b.model) : null),
     el("td", { class: "num" }, num(b.queue_depth)),
     el("td", { class: "num" }, `${num(b.in_flight)} / ${num(b.max_concurrency)}`),
+    el("td", {}, memoryCell(b)),
     el("td", {}, cacheCell(b.cache)),
     el("td", { class: "error small", title: b.last_error || "" },
       b.last_error ? String(b.last_error).slice(0, 90) : el("span", { class: "muted" }, DASH)));
@@ -99,7 +119,9 @@ async function loadOverview() {
   return () => {
     const backends = status.backends || [];
     $("#backends tbody").replaceChildren(...(backends.length ? backends.map(backendRow)
-      : [emptyRow(7, "no backends")]));
+      : [emptyRow(8, "no backends")]));
+    $("#model-memory").hidden = !status.model_memory;
+    $("#model-memory").replaceChildren(...modelMemory(status.model_memory));
     const note = $("#lanes-note");
     note.hidden = lanes !== null;
     note.textContent = "Prefix detection is off (PREFIXD_PREFIX_DETECT=false).";
