@@ -276,3 +276,38 @@ def test_sliding_window_edits_recompute_at_most_64_beyond_the_edit(tmp_path: Pat
             else:
                 target.close(5)
     _same(warm, _cold(model, edited))
+
+
+def test_record_prefixes_without_token_copies() -> None:
+    """The index answers prefix questions from shared blocks + tails: the same answers as
+    comparing whole token lists."""
+    from prefixd.backends.mlx import chain, diskrec
+
+    rng = random.Random(11)
+    base = chain.as_tokens([rng.randrange(1, 50) for _ in range(700)])
+    blocks: dict[str, diskrec.Block] = {}
+    records = []
+    for i in range(40):
+        cut = rng.randrange(0, 700)
+        toks = chain.as_tokens(list(base[:cut]) + [rng.randrange(1, 50) for _ in range(
+            rng.randrange(0, 300))])
+        if not len(toks):
+            continue
+        ids = chain.block_ids("salt", toks, BLOCK)
+        for j, b in enumerate(ids):
+            blocks.setdefault(b, diskrec.Block(0, toks[j * BLOCK:(j + 1) * BLOCK]))
+        whole = len(ids) * BLOCK
+        records.append((toks, diskrec.Record(str(i), len(toks), tuple(ids), toks[whole:], 0,
+                                             False, 0.0)))
+    for _ in range(40):
+        prompt = chain.as_tokens(list(base[:rng.randrange(0, 700)]) +
+                                 [rng.randrange(1, 50) for _ in range(rng.randrange(0, 200))])
+        ids = chain.block_ids("salt", prompt, BLOCK)
+        for toks, rec in records:
+            assert diskrec.common_prefix(rec, prompt, ids, blocks, BLOCK) == \
+                chain.common_prefix(toks, prompt)
+    for toks_a, a in records:
+        for toks_b, b in records:
+            expected = len(toks_a) <= len(toks_b) and chain.common_prefix(
+                toks_a, toks_b) == len(toks_a)
+            assert diskrec.is_prefix(a, b, blocks, BLOCK) == expected

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixd.backends.mlx import chain, diskfmt
+from prefixd.backends.mlx import chain, diskfmt, diskrec
+from prefixd.backends.mlx.diskrec import Block, Record
 
 log = logging.getLogger("prefixd.worker.disk")
 COUNTERS = ("written_bytes", "written_blocks", "written_records", "evicted_records", "rejected",
@@ -59,29 +60,6 @@ class Job:
     reason: str                          # idle | evicted | shutdown
     done: threading.Event = field(default_factory=threading.Event)
     written: set[int] = field(default_factory=set)   # positions now on disk (new or present)
-
-
-@dataclass(eq=False)
-class Record:
-    rid: str
-    pos: int
-    blocks: tuple[str, ...]
-    tokens: np.ndarray
-    nbytes: int
-    trimmable: bool
-    last_used: float
-    gap: int = 0            # tokens beyond the nearest record below it on the same prefix
-
-    @property
-    def path_name(self) -> str:
-        return self.rid + diskfmt.SUFFIX
-
-
-@dataclass
-class Block:
-    nbytes: int
-    tokens: np.ndarray
-    refs: int = 0
 
 
 class DiskTier:
@@ -134,10 +112,15 @@ class DiskTier:
         """The record restoring the most tokens of `prompt` (at most `len(prompt) - 1`), and
         the position it restores (a trimmable record also serves shorter prefixes)."""
         best: tuple[Record, int] | None = None
+        ids = chain.block_ids(self.salt, prompt, self.block)
         with self._lock:
             records = list(self.records.values())
         for r in records:
-            limit = min(chain.common_prefix(r.tokens, prompt), len(prompt) - 1)
+            try:   # (no lock: a block the writer drops meanwhile belonged to an evicted record)
+                lcp = diskrec.common_prefix(r, prompt, ids, self.blocks, self.block)
+            except KeyError:
+                continue
+            limit = min(lcp, len(prompt) - 1)
             pos = r.pos if r.pos <= limit else (limit if r.trimmable else 0)
             if pos > 0 and (best is None or (pos, r.last_used) > (best[1], best[0].last_used)):
                 best = (r, pos)
@@ -254,8 +237,9 @@ class DiskTier:
                         kind="record", layout=self.layout, blocks=ids[:whole], id=rid)
             size = diskfmt.write(self.root / "records" / (rid + diskfmt.SUFFIX), tensors, desc)
             diskfmt.sync_dir(self.root / "records")
-            rec = Record(rid, s.pos, tuple(ids[:whole]), job.tokens[:s.pos].copy(), size,
-                         s.trimmable, time.time())
+            rec = Record(rid, s.pos, tuple(ids[:whole]),
+                         job.tokens[whole * self.block:s.pos].copy(), size, s.trimmable,
+                         time.time())
             with self._lock:
                 self.add_record(rec)
                 self.counters["written_bytes"] += size
@@ -282,10 +266,10 @@ class DiskTier:
     def add_record(self, rec: Record) -> None:
         parent = 0
         for other in self.records.values():
-            if other.pos < rec.pos and chain.common_prefix(other.tokens, rec.tokens) >= other.pos:
+            if other.pos < rec.pos and diskrec.is_prefix(other, rec, self.blocks, self.block):
                 parent = max(parent, other.pos)
-            elif other.pos > rec.pos and chain.common_prefix(rec.tokens, other.tokens) >= \
-                    rec.pos and other.pos - rec.pos < other.gap:
+            elif other.pos > rec.pos and other.pos - rec.pos < other.gap and \
+                    diskrec.is_prefix(rec, other, self.blocks, self.block):
                 other.gap = other.pos - rec.pos
         rec.gap = rec.pos - parent
         self.records[rec.rid] = rec
@@ -312,9 +296,9 @@ class DiskTier:
             if other.pos > r.pos and other.pos - other.gap == r.pos:
                 other.gap += r.gap
         (self.root / "records" / r.path_name).unlink(missing_ok=True)
+        self.on_evict(diskrec.tokens(r, self.blocks), r.pos)
         self._release(r, keep)
         self.counters["evicted_records"] += 1
-        self.on_evict(r.tokens, r.pos)
 
     def _release(self, r: Record, keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         self.bytes_used -= r.nbytes

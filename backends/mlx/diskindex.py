@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from prefixd.backends.mlx import chain, diskfmt
-from prefixd.backends.mlx.disk import Block, DiskTier, Record
+from prefixd.backends.mlx.disk import DiskTier
+from prefixd.backends.mlx.diskrec import Block, Record
 
 log = logging.getLogger("prefixd.worker.disk")
 
@@ -126,5 +127,5 @@ def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record
     if pos != len(tokens) or desc.get("id") != path.stem or \
             chain.record_id(tier.salt, tokens, pos, tier.block, list(ids)) != path.stem:
         return "corrupt"
-    return Record(path.stem, pos, tuple(ids), tokens, path.stat().st_size,
+    return Record(path.stem, pos, tuple(ids), chain.as_tokens(tail), path.stat().st_size,
                   bool(desc.get("trimmable")), path.stat().st_mtime)

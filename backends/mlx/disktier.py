@@ -201,6 +201,6 @@ class TierGlue:
         r = self.tiers.rates
         return {**self.disk.info(), "write_delay_s": self.tiers.write_delay,
                 "waiting_to_write": len(self.tiers.due),
-                "misses": dict(self.tiers.misses),
+                "misses": self.tiers.miss_counts(),
                 "prefill_tokens_per_s": round(r.prefill_tps, 1) if r.prefill_tps else None,
                 "read_bytes_per_s": round(r.read_bps) if r.read_bps else None}

@@ -293,7 +293,7 @@ class Engine:
                                          else None),
             "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
             "disk": self.tiers.info(),
-            "misses": dict(self.tiers.tiers.misses),
+            "misses": self.tiers.tiers.miss_counts(),
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

@@ -209,7 +209,13 @@ class Tiers:
         return rec.nbytes + sum(blocks[b].nbytes for b in rec.blocks if b in blocks)
 
     def count_miss(self, reason: str) -> None:
-        self.misses[reason] += 1
+        with self._lock:
+            self.misses[reason] += 1
+
+    def miss_counts(self) -> dict[str, int]:
+        """A copy, safe from any thread."""
+        with self._lock:
+            return dict(self.misses)
 
 
 def now() -> float:
