@@ -305,6 +305,20 @@ def test_8_template_drops_reasoning_unexplained_miss() -> None:
     assert r.miss == "unexplained" and r.suspects[0] == "template"
 
 
+def test_8_a_prefixd_workers_own_reason_explains_the_miss() -> None:
+    """A prefixd worker says why it restored less (`prefixd.cache.miss`): the report carries
+    that reason instead of guessing suspects."""
+    st = make_stage()
+    play(st, chat("sys " * 200, [], "q"), {}, ok("42"), {"prompt_tokens": 300})
+    usage = {"prompt_tokens": 360, "prompt_tokens_details": {"cached_tokens": 0},
+             "prefixd": {"cache": {"tier": None, "known_tokens": 300, "miss": "evicted"}}}
+    p = play(st, chat("sys " * 200, [{"role": "user", "content": "q"}, ok("42")], "why?"),
+             usage=usage)
+    r = p.report
+    assert r.verdict == "APPEND" and r.backend_cached_tokens == 0
+    assert r.miss == "worker:evicted" and r.suspects == []
+
+
 # --- 9. Tool output pruning / compaction ------------------------------------------------------
 def agent_history(n: int) -> list[dict]:
     out: list[dict] = [{"role": "user", "content": "do the task"}]

@@ -13,9 +13,10 @@ log = logging.getLogger("prefixd.prefix")
 
 
 def observe(r: PrefixReport) -> None:
-    """One finished report: its log line (INFO when the prefix broke or a miss is
-    unexplained) and its metrics."""
-    level = logging.INFO if r.mutated or r.miss == "unexplained" else logging.DEBUG
+    """One finished report: its log line (INFO when the prefix broke, or the backend restored
+    less than expected) and its metrics."""
+    missed = r.miss == "unexplained" or (r.miss or "").startswith("worker:")
+    level = logging.INFO if r.mutated or missed else logging.DEBUG
     if log.isEnabledFor(level):
         log.log(level, "%s", log_text(r))
     M.REQUESTS.labels(r.client, r.verdict.value).inc()

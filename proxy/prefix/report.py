@@ -55,7 +55,8 @@ class PrefixReport:
     backend_cached_tokens: int | None = None
     backend_breakdown: dict[str, Any] | None = None   # a prefixd worker's per-turn timings
     backend_prompt_tokens: int | None = None
-    miss: str | None = None              # "agrees" or "unexplained"
+    miss: str | None = None   # "agrees", "unexplained", or "worker:<reason>" (a prefixd
+    #                           worker's own reason: evicted, disk_evicted, write_pending, ...)
     suspects: list[str] = field(default_factory=list)
     hint: str | None = None
 

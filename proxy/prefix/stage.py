@@ -261,6 +261,11 @@ class PrefixStage:
         if r.sent_verdict is Verdict.NEW or cached + slack >= expected:
             r.miss = "agrees"
             return
+        worker = (r.backend_breakdown or {}).get("cache")
+        reason = worker.get("miss") if isinstance(worker, dict) else None
+        if isinstance(reason, str) and reason:
+            r.miss = f"worker:{reason}"       # a prefixd worker said why (evicted, ...)
+            return
         r.miss = "unexplained"
         if r.sent_verdict not in REUSING:
             # Reuse needs a rewind to mid-prompt: recurrent/windowed state without a
