@@ -199,7 +199,7 @@ def test_a_record_whose_block_is_gone_is_never_loaded(tmp_path: Path) -> None:
     again = _engine(model, tmp_path)
     info = again.cache_info()["disk"]
     assert info["records"] == sum(1 for p in (key_dir / "records").iterdir()
-                                  if diskfmt.describe(p)[0]["pos"] < BLOCK)
+                                  if not diskfmt.describe(p)[0]["blocks"])
     assert info["skipped_files"]["missing_block"] > 0
     prompt = base + _words(51, 10)
     _same(_run(again, prompt), _cold(model, prompt))
@@ -296,9 +296,11 @@ def test_record_prefixes_without_token_copies() -> None:
         ids = chain.block_ids("salt", toks, BLOCK)
         for j, b in enumerate(ids):
             blocks.setdefault(b, diskrec.Block(0, toks[j * BLOCK:(j + 1) * BLOCK]))
-        whole = len(ids) * BLOCK
-        records.append((toks, diskrec.Record(str(i), len(toks), tuple(ids), toks[whole:], 0,
-                                             False, 0.0)))
+        pos = rng.randrange(1, len(toks) + 1)           # a state inside the conversation
+        used = min(len(ids), -(-pos // BLOCK))          # its last block possibly in part
+        tail = toks[used * BLOCK:pos]
+        records.append((toks[:pos], diskrec.Record(str(i), pos, tuple(ids[:used]), tail, 0,
+                                                   False, 0.0)))
     for _ in range(40):
         prompt = chain.as_tokens(list(base[:rng.randrange(0, 700)]) +
                                  [rng.randrange(1, 50) for _ in range(rng.randrange(0, 200))])
@@ -311,3 +313,29 @@ def test_record_prefixes_without_token_copies() -> None:
             expected = len(toks_a) <= len(toks_b) and chain.common_prefix(
                 toks_a, toks_b) == len(toks_a)
             assert diskrec.is_prefix(a, b, blocks, BLOCK) == expected
+
+
+def test_idle_turns_write_each_kv_position_about_once(tmp_path: Path) -> None:
+    """A conversation that goes idle after every turn (each turn written): every block is
+    written once, and only states in the last, unfinished block carry their own KV tail, so
+    the KV written beyond the conversation's own tokens is at most two tails per turn."""
+    model = build_model("qwen3_5", seed=3)
+    engine = _engine(model, tmp_path, delay=3600.0)
+    prompt = _words(80, 300)
+    turns = 6
+    for t in range(turns):
+        reply = _run(engine, prompt, (len(prompt) - 30,))[0]
+        engine.tiers.tiers.flush_due(float("inf"))       # idle: this turn is written
+        assert engine.tiers.disk.drain(30.0)
+        prompt = prompt + reply + _words(81 + t, 150)
+    (key_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    tails = 0
+    for path in (key_dir / "records").iterdir():
+        _desc, f = diskfmt.describe(path)
+        with f:
+            tails += len(f.get_tensor("tokens"))
+    info = engine.cache_info()["disk"]
+    (entry,) = engine.store.entries
+    assert info["written_blocks"] == len(entry.tokens) // BLOCK == info["blocks"]
+    assert tails <= 2 * BLOCK * turns
+    engine.close(5)

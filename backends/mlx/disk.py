@@ -212,34 +212,36 @@ class DiskTier:
                     self._wake.notify_all()
 
     def _persist(self, job: Job) -> None:
-        top = max((s.pos for s in job.states), default=0)
-        ids = chain.block_ids(self.salt, job.tokens[:top], self.block)
+        """Write the job's states not on disk yet. A state inside a block the job's tokens
+        complete references that block (its load trims it); only a state in the entry's last,
+        unfinished block carries its own tail of KV."""
+        ids = chain.block_ids(self.salt, job.tokens, self.block)
+        per_token = _kv_bytes_per_token(job)
         for s in sorted(job.states, key=lambda s: s.pos):
             rid = chain.record_id(self.salt, job.tokens, s.pos, self.block, ids)
-            whole = s.pos // self.block
+            used = min(len(ids), -(-s.pos // self.block))     # blocks holding [0, pos)
+            tail = max(0, s.pos - used * self.block)
             with self._lock:
                 if rid in self.records:
                     self.records[rid].last_used = time.time()
                     job.written.add(s.pos)
                     continue
-                missing = [j for j in range(whole) if ids[j] not in self.blocks]
-                per_token = _kv_bytes_per_token(job)
+                missing = [j for j in range(used) if ids[j] not in self.blocks]
                 need = len(missing) * (per_token + 4) * self.block + 4096 + \
-                    (per_token + 4) * (s.pos - whole * self.block) + \
-                    sum(t.nbytes for t in s.tensors.values())
-                if not self._make_room(need, set(ids[:whole])):
+                    (per_token + 4) * tail + sum(t.nbytes for t in s.tensors.values())
+                if not self._make_room(need, set(ids[:used])):
                     self.counters["rejected"] += 1
                     continue
             for j in missing:
                 self._write_block(job, j, ids)
-            tensors, desc = _record_tensors(job, s, whole * self.block)
+            start = used * self.block
+            tensors, desc = _record_tensors(job, s, start)
             desc.update(format=diskfmt.FORMAT, key=self.salt, block_tokens=self.block,
-                        kind="record", layout=self.layout, blocks=ids[:whole], id=rid)
+                        kind="record", layout=self.layout, blocks=ids[:used], id=rid)
             size = diskfmt.write(self.root / "records" / (rid + diskfmt.SUFFIX), tensors, desc)
             diskfmt.sync_dir(self.root / "records")
-            rec = Record(rid, s.pos, tuple(ids[:whole]),
-                         job.tokens[whole * self.block:s.pos].copy(), size, s.trimmable,
-                         time.time())
+            rec = Record(rid, s.pos, tuple(ids[:used]), job.tokens[start:s.pos].copy(), size,
+                         s.trimmable, time.time())
             with self._lock:
                 self.add_record(rec)
                 self.counters["written_bytes"] += size
@@ -318,8 +320,8 @@ def _kv_bytes_per_token(job: Job) -> int:
 
 
 def _record_tensors(job: Job, s: State, whole: int) -> tuple[diskfmt.Host, dict[str, Any]]:
-    """A record's arrays (tail KV `[whole, pos)`, tail tokens, the other leaves) and the part
-    of its description that is about them."""
+    """A record's arrays (tail KV `[whole, pos)`, empty when its blocks cover `pos`; tail
+    tokens; the other leaves) and the part of its description that is about them."""
     tensors = {f"{i}.{b}": buf[..., whole:s.pos, :] for i, bufs in job.kv.items()
                for b, buf in enumerate(bufs)}
     tensors["tokens"] = job.tokens[whole:s.pos]

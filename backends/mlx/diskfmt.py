@@ -9,8 +9,10 @@ Two kinds of files, both `<id>.safetensors` with the description under metadata 
 - a block: the full-attention KV (`KVCache`, `QuantizedKVCache` leaves) of positions
   `[j*B, (j+1)*B)` and their token ids; content-addressed (`chain.block_ids`), shared by every
   record whose prefix contains it, written once;
-- a record: the state at one position `pos`: the ids of its whole blocks, the tail KV
-  `[whole*B, pos)` and its tokens, and every other leaf (sliding windows, recurrent state) whole,
+- a record: the state at one position `pos`: the ids of the blocks holding its prefix (the last
+  one possibly used in part: the load trims it), the tail KV past its last block and its tokens
+  (only a state in its entry's last, unfinished block has one), and every other leaf (sliding
+  windows, recurrent state) whole,
   described by a skeleton of its `state` tuple so any verified cache class round-trips.
 """
 
@@ -151,6 +153,7 @@ def kv_leaf(desc: dict[str, Any], parts: list[list[mx.array]], pos: int) -> Any:
     """A full-attention leaf holding exactly `pos` positions, from its buffers' pieces in
     position order (`parts[i]`: the pieces of buffer i)."""
     bufs = [mx.concatenate(p, axis=-2) if len(p) > 1 else p[0] for p in parts]
+    bufs = [b[..., :pos, :] if b.shape[-2] > pos else b for b in bufs]  # a block used in part
     cls = CLASSES[desc["class"]]
     if desc["quant"]:
         half = len(bufs) // 2

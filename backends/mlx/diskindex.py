@@ -124,8 +124,10 @@ def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record
         return "missing_block"
     tokens = chain.as_tokens(np.concatenate([blocks[b].tokens for b in ids] + [tail]))
     pos = desc.get("pos")
-    if pos != len(tokens) or desc.get("id") != path.stem or \
-            chain.record_id(tier.salt, tokens, pos, tier.block, list(ids)) != path.stem:
+    used = len(ids) * tier.block
+    if not isinstance(pos, int) or not (used - tier.block < pos <= used + len(tail)) or \
+            (len(tail) and pos != used + len(tail)) or desc.get("id") != path.stem or \
+            chain.record_id(tier.salt, tokens[:pos], pos, tier.block, list(ids)) != path.stem:
         return "corrupt"
     return Record(path.stem, pos, tuple(ids), chain.as_tokens(tail), path.stat().st_size,
                   bool(desc.get("trimmable")), path.stat().st_mtime)

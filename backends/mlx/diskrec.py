@@ -26,10 +26,13 @@ class Block:
 
 @dataclass(eq=False)
 class Record:
+    """A state at `pos`: its tokens are its blocks' (the last one possibly past `pos`),
+    then `tail` (the tokens past its last block; empty when the blocks cover `pos`)."""
+
     rid: str
     pos: int
     blocks: tuple[str, ...]
-    tail: np.ndarray        # tokens [len(blocks) * B, pos)
+    tail: np.ndarray
     nbytes: int
     trimmable: bool
     last_used: float
@@ -52,21 +55,17 @@ def shared_blocks(a: tuple[str, ...] | list[str], b: tuple[str, ...] | list[str]
     return lo
 
 
-def segment(r: Record, k: int, blocks: dict[str, Block]) -> np.ndarray:
-    """The record's tokens from `k * B`: block `k`'s, or its tail past its last block."""
-    return blocks[r.blocks[k]].tokens if k < len(r.blocks) else r.tail
+def segment(r: Record, k: int, blocks: dict[str, Block], block: int) -> np.ndarray:
+    """The record's tokens from `k * B` (within one block, or its tail), up to `pos`."""
+    seg = blocks[r.blocks[k]].tokens if k < len(r.blocks) else r.tail
+    return seg[:max(0, r.pos - k * block)]
 
 
 def common_prefix(r: Record, prompt: np.ndarray, prompt_ids: list[str],
                   blocks: dict[str, Block], block: int) -> int:
     """Length of the common prefix of `r`'s tokens and `prompt` (whose block ids are given)."""
-    k = shared_blocks(r.blocks, prompt_ids)
-    if k < len(r.blocks) and k < len(prompt_ids):
-        seg = blocks[r.blocks[k]].tokens         # the chains differ inside this block
-    elif k < len(r.blocks):
-        seg = blocks[r.blocks[k]].tokens         # the prompt ends inside it
-    else:
-        seg = r.tail
+    k = min(shared_blocks(r.blocks, prompt_ids), r.pos // block)
+    seg = segment(r, k, blocks, block)
     return k * block + chain.common_prefix(seg, prompt[k * block:k * block + len(seg)])
 
 
@@ -74,13 +73,15 @@ def is_prefix(low: Record, high: Record, blocks: dict[str, Block], block: int) -
     """Whether `low`'s tokens are a prefix of `high`'s."""
     if low.pos > high.pos:
         return False
-    k = len(low.blocks)
+    k = low.pos // block
     if shared_blocks(low.blocks, high.blocks) < k:
         return False
-    seg = segment(high, k, blocks)
-    return chain.common_prefix(low.tail, seg[:len(low.tail)]) == len(low.tail)
+    mine = segment(low, k, blocks, block)
+    theirs = segment(high, k, blocks, block)
+    return len(theirs) >= len(mine) and chain.common_prefix(mine, theirs) == len(mine)
 
 
 def tokens(r: Record, blocks: dict[str, Block]) -> np.ndarray:
     """The record's whole token list (a copy: for rare uses such as the eviction ledger)."""
-    return np.concatenate([blocks[b].tokens for b in r.blocks if b in blocks] + [r.tail])
+    whole = [blocks[b].tokens for b in r.blocks if b in blocks]
+    return np.concatenate([*whole, r.tail])[:r.pos]
