@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -119,6 +120,7 @@ def _part_a_once(model_dir: Path, args: argparse.Namespace) -> list[dict[str, An
                 step = steps.send(Reply(got["text"]))
         finally:
             stop_server(server)
+            shutil.rmtree(cache, ignore_errors=True)
         print(f"  (a) {mode:20} turn 4: {rows[-1]}", flush=True)
     return rows
 
@@ -145,6 +147,7 @@ def part_b(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             info = get_json(server.port, "/v1/cache")
         finally:
             stop_server(server)
+            shutil.rmtree(cache, ignore_errors=True)
         prompt = sum(r["prompt"] for r in got)
         cached = sum(r["cached"] for r in got)
         rows.append({"setup": label, "requests": len(got), "prompt_tokens": prompt,
@@ -192,15 +195,22 @@ def part_c(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         engine.close(120)
         disk = engine.cache_info()["disk"]
         on_disk = disk["bytes_used"]
-        kv_per_token = engine.tiers.disk.records and _kv_per_token(engine)
-        whole = sum(r.pos * kv_per_token + r.nbytes - (r.pos % 256) * kv_per_token
-                    for r in engine.tiers.disk.records.values())
+        kv_per_token = _kv_per_token(engine)
+        records = engine.tiers.disk.records.values()
+        tails = sum(len(r.tail) for r in records) * kv_per_token
+        state = sum(r.nbytes for r in records) - tails
+        blocks = sum(b.nbytes for b in engine.tiers.disk.blocks.values())
+        whole = sum(r.pos * kv_per_token for r in records) + state
         rows.append({"turns": turns, "gap_s": gap, "tokens": len(prompt),
                      "written_bytes": disk["written_bytes"], "on_disk_bytes": on_disk,
-                     "written_over_kept": round(disk["written_bytes"] / on_disk, 3),
+                     "unique_kv_bytes": blocks, "state_record_bytes": state,
+                     "tail_kv_bytes": tails,
+                     "written_over_kv_plus_state": round(disk["written_bytes"]
+                                                         / (blocks + state), 3),
                      "every_checkpoint_whole_bytes": int(whole),
                      "records": disk["records"], "blocks": disk["blocks"],
                      "seconds": round(time.monotonic() - started, 1)})
+        shutil.rmtree(root, ignore_errors=True)
         print(f"  (c) {rows[-1]}", flush=True)
     return rows
 
@@ -250,6 +260,7 @@ def part_d(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         _generate(reader, prompt)
         st = reader.last_stats
         reader.close(5)
+        shutil.rmtree(root, ignore_errors=True)
         rows.append({"prompt_tokens": len(prompt), "cached": st.cached_tokens, "tier": st.tier,
                      "cold_prefill_s": round(cold_s, 4), "ram_restore_s": round(ram_s, 4),
                      "disk_restore_s": round(st.disk_load_s, 4),
