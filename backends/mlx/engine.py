@@ -84,6 +84,10 @@ class Engine:
         self._update_gauges()
 
     # --- setup -------------------------------------------------------------------------------
+    def fresh_cache(self) -> list[Any]:
+        """An empty live cache of this engine's kind (KV quantized if configured)."""
+        return self._fresh_cache()
+
     def _fresh_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model)
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache

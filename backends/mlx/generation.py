@@ -178,6 +178,7 @@ class Generator:
         ram = self._ram_budget()
         engine = Engine(model, EngineConfig.from_settings(self.settings, cache_bytes=ram),
                         self._disk_spec(target, dequantize))
+        warm_up(model, engine.fresh_cache(), tokenizer)
         self.cache_info = engine.cache_info()
         self.memory = mlx_memory()
         self.loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
@@ -347,6 +348,25 @@ def wants_dequantize(mode: str, spec: str) -> bool:
 
     return spec in BUILTIN_MODELS and not mx.metal.is_available()
 
+
+
+def warm_up(model: Any, cache: list[Any], tokenizer: Any) -> None:
+    """A throwaway prefill, sampling (greedy and with temperature) and decode step at load, so
+    the first request (often the first after a swap or a restart) does not pay first-call
+    costs: mlx-lm's compiled samplers, kernels for new shapes, the detokenizer."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    try:
+        logits = model(mx.array([[0] * 16]), cache=cache)[:, -1, :]
+        lp = logits - mx.logsumexp(logits, keepdims=True)
+        token = mx.array([0])
+        for sampler in (make_sampler(0.0), make_sampler(0.7, 0.95, 0.05, top_k=20)):
+            token = sampler(lp)
+        mx.eval(model(token[None], cache=cache))
+        tokenizer.decode([int(token.item())])
+    except Exception:  # a warm-up that fails costs nothing but the warm-up
+        log.warning("worker: warm-up pass failed", exc_info=True)
 
 
 def observe_turn(stats: PromptStats | None, before: dict[str, float]) -> dict[str, Any]:
