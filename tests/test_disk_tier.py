@@ -95,12 +95,14 @@ def test_warm_after_restart_equals_cold(model: Any, tmp_path: Path) -> None:
     assert (warm[2].cached_tokens, warm[2].tier, warm[2].miss) == (300 + MAX_TOKENS, "disk",
                                                                    None)
     _same(warm, _cold(model, prompt))
+    again.close(5)
     # an edit inside the history restores a checkpoint below the edit, from disk
     edited = base[:170] + _words(3, 20)
-    warm = _run(_engine(model, tmp_path), edited)
+    third = _engine(model, tmp_path)
+    warm = _run(third, edited)
     assert warm[2].tier == "disk" and 0 < warm[2].cached_tokens <= 170
     _same(warm, _cold(model, edited))
-    again.close(5)
+    third.close(5)
 
 
 def test_each_block_is_written_once_and_superseded_turns_never(tmp_path: Path) -> None:
@@ -339,3 +341,16 @@ def test_idle_turns_write_each_kv_position_about_once(tmp_path: Path) -> None:
     assert info["written_blocks"] == len(entry.tokens) // BLOCK == info["blocks"]
     assert tails <= 2 * BLOCK * turns
     engine.close(5)
+
+
+def test_one_worker_per_directory(tmp_path: Path) -> None:
+    """A second engine (another worker of the same model) on a directory in use runs without
+    a disk tier rather than fighting over its budget and index; it gets it once freed."""
+    model = build_model("qwen3", seed=3)
+    first = _engine(model, tmp_path)
+    second = _engine(model, tmp_path)
+    assert first.cache_info()["disk"] is not None and second.cache_info()["disk"] is None
+    first.close(5)
+    third = _engine(model, tmp_path)
+    assert third.cache_info()["disk"] is not None
+    third.close(5)

@@ -160,6 +160,7 @@ def test_sigkill_mid_write_leaves_nothing_that_loads(tmp_path: Path) -> None:
     assert info["skipped_files"].get("partial_write", 0) == cut[-1]
     assert not list(tmp_path.glob("*/*/.*.tmp"))
     assert info["records"] > 0, info
+    engine.close(5)                     # one engine per directory at a time
     # Each conversation the writer finished or cut: its longest indexed state loads right.
     from_disk = 0
     for i in range(3):
@@ -171,5 +172,4 @@ def test_sigkill_mid_write_leaves_nothing_that_loads(tmp_path: Path) -> None:
         _same(warm, _cold(model, prompt))
         fresh.close(5)
     assert from_disk > 0
-    engine.close(5)
     json.dumps(info)  # the info is plain JSON

@@ -82,6 +82,7 @@ class DiskTier:
         self._closed = False
         for sub in ("blocks", "records"):
             (root / sub).mkdir(parents=True, exist_ok=True)
+        self._owner = _own(root)
         self._write_manifest()
         self._thread = threading.Thread(target=self._run, name="prefixd-disk", daemon=True)
 
@@ -179,6 +180,9 @@ class DiskTier:
         with self._lock:
             self._closed = True
             self._wake.notify_all()
+        if done and self._owner is not None:
+            self._owner.close()           # the next owner may come (a restart in-process)
+            self._owner = None
         return done
 
     def info(self) -> dict[str, Any]:
@@ -313,6 +317,25 @@ class DiskTier:
                 (self.root / "blocks" / (b + diskfmt.SUFFIX)).unlink(missing_ok=True)
                 del self.blocks[b]
                 self.bytes_used -= blk.nbytes
+
+
+class DirectoryInUse(OSError):
+    """Another live worker owns this cache directory."""
+
+
+def _own(root: Path) -> Any:
+    """Hold an exclusive lock on the directory for this process's life (the OS drops it when
+    the process dies, SIGKILL included): one writer and one index per directory, so budgets
+    and evictions never fight. A second worker of the same model runs without a disk tier."""
+    import fcntl
+
+    f = open(root / "lock", "a+")  # noqa: SIM115 - held open for the process's life
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.close()
+        raise DirectoryInUse(f"{root} is in use by another worker") from e
+    return f
 
 
 def _kv_bytes_per_token(job: Job) -> int:
