@@ -5,9 +5,16 @@ Leaving the `post_stream` block before the body ended closes the connection, whi
 a client disconnect stops the upstream's generation at once.
 
 A request that went out on a pooled keep-alive connection the upstream had already closed
-(it idled out, or the upstream restarted) fails before any response byte as "server
-disconnected" or "connection reset"; it is sent again once, on a new connection. Nothing is
-sent again after a response byte, nor after a failure on a new connection.
+fails before any response byte; it is sent again once, on a new connection. Nothing is sent
+again after a response byte, nor after a failure on a new connection. Upstreams close pooled
+connections more often than their `Keep-Alive` header says: cpp-httplib (llama-server) after
+its idle timeout, and llama-server after *every streamed answer* (its stream ends by telling
+cpp-httplib to stop, which closes the connection). The next request can take that connection
+from the pool before the event loop has read the close, and then fails in one of three ways:
+"server disconnected" or "connection reset" while waiting for the answer, or "Can not write
+request body" (errno None: the transport was closing, or was lost, while the body was being
+written). llama-server had stopped serving that connection before the request reached it,
+so the request never ran there.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from prefixd.backends.base import (
     UpstreamRequest,
     UpstreamResponse,
 )
+from prefixd.metrics.proxy import UPSTREAM_RESENDS
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding"}
@@ -40,11 +48,16 @@ def _describe(e: BaseException) -> str:
 
 def dropped(e: BaseException | None) -> bool:
     """The upstream closed or reset a connection that had been set up (not a refused or
-    failed connect): raised before the response started, no response byte was read."""
-    if isinstance(e, aiohttp.ServerDisconnectedError | ConnectionResetError | BrokenPipeError):
-        return True
-    return (isinstance(e, aiohttp.ClientOSError)
-            and not isinstance(e, aiohttp.ClientConnectorError) and e.errno in _RESET_ERRNOS)
+    failed connect): raised before the response started, no response byte was read.
+    aiohttp reports a body it could not write as a `ClientOSError` without errno whose cause
+    is the connection error (a write to a closing transport, a lost connection)."""
+    if e is None or isinstance(e, aiohttp.ClientConnectorError):
+        return False
+    return any(
+        isinstance(x, aiohttp.ServerDisconnectedError)
+        or (isinstance(x, ConnectionError) and not isinstance(x, ConnectionRefusedError))
+        or (isinstance(x, aiohttp.ClientOSError) and x.errno in _RESET_ERRNOS)
+        for x in (e, e.__cause__))
 
 
 class _Attempt:
@@ -88,6 +101,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: UpstreamRequest, 
             log.info("backend %s: a pooled connection was closed under request %s (%s); "
                      "sending it again on a new connection", backend, req.request_id,
                      _describe(e))
+            UPSTREAM_RESENDS.labels(backend).inc()
             session = await stack.enter_async_context(_new_connection_like(session))
     raise AssertionError("unreachable")
 

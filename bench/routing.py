@@ -52,7 +52,8 @@ from fake_llama import FakeLlama, lcp, render, tokenize  # noqa: E402
 from llama_process import LlamaServer, builtin_gguf, llama_server_binary  # noqa: E402
 
 from prefixd.backends.registry import build_backends  # noqa: E402
-from prefixd.proxy.route import Candidate, Decision, choose, decide  # noqa: E402
+from prefixd.metrics.proxy import UPSTREAM_RESENDS  # noqa: E402
+from prefixd.proxy.route import Candidate, Decision, choose  # noqa: E402
 from prefixd.proxy.server import Server, make_proxy  # noqa: E402
 from prefixd.proxy.settings import Settings  # noqa: E402
 
@@ -113,7 +114,8 @@ def lane_only() -> Any:
     return policy
 
 
-POLICIES = {"prefixd": lambda: decide, "round-robin": round_robin,
+# "prefixd" keeps the router's own policy (`decide` with the PREFIXD_ROUTE_* thresholds)
+POLICIES = {"prefixd": None, "round-robin": round_robin,
             "least-loaded": least_loaded, "lane-only": lane_only}
 
 
@@ -259,7 +261,9 @@ async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str
         settings = Settings(_env_file=None, backends=backends, log_level="WARNING")
         server = Server(make_proxy(settings, build_backends(settings.backends, settings)))
         await server.start("127.0.0.1", 0)
-        server.proxy.router.policy = POLICIES[policy]()
+        make_policy = POLICIES[policy]
+        if make_policy is not None:
+            server.proxy.router.policy = make_policy()
         for b in server.proxy.backends.values():
             await b.detect_slots()          # type: ignore[attr-defined]
             if not pins:
@@ -299,6 +303,12 @@ def ideal_computed(reqs: list[Req], toks: list[tuple[list[Any], list[Any]]]) -> 
     return out
 
 
+def resends(urls: list[str]) -> float:
+    """Requests prefixd sent again on a new connection (the upstream had closed the pooled
+    one under them), all replicas and backends of a run together (one metrics registry)."""
+    return sum(UPSTREAM_RESENDS.labels(f"b{i}")._value.get() for i in range(len(urls)))
+
+
 async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
                   real: bool) -> dict[str, Any]:
     ups = await start_upstreams(setup, real, args.ms_per_token)
@@ -313,9 +323,11 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
             ports = [s.port for s in servers]
             t0 = time.monotonic()
             errors: list[str] = []
+            resent0 = resends(ups.urls)
             await asyncio.gather(*(converse(http, ports, c, args, reqs, errors)
                                    for c in range(convs)))
             wall = time.monotonic() - t0
+            resent = resends(ups.urls) - resent0
             reqs.sort(key=lambda r: r.start)
             toks = await tokens_of(http, ups.urls[0] if ups.procs else None, reqs)
         slot_pins: dict[str, int] = collections.Counter()
@@ -347,7 +359,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "ttft_median_ms": 1000 * statistics.median(r.ttft for r in reqs),
         "queue_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
         "first_turns": firsts, "slot_pins": dict(slot_pins),
-        "wall_s": wall, "errors": errors,
+        "wall_s": wall, "errors": errors, "resent": resent,
     }
 
 
@@ -410,6 +422,8 @@ async def main() -> int:
               f"later={row['ratio_later']:.2f} "
               f"reuse={100 * row['reuse']:.1f}% ttft50={row['ttft_median_ms']:.0f}ms "
               f"q99={row['queue_p99_ms']:.0f}ms firsts={row['first_turns']} "
+              f"failed={len(row['errors'])}/{row['requests'] + len(row['errors'])} "
+              f"resent={row['resent']:.0f} "
               f"({row['wall_s']:.1f}s)", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     cmd = "./run bench routing " + " ".join(sys.argv[1:])

@@ -31,6 +31,10 @@ BACKEND_UP = Gauge("prefixd_backend_up", "1 if the backend answered its last hea
 BACKEND_STATE = Gauge("prefixd_backend_state",
                       "Managed backend process state (1 for the current state).",
                       ["backend", "state"], registry=REGISTRY)
+UPSTREAM_RESENDS = Counter("prefixd_upstream_resends_total",
+                           "Requests sent again on a new connection: the upstream had closed "
+                           "the pooled keep-alive connection they went out on before answering.",
+                           ["backend"], registry=REGISTRY)
 BACKEND_RESTARTS = Counter("prefixd_backend_restarts_total",
                            "Managed worker restarts after a crash.", ["backend"], registry=REGISTRY)
 PROMPT_TOKENS = Counter("prefixd_prompt_tokens_total", "Prompt tokens reported by backends.",

@@ -24,7 +24,7 @@ from prefixd.proxy.exchange import ClientApi, Exchange
 from prefixd.proxy.pool import LoadStage, ModelPool
 from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.route import models_index
+from prefixd.proxy.route import Balance, models_index
 from prefixd.proxy.settings import Settings
 from prefixd.proxy.stages import Stage, chain
 from prefixd.proxy.stages.forward import ForwardStage
@@ -60,7 +60,11 @@ class Proxy:
         self.prefix = PrefixStage(settings)
         managed = [b for b in backends if isinstance(b, ManagedBackend)]
         self.pool = ModelPool.from_settings(managed, self.queues, settings) if managed else None
-        self.router = RouteStage(self.backends, self.queues, self.index, settings.model_aliases)
+        self.router = RouteStage(self.backends, self.queues, self.index,
+                                 Balance(settings.route_balance_slack,
+                                         settings.route_balance_ratio,
+                                         settings.route_min_hit_tokens),
+                                 settings.model_aliases)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
         self.inflight: set[Exchange] = set()

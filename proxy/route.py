@@ -36,7 +36,8 @@ class Decision:
 @dataclass(frozen=True)
 class Balance:
     """When affinity yields to load: the chosen backend's queue exceeds the least loaded
-    one's by more than `slack` requests per slot AND by more than `ratio` times."""
+    one's by more than `slack` requests per slot AND by more than `ratio` times. Set by
+    `PREFIXD_ROUTE_BALANCE_SLACK`, `PREFIXD_ROUTE_BALANCE_RATIO`, `PREFIXD_ROUTE_MIN_HIT_TOKENS`."""
 
     slack: int = 2
     ratio: float = 2.0

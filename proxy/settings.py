@@ -14,6 +14,7 @@ from pydantic import AfterValidator, Field, SecretStr
 
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.mlx.settings import DEFAULT_MODEL, WorkerSettings
+from prefixd.proxy.route import Balance
 
 __all__ = ["DEFAULT_MODEL", "BackendConfig", "RuleMode", "Settings", "redacted"]
 
@@ -64,6 +65,22 @@ class Settings(WorkerSettings):
         "\"gpt-*\": \"coder\"}.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
                                       "in-flight requests may run before they are cut.")
+    # --- routing across backends (proxy/route.py) ---------------------------------------
+    route_balance_slack: int = Field(
+        Balance.slack, ge=0,
+        description="Affinity (a backend holding the conversation's prefix) yields to load "
+        "only when that backend's queued + in-flight requests exceed the least loaded "
+        "backend's by more than this many per slot, and by more than `route_balance_ratio` "
+        "times.")
+    route_balance_ratio: float = Field(
+        Balance.ratio, ge=1.0,
+        description="The relative half of that test: affinity yields only when the chosen "
+        "backend has more than this many times the least loaded backend's requests (counted "
+        "as at least 1).")
+    route_min_hit_tokens: int = Field(
+        Balance.min_hit_tokens, ge=0,
+        description="An indexed prefix shorter than this many tokens does not draw a request "
+        "to the backend holding it (not worth a longer wait).")
     # --- prefix reports and canonicalization (proxy/prefix) -----------------------------
     prefix_detect: bool = Field(True, description="Diff each request against its lane's "
                                 "previous one and report prefix mutations.")

@@ -9,9 +9,12 @@ import collections
 import pytest
 from fake_upstream import FakeUpstream
 
+from prefixd.backends.registry import build_backends
 from prefixd.proxy.index import PrefixIndex, boundaries
 from prefixd.proxy.prefix.segments import flatten
 from prefixd.proxy.route import Balance, Candidate, decide, rendezvous
+from prefixd.proxy.server import make_proxy
+from prefixd.proxy.settings import Settings
 
 
 def C(name: str, load: int = 0, cached: int = 0, up: bool = True, slots: int = 1) -> Candidate:
@@ -36,6 +39,47 @@ def C(name: str, load: int = 0, cached: int = 0, up: bool = True, slots: int = 1
 def test_decision_table(cands, affinity, want):
     d = decide(cands, affinity, "conv", Balance())
     assert (d.name, d.reason, d.predicted) == want
+
+
+@pytest.mark.parametrize(("cands", "affinity", "balance", "want"), [
+    # queue 6 against 1: 5 more per slot and 6x; balanced away at the defaults ...
+    ([C("a", load=6, cached=900), C("b", load=1)], None, Balance(), ("b", "balance")),
+    # ... kept with a larger absolute slack, or a larger ratio
+    ([C("a", load=6, cached=900), C("b", load=1)], None, Balance(slack=5), ("a", "index_hit")),
+    ([C("a", load=6, cached=900), C("b", load=1)], None, Balance(ratio=6.0), ("a", "index_hit")),
+    # 3 against 1 keeps affinity at the defaults; a slack of 1 balances it away
+    ([C("a", load=3, cached=900), C("b", load=1)], None, Balance(), ("a", "index_hit")),
+    ([C("a", load=3, cached=900), C("b", load=1)], None, Balance(slack=1), ("b", "balance")),
+    # the slack counts per slot: a 4-slot backend absorbs 4x more
+    ([C("a", load=12, cached=900, slots=4), C("b", load=1)], None, Balance(slack=3),
+     ("a", "index_hit")),
+    ([C("a", load=12, cached=900, slots=4), C("b", load=1)], None, Balance(slack=2),
+     ("b", "balance")),
+    # a short shared prefix draws the request away from the lane only below min_hit_tokens
+    ([C("a", cached=10), C("b")], "b", Balance(), ("b", "affinity")),
+    ([C("a", cached=10), C("b")], "b", Balance(min_hit_tokens=8), ("a", "index_hit")),
+    # the lane's backend is held to the same test
+    ([C("a", load=3), C("b", load=1)], "a", Balance(), ("a", "affinity")),
+    ([C("a", load=3), C("b", load=1)], "a", Balance(slack=1, ratio=3.0), ("a", "affinity")),
+    ([C("a", load=3), C("b", load=1)], "a", Balance(slack=1, ratio=1.5), ("b", "balance")),
+])
+def test_balance_thresholds_change_decisions(cands, affinity, balance, want):
+    d = decide(cands, affinity, "conv", balance)
+    assert (d.name, d.reason) == want
+
+
+def test_balance_thresholds_are_settings(monkeypatch):
+    assert Settings(_env_file=None).route_balance_slack == Balance().slack
+    monkeypatch.setenv("PREFIXD_ROUTE_BALANCE_SLACK", "5")
+    monkeypatch.setenv("PREFIXD_ROUTE_BALANCE_RATIO", "3.5")
+    monkeypatch.setenv("PREFIXD_ROUTE_MIN_HIT_TOKENS", "100")
+    s = Settings(_env_file=None, backends=[{"name": "a", "kind": "openai",
+                                            "url": "http://127.0.0.1:9", "models": ["m"]}])
+    proxy = make_proxy(s, build_backends(s.backends, s))
+    assert proxy.router.balance == Balance(slack=5, ratio=3.5, min_hit_tokens=100)
+    monkeypatch.setenv("PREFIXD_ROUTE_BALANCE_RATIO", "0.5")     # below 1 would always yield
+    with pytest.raises(ValueError, match="route_balance_ratio"):
+        Settings(_env_file=None)
 
 
 def test_new_conversations_spread_evenly_and_consistently():

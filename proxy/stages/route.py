@@ -6,6 +6,7 @@ which may pin it to a slot when it is sent, and told how it ended."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 from prefixd.api.errors import ApiError
@@ -15,7 +16,15 @@ from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.index import Chain, PrefixIndex, boundaries
 from prefixd.proxy.prefix.report import header
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.route import AffinityMap, Candidate, Decision, Policy, decide, resolve_model
+from prefixd.proxy.route import (
+    AffinityMap,
+    Balance,
+    Candidate,
+    Decision,
+    Policy,
+    decide,
+    resolve_model,
+)
 from prefixd.proxy.stages import Next
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
@@ -25,13 +34,16 @@ class RouteStage:
     name = "route"
 
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
-                 index: dict[str, list[str]], aliases: dict[str, str] | None = None) -> None:
+                 index: dict[str, list[str]], balance: Balance,
+                 aliases: dict[str, str] | None = None) -> None:
         self.backends, self.queues, self.index = backends, queues, index
         self.aliases = aliases or {}
+        self.balance = balance
         self.affinity = AffinityMap()
         self.prefixes = PrefixIndex()
         self._epochs: dict[str, object] = {}
-        self.policy: Policy = decide     # benchmarks swap in other policies (bench/routing.py)
+        # benchmarks swap in other policies (bench/routing.py)
+        self.policy: Policy = functools.partial(decide, policy=balance)
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.parsed is not None
