@@ -354,3 +354,24 @@ def test_one_worker_per_directory(tmp_path: Path) -> None:
     third = _engine(model, tmp_path)
     assert third.cache_info()["disk"] is not None
     third.close(5)
+
+
+def test_quantized_kv_round_trips(tmp_path: Path) -> None:
+    """`kv_bits=8`: the blocks hold the quantized triples; warm after a restart == cold."""
+    from prefixd.backends.mlx.tinymodels import model_from_config, tiny_config
+
+    config = tiny_config("qwen3")
+    config.update(head_dim=64)                      # quantizable: groups of 32 or 64
+    model = model_from_config(config, seed=3)
+    base = _words(90, 300)
+    first = _engine(model, tmp_path, kv_bits=8)
+    assert first.cache_info()["kv_bits"] == 8
+    reply = _run(first, base, BOUNDS)[0]
+    _stop(first)
+    again = _engine(model, tmp_path, kv_bits=8)
+    prompt = base + reply + _words(91, 20)
+    warm = _run(again, prompt)
+    assert (warm[2].tier, warm[2].cached_tokens) == ("disk", 300 + MAX_TOKENS)
+    _same(warm, _run(Engine(model, EngineConfig(cache_bytes=0, prefill_chunk=512, kv_bits=8)),
+                     prompt))
+    again.close(5)
