@@ -160,6 +160,8 @@ def stream_chat(port: int, body: dict[str, Any], timeout: float
             if "error" in event:
                 raise RuntimeError(f"stream error: {event['error']}")
             usage = event.get("usage") or usage
+            if isinstance(event.get("prefixd"), dict):   # the worker's per-turn breakdown
+                usage = {**usage, "prefixd": event["prefixd"]}
             for choice in event.get("choices", []):
                 if content := (choice.get("delta") or {}).get("content"):
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
@@ -234,7 +236,9 @@ def run_scenario(name: str, args: argparse.Namespace, paths: dict[str, Path],
                     "prompt": usage.get("prompt_tokens", 0),
                     "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                     "loaded": status.get("model_memory", {}).get("loaded", []),
-                    "workers": len(server.worker_pids()), "reply": reply})
+                    "workers": len(server.worker_pids()), "reply": reply,
+                    # the worker's own stages of this turn (ms): where the time after the load went
+                    "worker_ms": (usage.get("prefixd") or {}).get("timings_ms")})
                 before = after
         footprints = {b["name"]: (b.get("footprint_bytes"), b.get("footprint_source"),
                                   (b.get("cache") or {}).get("budget"))
