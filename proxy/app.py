@@ -134,7 +134,18 @@ def cache_summary(info: dict | None) -> dict | None:
             "entries": len(entries) if isinstance(entries, list) else entries,
             "checkpoints": info.get("checkpoints"),
             "hit_tokens_total": info.get("hit_tokens_total"),
-            "recomputed_tokens_total": info.get("recomputed_tokens_total")}
+            "recomputed_tokens_total": info.get("recomputed_tokens_total"),
+            "misses": info.get("misses") or {},
+            "disk": _disk_summary(info.get("disk"))}
+
+
+def _disk_summary(disk: object) -> dict | None:
+    """A worker's disk tier (null when it has none)."""
+    if not isinstance(disk, dict):
+        return None
+    return {"bytes_used": disk.get("bytes_used"), "budget": disk.get("bytes_budget"),
+            "records": disk.get("records"), "written_bytes": disk.get("written_bytes"),
+            "skipped_files": disk.get("skipped_files") or {}}
 
 
 async def _ready(request: web.Request) -> web.Response:

@@ -75,6 +75,9 @@ async def test_alternating_models_swap_and_stay_warm(tiny_model_dir: Callable[[s
                                  "content": got["choices"][0]["message"]["content"]},
                                 {"role": "user", "content": f"Turn {turn + 2}: and the sea?"}]
         assert most_loaded == 1
+        async with http.get(url + "/status") as r:
+            loaded = [b for b in (await r.json())["backends"] if b.get("cache")]
+        assert [b["cache"]["disk"]["records"] > 0 for b in loaded] == [True]   # the page's view
         async with http.get(url + "/metrics") as r:
             text = await r.text()
         unloads = [line for line in text.splitlines()

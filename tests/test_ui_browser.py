@@ -172,7 +172,11 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
          "max_concurrency": 1, "last_error": None, "footprint_bytes": 14_100_000_000,
          "footprint_source": "measured", "memory_budget": 24_000_000_000,
          "cache": {"bytes_used": 1_240_000_000, "budget": 8_000_000_000, "entries": 3,
-                   "checkpoints": 41, "hit_tokens_total": 183_420}},
+                   "checkpoints": 41, "hit_tokens_total": 183_420,
+                   "misses": {"evicted": 2},
+                   "disk": {"bytes_used": 3_500_000_000, "budget": 32_000_000_000,
+                            "records": 120, "written_bytes": 4_000_000_000,
+                            "skipped_files": {}}}},
         {"name": "gone", "kind": "mlx", "state": "failed", "up": False, "models": ["x"],
          "queue_depth": 0, "in_flight": 0, "max_concurrency": 1, "cache": None,
          "footprint_bytes": 9_000_000_000, "footprint_source": "estimate",
@@ -203,7 +207,8 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
     q35 = [td.text for td in dom.one("tr", data_backend="q35").all("td")]
     assert q35[2] == "qwen3.5-9b/models/Qwen3.5-9B-4bit" and q35[3:5] == ["2", "1 / 1"]
     assert q35[5] == "14.1 GB / 24.0 GBmeasured"
-    assert q35[6] == "1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
+    assert q35[6] == ("1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
+                      "disk 3.5 GB / 32.0 GB · 120 recordsmisses: 2 evicted")
     gone = [td.text for td in dom.one("tr", data_backend="gone").all("td")]
     assert gone[1] == "failed" and gone[5] == "9.0 GB / 24.0 GBestimate · not loaded"
     assert gone[6] == "—" and "out of memory" in gone[7]

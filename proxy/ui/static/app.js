@@ -50,10 +50,14 @@ function cacheCell(c) {
   if (!c) return el("span", { class: "muted" }, DASH);
   const budget = c.budget ?? c.bytes_budget;
   const count = (x) => (Array.isArray(x) ? x.length : x);
+  const misses = Object.entries(c.misses || {}).map(([k, v]) => `${v} ${k}`).join(", ");
   return el("div", { class: "cache" }, meter(c.bytes_used, budget),
     el("span", {}, `${bytes(c.bytes_used)} / ${bytes(budget)}`),
     el("div", { class: "muted small" }, `${plural(count(c.entries), "entry", "entries")} · ` +
-      `${plural(count(c.checkpoints), "checkpoint")} · ${num(c.hit_tokens_total)} hit tok`));
+      `${plural(count(c.checkpoints), "checkpoint")} · ${num(c.hit_tokens_total)} hit tok`),
+    c.disk ? el("div", { class: "muted small" }, `disk ${bytes(c.disk.bytes_used)} / ` +
+      `${bytes(c.disk.budget)} · ${plural(c.disk.records, "record")}`) : null,
+    misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null);
 }
 
 // A managed model's footprint against the memory budget (estimated until its worker measured
