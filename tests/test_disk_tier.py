@@ -372,6 +372,7 @@ def test_quantized_kv_round_trips(tmp_path: Path) -> None:
     prompt = base + reply + _words(91, 20)
     warm = _run(again, prompt)
     assert (warm[2].tier, warm[2].cached_tokens) == ("disk", 300 + MAX_TOKENS)
-    _same(warm, _run(Engine(model, EngineConfig(cache_bytes=0, prefill_chunk=512, kv_bits=8)),
-                     prompt))
+    # cold in the same chunks, as tests/test_checkpoints.py's quantized case: quantized
+    # attention over differently split passes rounds differently (seen 2e-4 with OpenBLAS)
+    _same(warm, _run(Engine(model, _config(cache_bytes=0, kv_bits=8)), prompt))
     again.close(5)
