@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -63,10 +63,23 @@ class ManagedBackend(BackendBase):
         self._model = config.model
         command = command or (lambda port: worker_command(
             config.model or "", port, config.models[0] if config.models else None))
+        self._stop_grace_s = stop_grace_s
         self._sup = Supervisor(config, settings, command, grace_s=stop_grace_s,
                                backoff_s=backoff_s, stable_s=stable_s, retry_min_s=retry_min_s)
         self._session: aiohttp.ClientSession | None = None
         self._stopper: asyncio.Future[None] | None = None
+
+    async def settle(self) -> None:
+        """Return once a worker being stopped has exited: whether it starts again is then
+        the model pool's call, not a side effect of a request arriving mid-stop."""
+        if self._sup.state is ProcState.STOPPING:
+            await self.wait_for(ProcState.STOPPED, ProcState.FAILED, ProcState.SHUTDOWN,
+                                timeout=self._stop_grace_s + 30.0)
+
+    def join_pool(self, may_start: Callable[[], bool]) -> None:
+        """A model pool decides when this backend loads: a scheduled retry after a failure
+        starts the worker only when `may_start()` (it fits beside what is loaded now)."""
+        self._sup.may_start = may_start
 
     async def ensure_ready(self) -> None:
         sup = self._sup

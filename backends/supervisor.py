@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 
 import aiohttp
 
@@ -87,6 +88,9 @@ class Supervisor:
         self.restarts = 0
         self.token: str | None = None          # the running worker's secret; never published
         self.retry_at: float | None = None     # loop time of a failed backend's next attempt
+        # Under a model pool a scheduled retry starts the worker only if it fits beside what
+        # is loaded, without unloading anything (a request goes through the pool instead).
+        self.may_start: Callable[[], bool] = lambda: True
         self._retry_wanted = False             # a request asked a failed backend to retry
         self._last_attempt = float("-inf")     # loop time the latest start began
         self.healthy = False
@@ -283,8 +287,12 @@ class Supervisor:
             self.retry_at = self._now() + self._cfg.retry_failed_s
         while True:
             self._poke.clear()
-            if self._retry_wanted or self._now() >= self.retry_at:
+            if self._retry_wanted:
                 break
+            if self._now() >= self.retry_at:
+                if self.may_start():
+                    break
+                self.retry_at = self._now() + self._cfg.retry_failed_s   # no room now
             await wait_event(self._poke, self.retry_at - self._now())
         log.info("backend %s: trying again after failing (%s)", self.name,
                  "a request asked" if self._retry_wanted else "scheduled")

@@ -60,6 +60,8 @@ class ModelPool:
         own `cache_bytes` gets a share of `budget`, passed to its workers when `share`, else
         left to the worker to size)."""
         self.backends = {b.name: b for b in backends}
+        for b in backends:
+            b.join_pool(lambda name=b.name: self.fits_now(name))
         self.queues = queues
         self.budget = budget
         weights = {b.name: weights_bytes(d) if (d := _model_dir(b.model_spec)) else 0
@@ -100,6 +102,12 @@ class ModelPool:
 
     def loaded(self, name: str) -> bool:
         return self.backends[name].loaded or name in self._reserved
+
+    def fits_now(self, name: str) -> bool:
+        """Whether `name` can start now without unloading or waiting for anything (a failed
+        backend's scheduled retry; a request goes through `admit`)."""
+        plan = plan_load(name, self.slots(), self.budget)
+        return plan.fits and plan.ready and not plan.unload
 
     def slots(self) -> list[ModelSlot]:
         out = []
@@ -173,6 +181,7 @@ class ModelPool:
         measured (if it holds more than estimated, idle models make room for the excess)."""
         reserved = False
         try:
+            await backend.settle()          # a worker still stopping: exited first, then asked
             reserved = await self.admit(backend, on_wait)
             await backend.ensure_ready()
         finally:

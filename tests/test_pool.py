@@ -40,8 +40,8 @@ def settings(budget: int, **extra) -> Settings:
 async def start() -> AsyncIterator:
     servers: list[Server] = []
 
-    async def _start(s: Settings) -> tuple[Server, dict[str, ManagedBackend]]:
-        managed = [ManagedBackend(c, s, command=fake_command, stop_grace_s=2.0)
+    async def _start(s: Settings, **kw: float) -> tuple[Server, dict[str, ManagedBackend]]:
+        managed = [ManagedBackend(c, s, command=fake_command, stop_grace_s=2.0, **kw)
                    for c in s.backends]
         server = Server(make_proxy(s, managed))
         await server.start("127.0.0.1", 0)
@@ -213,3 +213,52 @@ async def test_a_crashed_model_does_not_restart_beside_the_one_that_took_its_roo
     await ask(http, server, "b")      # a is being restarted (or about to be): b unloads it
     assert loaded(backends) == ["b"]
     assert backends["a"].status().state == "stopped"
+
+
+async def test_a_failed_pooled_model_is_retried_only_through_the_pool(start, http, tmp_path):
+    """A failed backend's scheduled retry would start its worker without the pool's say (two
+    workers under a budget for one): under a pool it starts only if it fits beside what is
+    loaded; otherwise an admitted request retries it."""
+    broken = tmp_path / "broken"
+    broken.touch()
+    s = settings(int(1.5 * ONE), a={"worker_env": {"FAKE_WORKER_BROKEN": str(broken)},
+                                    "retry_failed_s": 0.1, "max_restarts": 1})
+    server, backends = await start(s, retry_min_s=0.0)
+    body = {"model": "a", "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body) as r:
+        assert r.status == 503
+    assert await backends["a"].wait_for(ProcState.FAILED, timeout=10) is ProcState.FAILED
+    await ask(http, server, "b")
+    broken.unlink()                                # a could load now, if anything started it
+    starts = m.MODEL_LOADS.labels("a", "failed")._value.get()
+    await asyncio.sleep(1.0)                       # ten scheduled retry periods
+    assert loaded(backends) == ["b"]
+    assert m.MODEL_LOADS.labels("a", "failed")._value.get() == starts
+    await ask(http, server, "a")                   # a request, admitted by the pool, retries
+    assert loaded(backends) == ["a"]
+
+
+async def test_a_request_for_a_model_being_unloaded_waits_for_the_pool(start, http):
+    """A request for a model whose worker is still stopping (unloaded to make room) must not
+    restart it beside the model that took its room: it waits, then goes through the pool."""
+    s = settings(int(1.5 * ONE), a={"worker_env": {"FAKE_WORKER_MODE": "ignore_term"}})
+    server, backends = await start(s)
+    await ask(http, server, "a")
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            most = max(most, sum(b.ready for b in backends.values()))
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        to_b = asyncio.create_task(ask(http, server, "b", chunks=20, delay=0.05))
+        await backends["a"].wait_for(ProcState.STOPPING, timeout=10)  # a ignores SIGTERM: slow
+        await ask(http, server, "a")
+        await to_b
+    finally:
+        watcher.cancel()
+    assert most == 1
+    assert loaded(backends) == ["a"]
