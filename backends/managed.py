@@ -33,10 +33,11 @@ from prefixd.backends.base import (
     UpstreamResponse,
 )
 from prefixd.backends.config import BackendConfig
+from prefixd.backends.health import local_session
 from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
-from prefixd.backends.supervisor import ProcState, Supervisor, local_session
+from prefixd.backends.supervisor import ProcState, Supervisor
 from prefixd.backends.worker_api import call, token_ids, tokenize_payload
 
 log = logging.getLogger("prefixd.backend")

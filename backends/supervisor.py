@@ -28,6 +28,7 @@ from collections.abc import Callable
 import aiohttp
 
 from prefixd.backends.config import BackendConfig
+from prefixd.backends.health import await_healthy, local_session, probe
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import (
     EXIT_LOAD_FAILED,
@@ -48,14 +49,6 @@ from prefixd.metrics.proxy import (
 )
 
 log = logging.getLogger("prefixd.backend")
-
-
-def local_session() -> aiohttp.ClientSession:
-    """A session to a local worker, without keep-alive (a new connection is cheap on
-    loopback): no request goes out on a connection left from an earlier worker, so a refused
-    or dropped connection always means this request's worker died before answering it."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                 timeout=aiohttp.ClientTimeout(total=None))
 
 
 class _Idle:
@@ -331,21 +324,7 @@ class Supervisor:
         return error, load_failed
 
     async def _await_healthy(self, worker: WorkerProcess) -> str | None:
-        timeout = self._cfg.startup_timeout_s
-        deadline = self._now() + timeout
-        delay = 0.05
-        while True:
-            if worker.exited.is_set():
-                return f"{worker.describe_exit()} (during start-up)"
-            remaining = deadline - self._now()
-            if remaining <= 0:
-                tail = worker.stderr_tail()
-                return (f"worker timed out after {timeout:g}s without answering {HEALTH_PATH}"
-                        + (f"; last output: {tail[-1]}" if tail else ""))
-            if await self._probe(min(5.0, remaining)):
-                return None
-            await wait_event(worker.exited, min(delay, remaining))
-            delay = min(delay * 2, 0.5)
+        return await await_healthy(worker, self._probe, self._cfg.startup_timeout_s, self._now)
 
     async def _watch(self) -> str | _Idle:
         """While ready: until the child exits, stops answering, or has been idle too long."""
@@ -397,9 +376,4 @@ class Supervisor:
             return False
         if self._session is None:
             self._session = local_session()
-        try:
-            async with self._session.get(self.base_url + HEALTH_PATH, headers=self.auth,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+        return await probe(self._session, self.base_url, self.auth, timeout)
