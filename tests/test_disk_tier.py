@@ -234,6 +234,12 @@ def test_misses_name_their_reason(tmp_path: Path) -> None:
     assert back[2].miss == "evicted" and back[2].known_tokens == 300 + MAX_TOKENS
     assert back[2].cached_tokens < back[2].known_tokens
     assert ram_only.cache_info()["misses"] == {"evicted": 1}
+    # a turn larger than the whole RAM budget was never stored: the next one says so
+    tiny = Engine(model, _config(cache_bytes=1000))
+    reply = _run(tiny, one)[0]
+    back = _run(tiny, one + reply + [5, 6])
+    assert (back[2].miss, back[2].cached_tokens, back[2].known_tokens) == \
+        ("not_stored", 0, 300 + MAX_TOKENS)
     # on disk, but the worker measured that reading it is slower than prefilling
     engine = _engine(model, tmp_path)
     reply = _run(engine, one)[0]

@@ -29,7 +29,7 @@ from prefixd.backends.mlx.disk import DiskTier, Job, Record
 from prefixd.backends.mlx.persist import make_job
 from prefixd.backends.mlx.store import Entry
 
-MISS_REASONS = ("evicted", "disk_evicted", "not_on_disk", "write_pending",
+MISS_REASONS = ("evicted", "disk_evicted", "not_on_disk", "write_pending", "not_stored",
                 "load_slower_than_prefill", "format_mismatch", "restore_error")
 LEDGER_TOKENS = 4_000_000        # token ids the ledger keeps (16 MB), oldest forgotten first
 HELD = float("inf")              # an entry a running request restored from: not due
@@ -128,6 +128,9 @@ class Tiers:
     def removed(self, entry: Entry, why: str) -> None:
         """The RAM store dropped `entry` (merged into a newer one, discarded, evicted)."""
         self.due.pop(entry, None)
+        if why == "rejected":                # computed, but more than the RAM budget holds
+            self._lose(entry, [*sorted(entry.checkpoints), len(entry.tokens)], "not_stored")
+            return
         if why != "evicted" or entry.payload is None:
             return
         positions = [*sorted(entry.checkpoints), len(entry.tokens)]
