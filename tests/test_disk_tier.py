@@ -382,3 +382,20 @@ def test_quantized_kv_round_trips(tmp_path: Path) -> None:
     # attention over differently split passes rounds differently (seen 2e-4 with OpenBLAS)
     _same(warm, _run(Engine(model, _config(cache_bytes=0, kv_bits=8)), prompt))
     again.close(5)
+
+
+def test_a_chain_of_thousands_of_blocks_indexes(tmp_path: Path) -> None:
+    """The start-up check walks block chains without recursion: 2,000 blocks of one prefix."""
+    from prefixd.backends.mlx.disk import Job, State
+    from prefixd.backends.mlx.diskindex import open_tier
+
+    block, n = 16, 32_000
+    tokens = np.arange(n, dtype=np.int32) % 997
+    kv = {0: [np.zeros((1, 1, n, 4), np.float32), np.ones((1, 1, n, 4), np.float32)]}
+    desc = {0: {"class": "KVCache", "n": 2, "quant": None}}
+    tier = open_tier(tmp_path, "salt", ["KVCache"], 1 << 30, block)
+    tier.submit(Job(tokens, kv, desc, {}, [State(n, {}, {}, {}, True)], "test"))
+    assert tier.drain(60) and tier.close(5)
+    again = open_tier(tmp_path, "salt", ["KVCache"], 1 << 30, block)
+    assert (len(again.records), len(again.blocks), dict(again.skipped)) == (1, n // block, {})
+    again.close(5)

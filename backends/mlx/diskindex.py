@@ -87,19 +87,27 @@ def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
             continue
         found[path.stem] = (desc.get("parent"), chain.as_tokens(tokens), path.stat().st_size)
     # A block is valid when its tokens hash to its id from its parent's (itself valid) id.
+    # Iterative (chains of thousands of blocks), each block checked once.
     valid: dict[str, Block] = {}
+    status: dict[str, bool] = {}
 
     def check(bid: str) -> bool:
-        if bid in valid:
-            return True
-        parent, tokens, size = found[bid]
-        if parent is not None and (parent not in found or not check(parent)):
-            return False
-        first = chain.block_ids(tier.salt, tokens, tier.block)[0] if parent is None else None
-        if (first or chain.next_block_id(parent, tokens)) != bid:
-            return False
-        valid[bid] = Block(size, tokens)
-        return True
+        path: list[str] = []
+        cur: str | None = bid
+        while cur is not None and cur not in status and cur in found:
+            path.append(cur)
+            cur = found[cur][0]
+        ok = True if cur is None else status.get(cur, False)   # missing parent: invalid
+        for b in reversed(path):
+            parent, tokens, size = found[b]
+            if ok:
+                expected = (chain.block_ids(tier.salt, tokens, tier.block)[0] if parent is None
+                            else chain.next_block_id(parent, tokens))
+                ok = expected == b
+            status[b] = ok
+            if ok:
+                valid[b] = Block(size, tokens)
+        return status[bid]
 
     for bid in found:
         if not check(bid):
