@@ -286,6 +286,10 @@ class DiskTier:
     def _make_room(self, need: int, keep: set[str]) -> bool:
         if need > self.budget:
             return False
+        if self.bytes_used + need > self.budget:     # blocks of a write that failed midway
+            for bid in [b for b, blk in self.blocks.items() if blk.refs <= 0 and b not in keep]:
+                (self.root / "blocks" / (bid + diskfmt.SUFFIX)).unlink(missing_ok=True)
+                self.bytes_used -= self.blocks.pop(bid).nbytes
         while self.bytes_used + need > self.budget:
             order = sorted(self.records.values(), key=lambda r: -r.last_used)
             rank = {r.rid: i + 1 for i, r in enumerate(order)}
