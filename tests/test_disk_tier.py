@@ -399,3 +399,41 @@ def test_a_chain_of_thousands_of_blocks_indexes(tmp_path: Path) -> None:
     again = open_tier(tmp_path, "salt", ["KVCache"], 1 << 30, block)
     assert (len(again.records), len(again.blocks), dict(again.skipped)) == (1, n // block, {})
     again.close(5)
+
+
+def test_lookup_by_key_index_matches_a_full_scan(tmp_path: Path) -> None:
+    """The disk lookup reads only the records keyed on the prompt's block chain; it must find
+    what comparing the prompt with every record finds (records sharing a first block, trimmable
+    or not, last blocks whole or in part)."""
+    from prefixd.backends.mlx import chain, diskrec
+    from prefixd.backends.mlx.diskindex import open_tier
+
+    block = 16
+    tier = open_tier(tmp_path, "salt", ["KVCache"], 1 << 30, block)
+    rng = random.Random(12)
+    base = [rng.randrange(1, 20) for _ in range(400)]
+    convs = []
+    for i in range(30):
+        cut = rng.randrange(block, 400)
+        extra = [rng.randrange(1, 20) for _ in range(rng.randrange(0, 150))]
+        toks = chain.as_tokens(base[:cut] + extra)
+        ids = chain.block_ids("salt", toks, block)
+        for j, b in enumerate(ids):
+            tier.blocks.setdefault(b, diskrec.Block(0, toks[j * block:(j + 1) * block]))
+        for k in range(3):
+            pos = rng.randrange(1, len(toks) + 1)
+            used = min(len(ids), -(-pos // block))
+            rec = diskrec.Record(f"{i}-{k}", pos, tuple(ids[:used]), toks[used * block:pos],
+                                 0, rng.random() < 0.3, float(i))
+            tier.add_record(rec)
+            convs.append((toks[:pos], rec))
+    for _ in range(60):
+        prompt = chain.as_tokens(base[:rng.randrange(block, 400)] +
+                                 [rng.randrange(1, 20) for _ in range(rng.randrange(0, 100))])
+        best = 0
+        for toks, rec in convs:
+            limit = min(chain.common_prefix(toks, prompt), len(prompt) - 1)
+            best = max(best, rec.pos if rec.pos <= limit else (limit if rec.trimmable else 0))
+        found = tier.lookup(prompt)
+        assert (found[1] if found else 0) == best
+    tier.close(1)

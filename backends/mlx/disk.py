@@ -70,6 +70,7 @@ class DiskTier:
         self.budget, self.block = budget, block
         self.on_evict = on_evict                 # (tokens, pos) of a record evicted by budget
         self.records: dict[str, Record] = {}
+        self._by_key: dict[str | None, dict[str, Record]] = {}   # see `_keys`
         self.blocks: dict[str, Block] = {}
         self.bytes_used = 0
         self.counters = collections.Counter[str]()   # written_bytes, evicted, rejected, ...
@@ -114,9 +115,11 @@ class DiskTier:
         the position it restores (a trimmable record also serves shorter prefixes)."""
         best: tuple[Record, int] | None = None
         ids = chain.block_ids(self.salt, prompt, self.block)
-        with self._lock:
-            records = list(self.records.values())
-        for r in records:
+        with self._lock:     # only records whose whole blocks lie on the prompt's chain
+            found: dict[str, Record] = {}
+            for key in (None, *ids):
+                found.update(self._by_key.get(key, {}))
+        for r in found.values():
             try:   # (no lock: a block the writer drops meanwhile belonged to an evicted record)
                 lcp = diskrec.common_prefix(r, prompt, ids, self.blocks, self.block)
             except KeyError:
@@ -152,6 +155,7 @@ class DiskTier:
         key, so no other version of prefixd wants it); counted under `reason`."""
         with self._lock:
             if self.records.pop(r.rid, None) is not None:
+                self._unindex(r)
                 (self.root / "records" / r.path_name).unlink(missing_ok=True)
                 self._release(r, keep=set(r.blocks))   # the writer may be using them
                 self.skipped[reason] += 1
@@ -270,18 +274,41 @@ class DiskTier:
 
     # --- index (caller holds the lock, or is the constructor) -------------------------------
     def add_record(self, rec: Record) -> None:
+        """Index `rec`; its gap is measured to the nearest record below it on its prefix
+        (found through the key index, not a scan: thousands of records index at start)."""
         parent = 0
-        for other in self.records.values():
-            if other.pos < rec.pos and diskrec.is_prefix(other, rec, self.blocks, self.block):
-                parent = max(parent, other.pos)
-            elif other.pos > rec.pos and other.pos - rec.pos < other.gap and \
-                    diskrec.is_prefix(rec, other, self.blocks, self.block):
-                other.gap = other.pos - rec.pos
+        whole = min(rec.pos // self.block, len(rec.blocks))
+        for key in reversed((None, *rec.blocks[:whole])):   # deepest first: stop at a hit
+            for other in self._by_key.get(key, {}).values():
+                if parent < other.pos < rec.pos and diskrec.is_prefix(other, rec, self.blocks,
+                                                                       self.block):
+                    parent = other.pos
+            if parent:
+                break
         rec.gap = rec.pos - parent
         self.records[rec.rid] = rec
+        for key in self._keys(rec):
+            self._by_key.setdefault(key, {})[rec.rid] = rec
         self.bytes_used += rec.nbytes
         for b in rec.blocks:
             self.blocks[b].refs += 1
+
+    def _keys(self, r: Record) -> list[str | None]:
+        """Where a lookup finds `r`: under the last whole block before its position (a prompt
+        whose chain holds that block matches `r` up to there; the rest is compared); a
+        trimmable record, which also serves shorter prefixes, under each of those blocks."""
+        whole = min(r.pos // self.block, len(r.blocks))
+        if whole == 0:
+            return [None]
+        return list(r.blocks[:whole]) if r.trimmable else [r.blocks[whole - 1]]
+
+    def _unindex(self, r: Record) -> None:
+        for key in self._keys(r):
+            bucket = self._by_key.get(key)
+            if bucket is not None:
+                bucket.pop(r.rid, None)
+                if not bucket:
+                    del self._by_key[key]
 
     def _make_room(self, need: int, keep: set[str]) -> bool:
         if need > self.budget:
@@ -302,6 +329,7 @@ class DiskTier:
 
     def _evict(self, r: Record, keep: set[str]) -> None:
         del self.records[r.rid]
+        self._unindex(r)
         for other in self.records.values():   # its children now reach further down
             if other.pos > r.pos and other.pos - other.gap == r.pos:
                 other.gap += r.gap
