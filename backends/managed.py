@@ -38,14 +38,14 @@ from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
 from prefixd.backends.supervisor import ProcState, Supervisor
-from prefixd.backends.worker_api import call, token_ids, tokenize_payload
+from prefixd.backends.worker_api import WorkerEndpoints, call
 
 log = logging.getLogger("prefixd.backend")
 
 __all__ = ["ManagedBackend", "ProcState"]
 
 
-class ManagedBackend(BackendBase):
+class ManagedBackend(WorkerEndpoints, BackendBase):
     kind = "mlx"
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
@@ -145,20 +145,6 @@ class ManagedBackend(BackendBase):
         except BackendError:
             self._sup.report_failure()
             raise
-
-    async def tokenize(self, body: dict) -> list[int] | None:
-        """The worker's exact token ids for a chat or completions body (rendered through its
-        chat template), for exact prefix-report offsets. None when it cannot tell now."""
-        return token_ids(await self._call("/tokenize", tokenize_payload(body)))
-
-    async def metrics_text(self) -> str | None:
-        """The worker's own /metrics (its prompt cache), or None when it is not running."""
-        return await self._call("/metrics", text=True)
-
-    async def cache_info(self) -> dict | None:
-        """The worker's /v1/cache (its checkpoint store), or None when it is not running."""
-        answer = await self._call("/v1/cache")
-        return answer if isinstance(answer, dict) else None
 
     async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
         base = self._sup.base_url
