@@ -72,20 +72,12 @@ def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
             if not path.name.startswith("."):
                 tier.skipped["foreign"] += 1
             continue
-        try:
-            desc, f = diskfmt.describe(path)
-            with f:
-                why = tier.desc_ok(desc, "block")
-                tokens = f.get_tensor("tokens") if why is None else None
-        except diskfmt.FormatError:
-            why, tokens = "corrupt", None
-        if why is None and (desc.get("id") != path.stem or tokens is None
-                            or len(tokens) != tier.block):
-            why = "corrupt"
-        if why is not None:
-            tier.skipped[why] += 1
+        opened = _open(tier, path, "block")
+        if isinstance(opened, str) or len(opened[1]) != tier.block:
+            tier.skipped[opened if isinstance(opened, str) else "corrupt"] += 1
             continue
-        found[path.stem] = (desc.get("parent"), chain.as_tokens(tokens), path.stat().st_size)
+        desc, tokens = opened
+        found[path.stem] = (desc.get("parent"), tokens, path.stat().st_size)
     # A block is valid when its tokens hash to its id from its parent's (itself valid) id.
     # Iterative (chains of thousands of blocks), each block checked once.
     valid: dict[str, Block] = {}
@@ -115,18 +107,27 @@ def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
     return valid
 
 
-def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record | str:
+def _open(tier: DiskTier, path: Path, kind: str) -> tuple[dict, np.ndarray] | str:
+    """A file's description and token ids, or why it is skipped (any read error: corrupt)."""
     try:
         desc, f = diskfmt.describe(path)
         with f:
-            why = tier.desc_ok(desc, "record")
-            tail = f.get_tensor("tokens") if why is None else None
-    except diskfmt.FormatError:
-        return "corrupt"
-    except Exception:
+            why = tier.desc_ok(desc, kind)
+            tokens = f.get_tensor("tokens") if why is None else None
+    except Exception:            # FormatError, a missing tensor, an unreadable file
         return "corrupt"
     if why is not None:
         return why
+    if desc.get("id") != path.stem:
+        return "corrupt"
+    return desc, chain.as_tokens(tokens)
+
+
+def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record | str:
+    opened = _open(tier, path, "record")
+    if isinstance(opened, str):
+        return opened
+    desc, tail = opened
     ids = desc.get("blocks") or []
     if any(b not in blocks for b in ids):
         return "missing_block"
@@ -134,8 +135,8 @@ def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record
     pos = desc.get("pos")
     used = len(ids) * tier.block
     if not isinstance(pos, int) or not (used - tier.block < pos <= used + len(tail)) or \
-            (len(tail) and pos != used + len(tail)) or desc.get("id") != path.stem or \
+            (len(tail) and pos != used + len(tail)) or \
             chain.record_id(tier.salt, tokens[:pos], pos, tier.block, list(ids)) != path.stem:
         return "corrupt"
-    return Record(path.stem, pos, tuple(ids), chain.as_tokens(tail), path.stat().st_size,
+    return Record(path.stem, pos, tuple(ids), tail, path.stat().st_size,
                   bool(desc.get("trimmable")), path.stat().st_mtime)
