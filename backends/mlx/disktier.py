@@ -120,7 +120,8 @@ class TierGlue:
         stats.known_tokens, stats.miss = d.known, d.reason
         stats.tier = "ram" if ram_pos else None
         if d.disk is None:
-            return self._count(stats, ram_pos)
+            self._count(stats, ram_pos)
+            return None
         rec, pos = d.disk
         t0 = time.perf_counter()
         try:
@@ -130,7 +131,8 @@ class TierGlue:
                         rec.rid, rec.pos, e)
             self.disk.forget(rec, "corrupt")
             stats.miss = "format_mismatch"
-            return self._count(stats, ram_pos)
+            self._count(stats, ram_pos)
+            return None
         seconds = time.perf_counter() - t0
         stats.disk_load_s, stats.tier = seconds, "disk"
         self.tiers.rates.read(nbytes, seconds)
@@ -151,7 +153,9 @@ class TierGlue:
         if stats.miss:
             metrics.TIER_MISSES.labels(stats.miss).inc()
             self.tiers.count_miss(stats.miss)
-        return None
+
+    def misses(self) -> dict[str, int]:
+        return self.tiers.miss_counts()
 
     def used(self, entry: Entry) -> None:
         self.tiers.hold(entry)
@@ -201,6 +205,6 @@ class TierGlue:
         r = self.tiers.rates
         return {**self.disk.info(), "write_delay_s": self.tiers.write_delay,
                 "waiting_to_write": len(self.tiers.due),
-                "misses": self.tiers.miss_counts(),
+                "misses": self.misses(),
                 "prefill_tokens_per_s": round(r.prefill_tps, 1) if r.prefill_tps else None,
                 "read_bytes_per_s": round(r.read_bps) if r.read_bps else None}

@@ -66,7 +66,7 @@ class Engine:
         self._kv = probe.kv_quantization(model, config.kv_bits)
         if config.kv_bits and not self._kv:
             self._count_fallback("kv_quant_unsupported")
-        template = self._fresh_cache()
+        template = self.fresh_cache()
         self._unsupported = snapshot.unsupported(template)
         if self._unsupported:
             log.warning("prompt cache disabled for this model: %s; every prompt is prefilled "
@@ -86,9 +86,6 @@ class Engine:
     # --- setup -------------------------------------------------------------------------------
     def fresh_cache(self) -> list[Any]:
         """An empty live cache of this engine's kind (KV quantized if configured)."""
-        return self._fresh_cache()
-
-    def _fresh_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model)
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
 
@@ -99,7 +96,7 @@ class Engine:
             return s.checkpoint_interval
         if not self._snap_idx or not s.cache_bytes:
             return auto_interval(0, s.cache_bytes)  # no checkpoints are ever stored
-        self.interval_choice = probe.choose_interval(self.model, self._fresh_cache,
+        self.interval_choice = probe.choose_interval(self.model, self.fresh_cache,
                                                      self._snap_idx, s.cache_bytes,
                                                      s.prefill_chunk,
                                                      s.checkpoint_interval_policy == "cost")
@@ -117,17 +114,17 @@ class Engine:
         if self._unsupported:
             self._count_fallback("unsupported_cache")
             stats.fallback = "unsupported_cache"
-            return self._fresh_cache(), 0
+            return self.fresh_cache(), 0
         match = self.store.lookup(prompt)
         t1 = time.perf_counter()
         stats.lookup_s = t1 - t0
         loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
-                                    self._fresh_cache)
+                                    self.fresh_cache)
         if loaded is not None:
             stats.restore_s = time.perf_counter() - t1
             return loaded.cache, loaded.pos
         if match is None:
-            return self._fresh_cache(), 0
+            return self.fresh_cache(), 0
         self.tiers.used(match.entry)
         snap = match.checkpoint.payload if match.checkpoint else None
         try:
@@ -136,7 +133,7 @@ class Engine:
             log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
             self._count_fallback("restore_error")
             stats.fallback = "restore_error"
-            return self._fresh_cache(), 0
+            return self.fresh_cache(), 0
         stats.restore_s = time.perf_counter() - t1
         return cache, match.pos
 
@@ -297,7 +294,7 @@ class Engine:
                                          else None),
             "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
             "disk": self.tiers.info(),
-            "misses": self.tiers.tiers.miss_counts(),
+            "misses": self.tiers.misses(),
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------
