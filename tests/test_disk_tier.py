@@ -15,51 +15,24 @@ import random
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import pytest
+from test_checkpoints import MAX_TOKENS, _cold, _run
+from test_checkpoints import _assert_same as _same  # warm == cold, within LOGPROB_ATOL
+from test_checkpoints import _settings as _config
 
 from prefixd.backends.mlx import diskfmt
 from prefixd.backends.mlx.disktier import DiskSpec
 from prefixd.backends.mlx.engine import Engine, EngineConfig
 from prefixd.backends.mlx.tinymodels import ARCHS, build_model
 
-LOGPROB_ATOL = 1e-4      # as tests/test_checkpoints.py
-MAX_TOKENS = 4
 BOUNDS = (60, 150, 220)
 BLOCK = 64
-
-
-def _config(**kw: Any) -> EngineConfig:
-    return EngineConfig(**{"checkpoint_interval": 16, "prefill_chunk": 16, "checkpoint_tail": 2,
-                           **kw})
 
 
 def _engine(model: Any, root: Path, budget: int = 1 << 30, delay: float = 0.0,
             **kw: Any) -> Engine:
     return Engine(model, _config(**kw), DiskSpec(root, "test-model", budget, delay, BLOCK))
-
-
-def _run(engine: Engine, prompt: list[int], bounds: tuple[int, ...] = ()) -> tuple:
-    logprobs: list[np.ndarray] = []
-
-    def greedy(lp: mx.array) -> mx.array:
-        logprobs.append(np.array(lp.astype(mx.float32)))
-        return mx.argmax(lp, axis=-1)
-
-    tokens = list(engine.generate(prompt, sampler=greedy, max_tokens=MAX_TOKENS,
-                                  boundaries=bounds))
-    return tokens, logprobs, engine.last_stats
-
-
-def _cold(model: Any, prompt: list[int]) -> tuple:
-    return _run(Engine(model, EngineConfig(cache_bytes=0, prefill_chunk=512)), prompt)
-
-
-def _same(warm: tuple, cold: tuple) -> None:
-    assert warm[0] == cold[0]
-    for w, c in zip(warm[1], cold[1], strict=True):
-        np.testing.assert_allclose(w, c, atol=LOGPROB_ATOL, rtol=0)
 
 
 def _words(seed: int, n: int) -> list[int]:
