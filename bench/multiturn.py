@@ -167,9 +167,11 @@ def stop_server(server: Server) -> None:
             server.proc.wait(timeout=10)
 
 
-def stream_chat(port: int, body: dict[str, Any]) -> tuple[str, dict[str, Any], float, float]:
-    """POST a streaming chat request; (reply text, usage, time to first token, total time)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+def stream_chat(port: int, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S
+                ) -> tuple[str, dict[str, Any], float, float]:
+    """POST a streaming chat request; (reply text, usage (with a prefixd worker's `prefixd`
+    breakdown), time to first token, total time)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})

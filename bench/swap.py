@@ -34,7 +34,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from multiturn import ensure_model, free_port, stream_chat
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixd.backends.budget import estimate_footprint, weights_bytes
@@ -57,21 +57,6 @@ SCENARIOS = {"a": "both fit", "b": "swap, disk tier off", "c": "swap, disk tier 
 
 class Deadline(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_model(arch: str, models_dir: Path) -> Path:
-    from prefixd.backends.mlx.tinymodels import save_tiny_model
-
-    path = models_dir / arch
-    if not (path / "model.safetensors").exists():
-        save_tiny_model(arch, path)
-    return path
 
 
 class Prefixd:
@@ -139,38 +124,6 @@ class Prefixd:
         self._log.close()
 
 
-def stream_chat(port: int, body: dict[str, Any], timeout: float
-                ) -> tuple[str, dict[str, Any], float]:
-    """POST a streaming chat request: (reply text, usage, time to the first content)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    t0 = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-        text: list[str] = []
-        usage: dict[str, Any] = {}
-        ttft = None
-        while line := resp.readline():
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue      # blank separators and ": loading model=..." comments
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            usage = event.get("usage") or usage
-            if isinstance(event.get("prefixd"), dict):   # the worker's per-turn breakdown
-                usage = {**usage, "prefixd": event["prefixd"]}
-            for choice in event.get("choices", []):
-                if content := (choice.get("delta") or {}).get("content"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    text.append(content)
-    finally:
-        conn.close()
-    return "".join(text), usage, ttft if ttft is not None else time.perf_counter() - t0
-
-
 def sums(text: str) -> dict[tuple[str, str], float]:
     """(sample name, backend) -> value, for the model load metrics."""
     out = {}
@@ -220,7 +173,7 @@ def run_scenario(name: str, args: argparse.Namespace, paths: dict[str, Path],
                 body = {"model": model, "messages": history[model], "stream": True,
                         "stream_options": {"include_usage": True}, "temperature": 0,
                         "max_tokens": args.max_tokens}
-                reply, usage, ttft = stream_chat(server.port, body, min(left, 300.0))
+                reply, usage, ttft, _ = stream_chat(server.port, body, min(left, 300.0))
                 history[model].append({"role": "assistant", "content": reply})
                 after = sums(server.request("GET", "/metrics")[1].decode())
                 grew = {metric: after.get((metric, model), 0.0) - before.get((metric, model), 0.0)

@@ -16,7 +16,6 @@ Writes bench/out/ttft.json, bench/out/ttft.md (tables) and bench/out/ttft.png.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import statistics
@@ -26,39 +25,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from multiturn import OUT, ensure_model, start_server, stop_server, wait_ready, warm_up
+from multiturn import (
+    OUT,
+    ensure_model,
+    start_server,
+    stop_server,
+    stream_chat,
+    wait_ready,
+    warm_up,
+)
 from workloads import Reply, chat
 
 MODELS = ("qwen3_next", "gemma3_text", "qwen3")
 STAGES = ("template", "tokenize", "boundaries", "queue", "lookup", "restore", "prefill",
           "checkpoint", "first_token")
-
-
-def stream_chat(port: int, body: dict[str, Any]) -> tuple[str, dict[str, Any], float]:
-    """POST a streaming chat request: (reply text, the usage chunk's usage and prefixd objects,
-    time to the first content token)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-    text, end, ttft = [], {}, None
-    while line := resp.readline():
-        if not line.startswith(b"data: {"):
-            continue
-        event = json.loads(line[6:])
-        if event.get("usage"):
-            end = {**event["usage"], "prefixd": event.get("prefixd")}
-        for choice in event.get("choices", []):
-            if content := (choice.get("delta") or {}).get("content"):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text.append(content)
-    conn.close()
-    if not end:
-        raise RuntimeError("the stream ended without usage (the server failed; see its log)")
-    return "".join(text), end, time.perf_counter() - t0 if ttft is None else ttft
 
 
 def play(port: int, seed: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -69,7 +49,7 @@ def play(port: int, seed: str, args: argparse.Namespace) -> list[dict[str, Any]]
         step = steps.send(reply) if reply is not None else next(steps)
         body = {**step.body, "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
-        text, usage, ttft = stream_chat(port, body)
+        text, usage, ttft, _ = stream_chat(port, body)
         rows.append({"turn": turn, "ttft": ttft, "prompt": usage["prompt_tokens"],
                      "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                      "prefixd": usage.get("prefixd")})
