@@ -123,7 +123,9 @@ def start_server(kind: str, model_dir: Path, args: argparse.Namespace) -> Server
     module = "mlx_lm.server" if kind == "stock" else "prefixd.backends.mlx"
     cmd = [sys.executable, "-m", module, "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # a prefixd worker exits when the bench is gone, even if it was killed
+           "PREFIXD_PARENT_PID": str(os.getpid())}
     if Path(BLAS).exists():  # the same BLAS for both servers (the worker would add it itself)
         env["LD_PRELOAD"] = BLAS
     if kind == "prefixd":
