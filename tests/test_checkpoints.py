@@ -353,10 +353,15 @@ def test_auto_interval_is_sized_from_the_checkpoint_bytes(
     interval = info["checkpoint_interval"]
     assert interval == 64                     # the default policy sizes by bytes alone
     assert f"checkpoint interval {interval} tokens" in caplog.text
-    by_cost = Engine(model, _settings(checkpoint_interval=None,
+    # "cost" bounds the extra passes that checkpoints cut, so it binds only for a model whose
+    # checkpoints cannot be taken inside passes
+    by_cost = Engine(model, _settings(checkpoint_interval=None, checkpoint_inpass=False,
                                       checkpoint_interval_policy="cost"))
     assert by_cost.cache_info()["checkpoint_interval"] == max(
         64, by_cost.cache_info()["checkpoint_interval_auto"]["by_compute"])
+    inpass_cost = Engine(model, _settings(checkpoint_interval=None,
+                                          checkpoint_interval_policy="cost"))
+    assert inpass_cost.inpass and inpass_cost.cache_info()["checkpoint_interval"] == 64
     _run(engine, _words(random.Random(17), 300), (100,))
     (entry,) = engine.store.entries
     assert sorted(entry.checkpoints) == placement(300, 0, (100,), interval, 2,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixd.backends.mlx import probe, snapshot
+from prefixd.backends.mlx import probe, snapshot, tap
 from prefixd.backends.mlx.disktier import DiskSpec, TierGlue
 from prefixd.backends.mlx.placement import auto_interval, placement_marks, tail_mark
 from prefixd.backends.mlx.run import Run
@@ -41,6 +41,7 @@ class EngineConfig:
     cache_bytes: int = 4 * 1024**3
     checkpoint_interval: int | None = None  # None: sized automatically at start-up
     checkpoint_interval_policy: str = "bytes"   # "cost": also bounded by the pass cost
+    checkpoint_inpass: bool = True              # capture inside passes where verified
     checkpoint_tail: int = 4
     prefill_chunk: int = 512
     kv_bits: int | None = None
@@ -74,6 +75,7 @@ class Engine:
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
         # Windows as the only snapshotted layers: a checkpoint below the window trims back.
         self._trim_below = snapshot.trimmable_below(template, self._snap_idx)
+        self.inpass = self._verify_inpass()
         self.checkpoint_bytes: int | None = None  # estimated size of one checkpoint
         self.interval_choice: probe.IntervalChoice | None = None
         self.interval = self._choose_interval()
@@ -89,6 +91,18 @@ class Engine:
         cache = make_prompt_cache(self.model)
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
 
+    def _verify_inpass(self) -> tuple[int, ...] | None:
+        """The snapshotted leaves, when checkpoints can be taken inside prefill passes for this
+        model (`tap.verify`), else None: every checkpoint then cuts its pass."""
+        if not self._snap_idx or not self.config.checkpoint_inpass:
+            return None
+        why = tap.verify(self.model, self.fresh_cache, self._snap_idx)
+        if why:
+            log.info("checkpoints cut prefill passes for this model (in-pass capture: %s)", why)
+            return None
+        log.info("checkpoints are taken inside prefill passes (no extra forward passes)")
+        return self._snap_idx
+
     def _choose_interval(self) -> int:
         """`checkpoint_interval` if set, else sized to the model (`probe.choose_interval`)."""
         s = self.config
@@ -99,7 +113,8 @@ class Engine:
         self.interval_choice = probe.choose_interval(self.model, self.fresh_cache,
                                                      self._snap_idx, s.cache_bytes,
                                                      s.prefill_chunk,
-                                                     s.checkpoint_interval_policy == "cost")
+                                                     s.checkpoint_interval_policy == "cost"
+                                                     and self.inpass is None)
         self.checkpoint_bytes = self.interval_choice.checkpoint_bytes
         return self.interval_choice.interval
 
@@ -159,15 +174,19 @@ class Engine:
         entry = None if self._unsupported else self.store.begin(prompt)
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
-        run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop)
+        run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop,
+                  self.inpass)
 
-        def capture(pos: int, interval: bool) -> None:
-            self._capture(entry, run, pos, interval, stats)
+        def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
+            self._capture(entry, run, pos, interval, stats, payload)
 
         try:
             t0 = time.perf_counter()
             logits = run.prefill(*self._plan(len(prompt), start, boundaries), capture)
             stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
+            for why in run.tap_failures:
+                log.warning("in-pass checkpoints lost in one pass: %s", why)
+                self._count_fallback("inpass_error")
             self._finish_stats(stats, start, run.pos - start)
             self.tiers.prefilled(stats)
             if logits is not None:
@@ -197,13 +216,17 @@ class Engine:
         return marks, last if last is not None and last in marks else n - 1
 
     def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
-                 stats: PromptStats) -> None:
-        """Checkpoint the live cache at `pos`. A failure costs the checkpoint, not the reply."""
+                 stats: PromptStats, payload: snapshot.Snapshot | None = None) -> None:
+        """Checkpoint at `pos`: `payload` (taken inside the pass), else the live cache, which is
+        at `pos`. A failure costs the checkpoint, not the reply."""
         if entry is None:
             return
         t0 = time.perf_counter()
         try:
-            payload, size = snapshot.take(run.cache, self._snap_idx)
+            if payload is None:
+                payload, size = snapshot.take(run.cache, self._snap_idx)
+            else:
+                size = sum(leaf.nbytes for leaf in payload.values())
             if self.store.add_checkpoint(entry, pos, payload, size, interval=interval,
                                          trimmable=snapshot.snapshot_trimmable(payload)):
                 stats.checkpoints += 1

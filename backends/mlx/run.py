@@ -3,7 +3,9 @@
 Owns: the live cache of the running request, how far it got (`pos` prompt tokens and the `fed`
 generated tokens are in it), and whether an exception left it in an unknown state (`broken`).
 Knows nothing of the checkpoint store: the Engine says where to capture (`marks`) and what to do
-there (`capture`), and commits `tokens` with `cache` when the run ends.
+there (`capture`), and commits `tokens` with `cache` when the run ends. With `inpass` (the
+model passed `tap.verify`), a pass is not cut at marks: the marks inside it are captured from
+the pass itself (`tap.py`), so checkpoints add no forward passes.
 """
 
 from __future__ import annotations
@@ -14,20 +16,25 @@ from typing import Any
 
 import mlx.core as mx
 
-from prefixd.backends.mlx import snapshot
+from prefixd.backends.mlx import snapshot, tap
 from prefixd.backends.mlx.stats import PromptStats
 
-# Called at each mark the prefill reaches: (position, is an in-message interval mark).
-Capture = Callable[[int, bool], None]
+# Called at each mark the prefill reaches: (position, is an in-message interval mark, the
+# checkpoint payload when the pass computed it (an in-pass mark), else None: take it from the
+# live cache, which is at that position).
+Capture = Callable[[int, bool, "snapshot.Snapshot | None"], None]
 
 
 class Run:
     """The live state of one generation."""
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
-                 chunk: int, should_stop: Callable[[], bool]) -> None:
+                 chunk: int, should_stop: Callable[[], bool],
+                 inpass: tuple[int, ...] | None = None) -> None:
         self.model, self.cache, self.prompt, self.chunk = model, cache, prompt, chunk
         self.start, self.should_stop = start, should_stop
+        self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
+        self.tap_failures: list[str] = []  # why a pass's in-pass checkpoints were not built
         self.pos = start  # prompt tokens in the KV state
         self.fed: list[int] = []  # generated tokens in the KV state
         self.pending: int | None = None  # the last yielded token, not yet fed to the model
@@ -44,15 +51,21 @@ class Run:
         """Whether the cache holds more than the state it was restored from."""
         return self.pos > self.start or bool(self.fed)
 
-    def _forward(self, tokens: list[int], logits: bool = True) -> mx.array:
+    def _forward(self, tokens: list[int], logits: bool = True,
+                 offsets: tuple[int, ...] = ()) -> tuple[mx.array, dict[int, snapshot.Snapshot]]:
         """The model over `tokens`; with `logits`, the last position's, evaluated together with
-        the cache."""
+        the cache and the checkpoints at `offsets` inside the pass (one sync)."""
         self.broken = True
-        out = self.model(mx.array(tokens)[None], cache=self.cache)
+        recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass else None
+        with tap.tapping(recorder):
+            out = self.model(mx.array(tokens)[None], cache=self.cache)
         last = out[:, -1, :] if logits else None
-        snapshot.evaluate(self.cache, last)
+        snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
+        if recorder is not None and recorder.failed:
+            self.tap_failures.append(recorder.failed)
+        snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if snaps else ()))
         self.broken = False
-        return last if last is not None else out
+        return (last if last is not None else out), snaps
 
     def prefill(self, marks: dict[int, bool], final: int, capture: Capture) -> mx.array | None:
         """Run prompt[pos:] through the model, ending a pass at every mark and calling
@@ -60,30 +73,31 @@ class Run:
         beyond) to the end. The last token's logits, or None if should_stop() ended it."""
         n = len(self.prompt)
         final = min(max(final, self.pos), n - 1)
-        cuts = sorted(p for p in marks if self.pos < p < final)
+        cuts = [] if self.inpass else sorted(p for p in marks if self.pos < p < final)
         while self.pos < final:
             if self.should_stop():
                 return None
             end = min([final, self.pos + self.chunk, *(p for p in cuts if p > self.pos)])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
-            self._pass(end)
-            if end in marks:
-                capture(end, marks[end])
+            self._pass(end, marks, capture)
             mx.clear_cache()
         if self.should_stop():
             return None
-        logits = self._pass(n, logits=True)
-        if n in marks:
-            capture(n, marks[n])
-        return logits
+        return self._pass(n, marks, capture, logits=True)
 
-    def _pass(self, end: int, logits: bool = False) -> mx.array:
-        """One prefill pass over prompt[pos:end], timed; with `logits`, the last position's
-        logits, evaluated with the cache (one sync)."""
-        t0 = time.perf_counter()
-        out = self._forward(self.prompt[self.pos:end], logits)
-        self.segments.append((end - self.pos, time.perf_counter() - t0))
+    def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
+              logits: bool = False) -> mx.array:
+        """One prefill pass over prompt[pos:end], timed, then the captures of the marks it
+        reached; with `logits`, the last position's logits, evaluated with the cache."""
+        t0, start = time.perf_counter(), self.pos
+        inner = tuple(p - start for p in sorted(marks) if start < p < end)
+        out, snaps = self._forward(self.prompt[start:end], logits, inner)
+        self.segments.append((end - start, time.perf_counter() - t0))
         self.pos = end
+        for r, snap in snaps.items():
+            capture(start + r, marks[start + r], snap)
+        if end in marks:
+            capture(end, marks[end], None)
         return out
 
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
@@ -101,7 +115,7 @@ class Run:
             yield token
             if i == max_tokens - 1 or self.should_stop():
                 return
-            logits = self._forward([token])
+            logits, _ = self._forward([token])
             self.fed.append(token)
             self.pending = None
 

@@ -53,10 +53,16 @@ class WorkerSettings(BaseSettings):
         "thousands for large hybrids).")
     checkpoint_interval_policy: Literal["bytes", "cost"] = Field(
         "bytes", description="Worker: how the automatic interval is sized. bytes: by the "
-        "checkpoints' size alone (a mid-message edit recomputes at most ~one interval; a long "
-        "new message costs one extra prefill pass per interval). cost: also so that the extra "
-        "passes cost at most 2% of the prefill (append-only turns as fast as stock mlx-lm; on "
-        "small models a mid-message edit then falls back to the message start).")
+        "checkpoints' size alone (a mid-message edit recomputes at most ~one interval). cost: "
+        "also so that extra prefill passes cost at most 2% of the prefill; matters only for "
+        "models without in-pass checkpoints (checkpoint_inpass), where each checkpoint inside "
+        "a pass cuts it in two.")
+    checkpoint_inpass: bool = Field(
+        True, description="Worker: take checkpoints inside a prefill pass from the states the "
+        "pass computes (recurrences split there, sliding windows sliced), so they cost no "
+        "extra forward pass. Used only for models whose in-pass checkpoints match cut passes "
+        "at start-up (Gated-DeltaNet, Mamba2 and sliding-window layers of mlx-lm 0.32); "
+        "false: always cut the pass.")
     checkpoint_tail: int = Field(4, ge=0, description="Worker: checkpoint this many tokens "
                                  "before the prompt end (besides the end itself).")
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
