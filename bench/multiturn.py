@@ -24,9 +24,11 @@ import http.client
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +63,7 @@ class Server:
     ready_rss: int = 0  # after loading and one warm-up request: the runtime, not the cache
     cache_info: dict[str, Any] = field(default_factory=dict)
     history: list[list[int]] = field(default_factory=list)
+    cache_dir: str | None = None  # prefixd's own, removed when it stops
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def sample_rss(self) -> None:
@@ -128,7 +131,11 @@ def start_server(kind: str, model_dir: Path, args: argparse.Namespace) -> Server
            "PREFIXD_PARENT_PID": str(os.getpid())}
     if Path(BLAS).exists():  # the same BLAS for both servers (the worker would add it itself)
         env["LD_PRELOAD"] = BLAS
+    cache_dir = None
     if kind == "prefixd":
+        # a fresh disk tier: states a previous bench run wrote must not serve this one
+        cache_dir = tempfile.mkdtemp(prefix="prefixd-bench-cache-")
+        env["PREFIXD_CACHE_DIR"] = cache_dir
         env.update(args.prefixd_env)
     if args.kv_bits:
         cmd += ["--kv-bits", str(args.kv_bits)] if kind == "stock" else []
@@ -137,7 +144,7 @@ def start_server(kind: str, model_dir: Path, args: argparse.Namespace) -> Server
     logs.mkdir(parents=True, exist_ok=True)
     with (logs / f"{model_dir.name}-{kind}.log").open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(kind, model_dir.name, port, proc)
+    server = Server(kind, model_dir.name, port, proc, cache_dir=cache_dir)
     threading.Thread(target=server.sample_rss, daemon=True).start()
     return server
 
@@ -167,6 +174,8 @@ def stop_server(server: Server) -> None:
         except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait(timeout=10)
+    if server.cache_dir:
+        shutil.rmtree(server.cache_dir, ignore_errors=True)
 
 
 def stream_chat(port: int, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import mlx.core as mx
@@ -82,7 +83,7 @@ class Tap:
             return orig(*a, **kwargs)
         bounds = [0, *self.offsets, self.length]
         outs, states = [], []
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
+        for lo, hi in pairwise(bounds):
             seg = list(a)
             for i in spec.time_args:
                 seg[i] = a[i][:, lo:hi]
