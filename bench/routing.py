@@ -8,8 +8,9 @@ Conversations without session ids share one ~700-token system prompt and run at 
 time (each waits for its answer, thinks a little, sends its next turn), streaming, through
 in-process prefixd replicas on loopback ports. Setups:
 
-  a    3 prefixd-style backends: the fake llama-server (tests/fake_llama.py) with one slot and
-       an unbounded RAM prompt cache, i.e. a worker that keeps every conversation's prefix
+  a    3 prefixd workers (`prefixd worker` processes, backend kind "prefixd") on a tiny
+       random-weight Qwen3-Next-style hybrid; with --real no, the fake llama-server
+       (tests/fake_llama.py) with one slot and an unbounded RAM prompt cache instead
   b    3 llama-server processes, -np 1 (the real binary of bench/build_llama_server.sh, or
        the fake with the same flags when it is not built)
   c4   one llama-server, -np 4, 4 conversations (fewer or as many as slots)
@@ -48,6 +49,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+import multiturn  # noqa: E402  (bench/: the worker processes of setup a)
 from fake_llama import FakeLlama, lcp, render, tokenize  # noqa: E402
 from llama_process import LlamaServer, builtin_gguf, llama_server_binary  # noqa: E402
 
@@ -129,16 +131,48 @@ class Upstreams:
     slots: int
     fakes: list[FakeLlama] = field(default_factory=list)
     procs: list[LlamaServer] = field(default_factory=list)
+    workers: list[Any] = field(default_factory=list)   # multiturn.Server: prefixd workers
+
+    @property
+    def backend_kind(self) -> str:
+        return "prefixd" if self.workers else "openai"
 
     async def stop(self) -> None:
         for f in self.fakes:
             await f.stop()
         for p in self.procs:
             await p.stop()
+        for w in self.workers:
+            await asyncio.to_thread(multiturn.stop_server, w)
+
+
+WORKER_ARCH = "qwen3_next"
+
+
+async def start_workers(n: int) -> Upstreams:
+    """`n` prefixd worker processes on the tiny hybrid (each with its own fresh disk tier)."""
+    model_dir = multiturn.ensure_model(WORKER_ARCH, OUT / "models")
+    opts = argparse.Namespace(out=OUT, prefixd_env={"PREFIXD_LOG_LEVEL": "WARNING"},
+                              kv_bits=None)
+    workers = []
+    try:
+        for _ in range(n):
+            workers.append(multiturn.start_server("prefixd", model_dir, opts))
+        for w in workers:
+            await asyncio.to_thread(multiturn.wait_ready, w)
+            await asyncio.to_thread(multiturn.warm_up, w, 4)
+    except BaseException:
+        for w in workers:
+            multiturn.stop_server(w)
+        raise
+    return Upstreams(f"prefixd worker ({WORKER_ARCH} tiny)", "defaults",
+                     [f"http://127.0.0.1:{w.port}" for w in workers], 1, workers=workers)
 
 
 async def start_upstreams(setup: str, real: bool, ms_per_token: float) -> Upstreams:
     n, slots = (1, 4) if setup.startswith("c") else (3, 1)
+    if setup == "a" and real:
+        return await start_workers(n)
     if setup == "a":
         fakes = [FakeLlama(slots=1, similarity=0.0, ms_per_token=ms_per_token)
                  for _ in range(n)]
@@ -246,15 +280,18 @@ async def converse(http: aiohttp.ClientSession, ports: list[int], conv: int,
         reply = "".join(text)
         replies.append(reply)
         details = usage.get("prompt_tokens_details") or {}
+        # the server's own prompt time: llama-server's timings, a prefixd worker's breakdown
+        prompt_ms = timings.get("prompt_ms") or (
+            (usage.get("prefixd") or {}).get("timings_ms") or {}).get("prefill", 0.0)
         out.append(Req(conv, t, replica, backend, start, time.monotonic(),
                        ttft if ttft is not None else time.monotonic() - start,
                        usage.get("prompt_tokens", 0), details.get("cached_tokens", 0),
-                       float(timings.get("prompt_ms", 0.0)), body, reply))
+                       float(prompt_ms), body, reply))
 
 
 async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str,
-                         pins: bool) -> list[Server]:
-    backends = [{"name": f"b{i}", "kind": "openai", "url": u, "models": ["m"],
+                         pins: bool, kind: str = "openai") -> list[Server]:
+    backends = [{"name": f"b{i}", "kind": kind, "url": u, "models": ["m"],
                  "max_concurrency": slots, "health_interval_s": 60} for i, u in enumerate(urls)]
     servers = []
     for _ in range(replicas):
@@ -265,6 +302,8 @@ async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str
         if make_policy is not None:
             server.proxy.router.policy = make_policy()
         for b in server.proxy.backends.values():
+            if kind != "openai":
+                continue
             await b.detect_slots()          # type: ignore[attr-defined]
             if not pins:
                 b.slots = lambda: None      # type: ignore[method-assign]
@@ -272,13 +311,21 @@ async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str
     return servers
 
 
-async def tokens_of(http: aiohttp.ClientSession, url: str | None, reqs: list[Req]
-                    ) -> list[tuple[list[Any], list[Any]]]:
+async def tokens_of(http: aiohttp.ClientSession, url: str | None, reqs: list[Req],
+                    worker: bool = False) -> list[tuple[list[Any], list[Any]]]:
     """(prompt tokens, reply tokens) per request: the server's tokenizer, or the fake's."""
     out = []
     for r in reqs:
         if url is None:
             out.append((tokenize(render(r.body)), tokenize(r.reply)))
+            continue
+        if worker:                      # a prefixd worker's /tokenize
+            got = []
+            for q in ({"messages": r.body["messages"], "boundaries": False},
+                      {"content": r.reply}):
+                async with http.post(url + "/tokenize", json=q) as t:
+                    got.append((await t.json())["tokens"])
+            out.append((got[0], got[1]))
             continue
         async with http.post(url + "/apply-template", json={"messages": r.body["messages"]}) as a:
             prompt = (await a.json())["prompt"]
@@ -316,7 +363,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
     servers: list[Server] = []
     try:
         servers = await start_replicas(ups.urls, ups.slots, 2 if setup == "d" else 1,
-                                       policy, pins)
+                                       policy, pins, ups.backend_kind)
         reqs: list[Req] = []
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -329,7 +376,8 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
             wall = time.monotonic() - t0
             resent = resends(ups.urls) - resent0
             reqs.sort(key=lambda r: r.start)
-            toks = await tokens_of(http, ups.urls[0] if ups.procs else None, reqs)
+            toks = await tokens_of(http, ups.urls[0] if ups.procs or ups.workers else None,
+                                   reqs, worker=bool(ups.workers))
         slot_pins: dict[str, int] = collections.Counter()
         for s in servers:
             for b in s.proxy.backends.values():
@@ -409,7 +457,8 @@ async def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     real = args.real == "yes" or (args.real == "auto" and llama_server_binary() is not None)
-    if real and llama_server_binary() is None:
+    llama_setups = set(args.setups.split(",")) - {"a"}
+    if real and llama_setups and llama_server_binary() is None:
         print("no llama-server built: run bench/build_llama_server.sh", file=sys.stderr)
         return 2
     wanted = set(args.policies.split(","))
