@@ -65,12 +65,14 @@ class _Entry:
 
 
 class PrefixIndex:
-    """backend -> boundary key -> tokens; bounded per backend by count and age."""
+    """backend -> boundary key -> tokens; bounded per backend by count and age. Beside it, for
+    the status page, backend -> conversation (lane) -> the tokens of its longest prefix held."""
 
     def __init__(self, max_entries: int = 100_000, ttl_s: float = 7200.0) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._by_backend: dict[str, OrderedDict[str, _Entry]] = {}
+        self._convs: dict[str, OrderedDict[str, _Entry]] = {}
 
     def record(self, backend: str, chain: Chain, now: float,
                exact_tokens: int | None = None) -> None:
@@ -115,6 +117,7 @@ class PrefixIndex:
             return
         if chain is None:
             table.clear()
+            self._convs.pop(backend, None)
             return
         for b in chain.bounds:
             if b.tokens > after_tokens:
@@ -122,6 +125,23 @@ class PrefixIndex:
 
     def size(self, backend: str) -> int:
         return len(self._by_backend.get(backend, ()))
+
+    def note(self, backend: str, conversation: str, tokens: int, now: float) -> None:
+        """`backend` holds `tokens` of `conversation` (its lane): what `summary` shows."""
+        convs = self._convs.setdefault(backend, OrderedDict())
+        convs[conversation] = _Entry(tokens, now)
+        convs.move_to_end(conversation)
+        while len(convs) > self.max_entries:
+            convs.popitem(last=False)
+
+    def summary(self, backend: str, now: float, top: int = 5) -> dict:
+        """The conversations `backend` holds (unexpired), their tokens, the largest first."""
+        convs = self._convs.get(backend, OrderedDict())
+        self._expire(convs, now)
+        held = sorted(((e.tokens, lane) for lane, e in convs.items()), reverse=True)
+        return {"entries": self.size(backend), "conversations": len(held),
+                "tokens": sum(t for t, _ in held),
+                "top": [{"lane": lane, "tokens": t} for t, lane in held[:top]]}
 
     def _expire(self, table: OrderedDict[str, _Entry], now: float) -> None:
         while table:

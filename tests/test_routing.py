@@ -229,3 +229,45 @@ async def test_nonsense_usage_from_an_upstream_is_ignored(three, start_proxy, ht
                                          "fake": {"usage": usage}}) as r:
             assert r.status == 200
         turns.append("more")
+
+
+async def test_status_shows_what_each_backend_holds_and_how_predictions_held(
+        three, start_proxy, http):
+    """/status per backend: the conversations its index holds with their tokens (the largest
+    first), and the predicted against the reported cached tokens; a backend that goes down
+    shows none."""
+    proxy = await start_proxy(backends=backends(three))
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+    where: dict[int, str] = {}
+    for t in range(2):
+        for c in range(6):
+            # the upstream says it computed everything: turn 2's prediction is a miss
+            b = {**body("You are a coding agent. " * 40,
+                        [f"task {c}: step {k} " * (c + 1) for k in range(t + 1)]),
+                 "fake": {"usage": {"prompt_tokens": 300 * (t + 1) + 10 * c,
+                                    "cached_tokens": 0}}}
+            async with http.post(base, json=b) as r:
+                assert r.status == 200
+                where[c] = r.headers["X-Prefixd-Backend"]
+    async with http.get(f"http://127.0.0.1:{proxy.port}/status") as r:
+        status = {b["name"]: b for b in (await r.json())["backends"]}
+    per_backend = collections.Counter(where.values())
+    for name, b in status.items():
+        ix = b["index"]
+        mine = sorted((600 + 10 * c for c, n in where.items() if n == name), reverse=True)
+        assert ix["conversations"] == len(mine)
+        assert [t["tokens"] for t in ix["top"]] == mine[:5]     # the reported prompt sizes
+        assert ix["tokens"] == sum(mine) and ix["entries"] == b["index_entries"]
+        assert ix["reported_tokens"] == 0
+        # every second turn (and a first turn predicted on a shared system prompt) missed
+        assert per_backend.get(name, 0) <= ix["mispredictions"] <= 2 * len(mine)
+        assert ix["predicted_tokens"] >= 250 * len(mine)
+    victim = where[0]
+    await three[int(victim[1])].stop()
+    await proxy.proxy.backends[victim].probe_once()
+    async with http.post(base, json=body("x " * 40, ["new"])) as r:  # routing sees the epoch
+        assert r.status == 200
+    async with http.get(f"http://127.0.0.1:{proxy.port}/status") as r:
+        status = {b["name"]: b for b in (await r.json())["backends"]}
+    assert status[victim]["index"]["conversations"] == 0
+    assert status[victim]["index"]["top"] == []

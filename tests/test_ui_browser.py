@@ -176,7 +176,13 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
                    "misses": {"evicted": 2},
                    "disk": {"bytes_used": 3_500_000_000, "budget": 32_000_000_000,
                             "records": 120, "written_bytes": 4_000_000_000,
-                            "skipped_files": {}}}},
+                            "skipped_files": {}}},
+         "index_entries": 40,
+         "index": {"entries": 40, "conversations": 2, "tokens": 21_500,
+                   "top": [{"lane": "lane-7f3a", "tokens": 18_000},
+                           {"lane": "lane-11bc", "tokens": 3_500}],
+                   "predicted_tokens": 52_000, "reported_tokens": 51_200,
+                   "mispredictions": 1}},
         {"name": "gone", "kind": "mlx", "state": "failed", "up": False, "models": ["x"],
          "queue_depth": 0, "in_flight": 0, "max_concurrency": 1, "cache": None,
          "footprint_bytes": 9_000_000_000, "footprint_source": "estimate",
@@ -209,8 +215,12 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
     assert q35[5] == "14.1 GB / 24.0 GBmeasured"
     assert q35[6] == ("1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
                       "disk 3.5 GB / 32.0 GB · 120 recordsmisses: 2 evicted")
+    assert q35[7] == ("2 conversations · 21,500 tokpredicted 52,000 / reported 51,200 cached"
+                      " tok · 1 misslane-7f3a 18,000 toklane-11bc 3,500 tok")
+    links = [a.attrs.get("href") for a in dom.one("tr", data_backend="q35").all("a")]
+    assert links == ["#lane=lane-7f3a", "#lane=lane-11bc"]
     gone = [td.text for td in dom.one("tr", data_backend="gone").all("td")]
     assert gone[1] == "failed" and gone[5] == "9.0 GB / 24.0 GBestimate · not loaded"
-    assert gone[6] == "—" and "out of memory" in gone[7]
+    assert gone[6] == "—" and gone[7] == "—" and "out of memory" in gone[8]
     assert dom.one(id="model-memory").text.strip() == "models loaded: 14.1 GB of 24.0 GB (q35)"
     assert "detection is off" in dom.one(id="lanes-note").text

@@ -42,6 +42,8 @@ class RouteStage:
         self.affinity = AffinityMap()
         self.prefixes = PrefixIndex()
         self._epochs: dict[str, object] = {}
+        # backend -> predicted / reported cached tokens and mispredictions, for /status
+        self.truth: dict[str, dict[str, int]] = {}
         # benchmarks swap in other policies (bench/routing.py)
         self.policy: Policy = functools.partial(decide, policy=balance)
 
@@ -67,7 +69,7 @@ class RouteStage:
             if slots is not None and placed is not None:
                 slots.done(placed)
         if ex.trace.status == 200 and chain.bounds:
-            self.learn(decision, chain, ex.usage)
+            self.learn(decision, chain, ex.usage, lane)
 
     def model_for(self, requested: str | None) -> str:
         """The served model for a request's `model`; 400/404 naming what is served."""
@@ -103,16 +105,26 @@ class RouteStage:
     def pick(self, model: str, lane: str | None) -> Backend:
         return self.backends[self.decide(model, lane, Chain([], 0)).name]
 
-    def learn(self, decision: Decision, chain: Chain, usage: dict | None) -> None:
+    def learn(self, decision: Decision, chain: Chain, usage: dict | None,
+              lane: str | None = None) -> None:
         """The backend now holds this prompt; what it reported corrects the prediction."""
         usage = usage or {}
         prompt = _count(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        truth = self.truth.setdefault(decision.name, {"predicted_tokens": 0,
+                                                      "reported_tokens": 0,
+                                                      "mispredictions": 0})
+        truth["predicted_tokens"] += decision.predicted
+        truth["reported_tokens"] += cached or 0
         if cached is not None and cached + MISPREDICT_SLACK < decision.predicted:
             m.ROUTE_MISPREDICTIONS.labels(decision.name).inc()
+            truth["mispredictions"] += 1
             self.prefixes.forget(decision.name, chain, after_tokens=cached)
-        self.prefixes.record(decision.name, chain, time.monotonic(), prompt or None)
+        now = time.monotonic()
+        self.prefixes.record(decision.name, chain, now, prompt or None)
+        if lane:
+            self.prefixes.note(decision.name, lane, prompt or chain.bounds[-1].tokens, now)
         m.INDEX_ENTRIES.labels(decision.name).set(self.prefixes.size(decision.name))
 
     def _check_epoch(self, name: str) -> None:
@@ -126,7 +138,13 @@ class RouteStage:
         self._epochs[name] = epoch
 
     def status(self, name: str) -> dict:
-        return {"index_entries": self.prefixes.size(name)}
+        """What /status shows of routing for a backend: its index (entries, conversations and
+        their tokens, the largest first) and how its reported cached tokens met the
+        predictions."""
+        return {"index_entries": self.prefixes.size(name),
+                "index": {**self.prefixes.summary(name, time.monotonic()),
+                          **self.truth.get(name, {"predicted_tokens": 0, "reported_tokens": 0,
+                                                  "mispredictions": 0})}}
 
 
 def _count(value: object) -> int | None:

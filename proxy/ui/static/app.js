@@ -79,6 +79,21 @@ function modelMemory(mm) {
     `(${(mm.loaded || []).join(", ") || "none"})`];
 }
 
+// What the proxy's prefix index says the backend holds (conversations by lane, largest
+// first), and how the cached tokens the backend reported met the predictions.
+function indexCell(ix) {
+  if (!ix || !ix.entries) return el("span", { class: "muted" }, DASH);
+  const top = (ix.top || []).map((t) =>
+    el("div", { class: "small" }, el("a", { href: "#lane=" + encodeURIComponent(t.lane) },
+      String(t.lane).slice(0, 14)), ` ${num(t.tokens)} tok`));
+  return el("div", { class: "index" },
+    el("span", {}, `${plural(ix.conversations, "conversation")} · ${num(ix.tokens)} tok`),
+    el("div", { class: "muted small" }, `predicted ${num(ix.predicted_tokens)} / ` +
+      `reported ${num(ix.reported_tokens)} cached tok` +
+      (ix.mispredictions ? ` · ${plural(ix.mispredictions, "miss", "misses")}` : "")),
+    ...top);
+}
+
 function backendRow(b) {
   const models = (b.models || []).join(", ");
   const state = b.state === "ready" && b.up === false ? "unhealthy" : b.state;
@@ -91,6 +106,7 @@ function backendRow(b) {
     el("td", { class: "num" }, `${num(b.in_flight)} / ${num(b.max_concurrency)}`),
     el("td", {}, memoryCell(b)),
     el("td", {}, cacheCell(b.cache)),
+    el("td", {}, indexCell(b.index)),
     el("td", { class: "error small", title: b.last_error || "" },
       b.last_error ? String(b.last_error).slice(0, 90) : el("span", { class: "muted" }, DASH)));
 }
