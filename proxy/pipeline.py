@@ -21,6 +21,7 @@ from prefixd.backends.base import Backend
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.managed import ManagedBackend
 from prefixd.proxy.exchange import ClientApi, Exchange
+from prefixd.proxy.index import PrefixIndex
 from prefixd.proxy.pool import LoadStage, ModelPool
 from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.queue import BackendQueue
@@ -64,7 +65,9 @@ class Proxy:
                                  Balance(settings.route_balance_slack,
                                          settings.route_balance_ratio,
                                          settings.route_min_hit_tokens),
-                                 settings.model_aliases)
+                                 settings.model_aliases,
+                                 PrefixIndex(settings.route_index_entries,
+                                             settings.route_index_ttl_s))
         self.stages = build_stages(self)
         self._run = chain(self.stages)
         self.inflight: set[Exchange] = set()

@@ -81,6 +81,13 @@ class Settings(WorkerSettings):
         Balance.min_hit_tokens, ge=0,
         description="An indexed prefix shorter than this many tokens does not draw a request "
         "to the backend holding it (not worth a longer wait).")
+    route_index_entries: int = Field(
+        100_000, ge=100,
+        description="Prefix boundaries the routing index keeps per backend (least recently "
+        "used dropped first; ~250 bytes each: 100000 is ~25 MB per backend).")
+    route_index_ttl_s: float = Field(
+        7200.0, gt=0, description="A prefix the routing index has not seen for this long is "
+        "dropped (backends evict too).")
     # --- prefix reports and canonicalization (proxy/prefix) -----------------------------
     prefix_detect: bool = Field(True, description="Diff each request against its lane's "
                                 "previous one and report prefix mutations.")

@@ -5,6 +5,7 @@ three upstreams with conversations that send no session id."""
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 from fake_upstream import FakeUpstream
@@ -271,3 +272,23 @@ async def test_status_shows_what_each_backend_holds_and_how_predictions_held(
         status = {b["name"]: b for b in (await r.json())["backends"]}
     assert status[victim]["index"]["conversations"] == 0
     assert status[victim]["index"]["top"] == []
+
+
+async def test_the_index_caps_are_settings(three, start_proxy, http):
+    """PREFIXD_ROUTE_INDEX_ENTRIES bounds each backend's index (least recently used dropped);
+    PREFIXD_ROUTE_INDEX_TTL_S ages entries out."""
+    proxy = await start_proxy(backends=backends(three[:1]), route_index_entries=100,
+                              route_index_ttl_s=5.0)
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+    turns: list[str] = []
+    for t in range(60):                   # one conversation of 60 turns: 120+ boundaries
+        turns.append(f"step {t}")
+        async with http.post(base, json=body("sys " * 20, turns)) as r:
+            assert r.status == 200
+        turns.append(f"answer {t}")
+    prefixes = proxy.proxy.router.prefixes
+    assert prefixes.size("b0") == 100
+    chain = boundaries(flatten(body("sys " * 20, turns[:-1])))
+    now = time.monotonic()
+    assert prefixes.longest(chain, now)["b0"][0] > 0           # the newest turn is held
+    assert prefixes.longest(chain, now + 6.0)["b0"] == (0, False)   # aged out

@@ -35,12 +35,13 @@ class RouteStage:
 
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
                  index: dict[str, list[str]], balance: Balance,
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None,
+                 prefixes: PrefixIndex | None = None) -> None:
         self.backends, self.queues, self.index = backends, queues, index
         self.aliases = aliases or {}
         self.balance = balance
         self.affinity = AffinityMap()
-        self.prefixes = PrefixIndex()
+        self.prefixes = prefixes or PrefixIndex()
         self._epochs: dict[str, object] = {}
         # backend -> predicted / reported cached tokens and mispredictions, for /status
         self.truth: dict[str, dict[str, int]] = {}
