@@ -24,6 +24,12 @@ class BackendError(Exception):
     """The upstream failed while serving (unreachable, crashed, reset). → 502."""
 
 
+class BackendGone(BackendError):
+    """The upstream did not take the request: its connection was refused or could not be made,
+    or it closed it before any response byte (killed, restarting). No answer was started, so
+    another backend may take the request. → 502 when none can."""
+
+
 class BackendTimeout(BackendError):
     """The upstream did not answer (its headers, or the rest of its body) in time. → 504."""
 

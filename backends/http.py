@@ -29,6 +29,7 @@ import aiohttp
 
 from prefixd.backends.base import (
     BackendError,
+    BackendGone,
     BackendTimeout,
     UpstreamRequest,
     UpstreamResponse,
@@ -91,13 +92,17 @@ async def _send(session: aiohttp.ClientSession, url: str, req: UpstreamRequest, 
             return await session.post(url, data=req.body, headers=send, timeout=timeout,
                                       auto_decompress=True, trace_request_ctx=attempt)
         except aiohttp.ConnectionTimeoutError as e:
-            raise BackendError(f"backend {backend!r} unreachable: connect timed out") from e
+            raise BackendGone(f"backend {backend!r} unreachable: connect timed out") from e
         except TimeoutError as e:
             raise BackendTimeout(f"backend {backend!r} sent no response within "
                                  f"{req.timeout_s:g}s") from e
         except (aiohttp.ClientError, OSError) as e:
+            if isinstance(e, aiohttp.ClientConnectorError):   # no connection: nothing sent
+                raise BackendGone(f"backend {backend!r} unreachable: {_describe(e)}") from e
             if resend or not (attempt.reused and dropped(e)):
-                raise BackendError(f"backend {backend!r} unreachable: {_describe(e)}") from e
+                # closed before any response byte on a new connection: the server is gone
+                kind = BackendGone if dropped(e) else BackendError
+                raise kind(f"backend {backend!r} unreachable: {_describe(e)}") from e
             log.info("backend %s: a pooled connection was closed under request %s (%s); "
                      "sending it again on a new connection", backend, req.request_id,
                      _describe(e))

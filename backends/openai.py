@@ -15,7 +15,13 @@ from dataclasses import replace
 
 import aiohttp
 
-from prefixd.backends.base import BackendBase, BackendStatus, UpstreamRequest, UpstreamResponse
+from prefixd.backends.base import (
+    BackendBase,
+    BackendGone,
+    BackendStatus,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.http import client_session, post_stream
 from prefixd.backends.llama import LlamaSlots
@@ -68,9 +74,13 @@ class OpenAIBackend(BackendBase):
         if self._llama is not None:    # a slot pin, decided now that it is being sent
             request = replace(request, body=self._llama.prepare(request.request_id,
                                                                  request.body))
-        async with post_stream(session, self._base + request.path, request, self.name,
-                               self._auth) as resp:
-            yield resp
+        try:
+            async with post_stream(session, self._base + request.path, request, self.name,
+                                   self._auth) as resp:
+                yield resp
+        except BackendGone as e:  # (only ever before a response) down until a probe answers
+            self._set_up(False, str(e))
+            raise
 
     async def tokenize(self, body: dict) -> list[int] | None:
         """Exact token ids where the upstream can tell them (llama-server: /apply-template +
@@ -129,19 +139,24 @@ class OpenAIBackend(BackendBase):
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             up, err = False, f"health probe: {e or type(e).__name__}"
         came_up = up and self._up is not True
+        self._set_up(up, err)
+        self._last_probe = time.time()
+        if came_up:
+            self._detecting = asyncio.create_task(self._detect_slots())
+            await self._detecting
+        return up
+
+    def _set_up(self, up: bool, err: str | None) -> None:
+        """What the last probe (or a refused connection) says: routing skips a down backend."""
         if up != self._up:
             log.log(logging.INFO if up else logging.WARNING, "backend %s is %s%s", self.name,
                     "up" if up else "down", "" if up else f" ({err})")
-        self._up, self._last_probe = up, time.time()
+        self._up = up
         if err:
             self._last_error = err
         BACKEND_UP.labels(self.name).set(1 if up else 0)
         if not up:
             self._llama = None                # a restarted server has empty slots
-        elif came_up:
-            self._detecting = asyncio.create_task(self._detect_slots())
-            await self._detecting
-        return up
 
     async def detect_slots(self) -> LlamaSlots | None:
         """Wait for the slot detection of the current up period (probing once if none ran)."""

@@ -56,13 +56,26 @@ class FakeUpstream:
         app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port or 0)  # a restart: same port
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+    async def kill(self) -> None:
+        """As a killed server: stop listening and reset every open connection now, requests
+        in progress unanswered (`stop` lets them finish)."""
+        if self.runner is None:
+            return
+        for site in list(self.runner.sites):
+            await site.stop()
+        server = self.runner.server
+        for conn in list(server.connections if server is not None else []):
+            if conn.transport is not None:
+                conn.transport.abort()
+        await self.runner.cleanup()
 
     async def wait_received(self, n: int, timeout: float = 10.0) -> None:
         async with self.arrived:

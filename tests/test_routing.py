@@ -4,8 +4,10 @@ three upstreams with conversations that send no session id."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
+from typing import Any
 
 import pytest
 from fake_upstream import FakeUpstream
@@ -292,3 +294,71 @@ async def test_the_index_caps_are_settings(three, start_proxy, http):
     now = time.monotonic()
     assert prefixes.longest(chain, now)["b0"][0] > 0           # the newest turn is held
     assert prefixes.longest(chain, now + 6.0)["b0"] == (0, False)   # aged out
+
+
+async def test_a_killed_backend_loses_no_request_and_rejoins_when_back(three, start_proxy,
+                                                                       http):
+    """A backend killed with a request in flight and more queued for it: the one in flight
+    (no response byte yet) and the queued ones are served by the others, its index entries
+    are dropped, and once it answers probes again new conversations reach it again."""
+    from prefixd.metrics import proxy as m
+
+    cfg = [{**b, "max_concurrency": 1, "health_interval_s": 3600} for b in backends(three)]
+    proxy = await start_proxy(backends=cfg)
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+    sys_prompt = "You are a coding agent. " * 30
+
+    def turn(c: int, t: int, **fake: Any) -> dict:
+        return {**body(sys_prompt, [f"conv {c} step {k}" for k in range(t + 1)]),
+                **({"fake": fake} if fake else {})}
+
+    home: dict[int, str] = {}
+    for c in range(9):
+        async with http.post(base, json=turn(c, 0)) as r:
+            assert r.status == 200
+            home[c] = r.headers["X-Prefixd-Backend"]
+    victim = home[0]
+    ups = dict(zip(["b0", "b1", "b2"], three, strict=True))
+    mine = [c for c in home if home[c] == victim]
+    assert proxy.proxy.router.prefixes.size(victim) > 0
+    failovers = m.ROUTE_DECISIONS.labels("b0", "failover")._value.get() + \
+        m.ROUTE_DECISIONS.labels("b1", "failover")._value.get() + \
+        m.ROUTE_DECISIONS.labels("b2", "failover")._value.get()
+
+    async def send(c: int, **fake: Any) -> tuple[int, str]:
+        async with http.post(base, json=turn(c, 1, **fake)) as r:
+            await r.read()
+            return r.status, r.headers.get("X-Prefixd-Backend", "")
+
+    for name, u in ups.items():
+        if name != victim:
+            u.release.set()                  # "hold" holds only on the victim
+    held = asyncio.create_task(send(mine[0], hold=True))       # in flight on the victim
+    await ups[victim].wait_received(len(ups[victim].received) + 1)
+    others = [u for name, u in ups.items() if name != victim]
+    elsewhere = sum(len(u.received) for u in others)
+    queued = [asyncio.create_task(send(c)) for c in [*mine[1:], mine[0]]]
+    deadline = time.monotonic() + 10
+    while (proxy.proxy.queues[victim].waiting      # each waits on the victim (affinity) or
+           + sum(len(u.received) for u in others) - elsewhere < len(queued)):  # was balanced
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    waiting = proxy.proxy.queues[victim].waiting
+    assert waiting >= 1
+    await ups[victim].kill()                 # the held request's connection drops
+    results = await asyncio.gather(held, *queued)
+    assert all(status == 200 for status, _ in results), results
+    assert all(b != victim for _, b in results), results
+    assert proxy.proxy.router.prefixes.size(victim) == 0
+    assert not proxy.proxy.backends[victim].status().up
+    after = sum(m.ROUTE_DECISIONS.labels(b, "failover")._value.get() for b in ups)
+    assert after - failovers == 1 + waiting  # each request that was on the victim, once
+    await ups[victim].start()                # back on the same port
+    assert await proxy.proxy.backends[victim].probe_once()
+    for c in range(9, 40):                   # new conversations spread onto it again
+        async with http.post(base, json=turn(c, 0)) as r:
+            assert r.status == 200
+            if r.headers["X-Prefixd-Backend"] == victim:
+                break
+    else:
+        raise AssertionError("the recovered backend got no new conversation")

@@ -9,6 +9,7 @@ from prefixd.api.errors import ApiError
 from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
 from prefixd.backends.base import (
     BackendError,
+    BackendGone,
     BackendTimeout,
     BackendUnavailable,
     UpstreamRequest,
@@ -37,6 +38,8 @@ class ForwardStage:
                 await call_next(ex)
         except BackendUnavailable as e:
             raise ApiError(503, str(e), code="backend_unavailable") from None
+        except BackendGone:
+            raise           # nothing was sent: the route stage may send it elsewhere
         except BackendTimeout as e:
             raise ApiError(504, str(e), code="upstream_timeout") from None
         except BackendError as e:

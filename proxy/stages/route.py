@@ -6,11 +6,12 @@ which may pin it to a slot when it is sent, and told how it ended."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
 from prefixd.api.errors import ApiError
-from prefixd.backends.base import Backend
+from prefixd.backends.base import Backend, BackendGone
 from prefixd.metrics import proxy as m
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.index import Chain, PrefixIndex, boundaries
@@ -53,7 +54,26 @@ class RouteStage:
         ex.model = ex.trace.model = self.model_for(ex.parsed.req.model)
         chain = boundaries(ex.prepared.segments if ex.prepared is not None else [])
         lane = ex.prepared.lane if ex.prepared is not None else None
-        decision = self.decide(ex.model, lane, chain)
+        refused: list[str] = []
+        while True:
+            decision = self.decide(ex.model, lane, chain, exclude=refused)
+            try:
+                await self._serve(ex, call_next, decision, lane)
+                break
+            except BackendGone as e:
+                # Nothing reached that backend (its connection was refused: killed, restarting):
+                # it lost its cache, and another backend of the model may take the request.
+                self.prefixes.forget(decision.name)
+                m.INDEX_ENTRIES.labels(decision.name).set(0)
+                refused.append(decision.name)
+                if len(refused) >= len(self.index[ex.model]):
+                    raise ApiError(502, str(e), code="upstream_error") from None
+        if ex.trace.status == 200 and chain.bounds:
+            self.learn(decision, chain, ex.usage, lane)
+
+    async def _serve(self, ex: Exchange, call_next: Next, decision: Decision,
+                     lane: str | None) -> None:
+        """The rest of the pipeline on the chosen backend (a llama-server's slot book told)."""
         ex.backend = self.backends[decision.name]
         ex.trace.backend = decision.name
         if ex.prepared is not None and ex.prepared.report is not None:
@@ -69,8 +89,6 @@ class RouteStage:
         finally:
             if slots is not None and placed is not None:
                 slots.done(placed)
-        if ex.trace.status == 200 and chain.bounds:
-            self.learn(decision, chain, ex.usage, lane)
 
     def model_for(self, requested: str | None) -> str:
         """The served model for a request's `model`; 400/404 naming what is served."""
@@ -84,9 +102,10 @@ class RouteStage:
                        f"{sorted(self.index)} (PREFIXD_MODEL_ALIASES maps other names)",
                        param="model", code="model_not_found", type_="invalid_request_error")
 
-    def decide(self, model: str, lane: str | None, chain: Chain) -> Decision:
+    def decide(self, model: str, lane: str | None, chain: Chain,
+               exclude: list[str] | tuple[str, ...] = ()) -> Decision:
         now = time.monotonic()
-        names = self.index[model]
+        names = [n for n in self.index[model] if n not in exclude]
         for n in names:
             self._check_epoch(n)
         held = self.prefixes.longest(chain, now) if chain.bounds else {}
@@ -98,6 +117,8 @@ class RouteStage:
                                    q.waiting + q.in_flight, q.max_concurrency,
                                    tokens if own else 0, tokens))
         decision = self.policy(cands, self.affinity.get(lane), chain.key or str(lane))
+        if exclude:                       # sent again: the chosen backend refused it
+            decision = dataclasses.replace(decision, reason="failover")
         self.affinity.set(lane, decision.name)
         m.ROUTE_DECISIONS.labels(decision.name, decision.reason).inc()
         m.ROUTE_PREDICTED_TOKENS.labels(decision.name).inc(decision.predicted)
