@@ -8,12 +8,19 @@ its boundaries are recorded for that backend; the next request's boundaries are 
 find, per backend, the longest prefix it holds. Entries expire (TTL), are capped in count
 (least recently used go first), and are dropped when a backend restarts.
 
+A backend that restores only some prefixes (a prefixd worker on a hybrid model restores
+recurrent state at its checkpoints, not anywhere) says which ones after each request
+(`Restorable`): each boundary is then recorded with the tokens the backend restores for it, the
+largest restorable position at or below it, or not at all. Without that digest (llama-server,
+vLLM, any OpenAI upstream) or when any prefix restores, every boundary is taken as restorable.
+
 Pure data, no I/O: the route stage owns one `PrefixIndex` and feeds it.
 """
 
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,6 +65,24 @@ def boundaries(segments: Iterable[Segment], chars_per_token: float = 4.0) -> Cha
     return Chain(out, head or len(out))
 
 
+@dataclass(frozen=True, slots=True)
+class Restorable:
+    """What a backend said it can restore of the request it just served: `positions`
+    (ascending token counts), and every prefix up to `prefix_to` (a state that trims back)."""
+
+    positions: tuple[int, ...]
+    prefix_to: int = 0
+
+    def at(self, tokens: int, slack: int) -> int:
+        """The tokens restorable for a boundary estimated at `tokens`: all of them up to
+        `prefix_to`, else the largest position at or below `tokens + slack` (estimates are off
+        by a few tokens, e.g. a re-rendered tail), else `prefix_to`; 0: nothing."""
+        if tokens <= self.prefix_to:
+            return tokens
+        i = bisect_right(self.positions, tokens + slack)
+        return max(self.positions[i - 1] if i else 0, self.prefix_to)
+
+
 @dataclass(slots=True)
 class _Entry:
     tokens: int
@@ -75,16 +100,25 @@ class PrefixIndex:
         self._convs: dict[str, OrderedDict[str, _Entry]] = {}
 
     def record(self, backend: str, chain: Chain, now: float,
-               exact_tokens: int | None = None) -> None:
-        """`backend` now holds every prefix of `chain`; `exact_tokens`, when the backend
-        reported the prompt's size, corrects the estimate of the last boundary."""
+               exact_tokens: int | None = None, restorable: Restorable | None = None,
+               slack: int = 16) -> None:
+        """`backend` now holds every prefix of `chain`, or, with `restorable`, what that says
+        it restores of each (within `slack` tokens above a boundary's estimate); a boundary
+        it restores nothing of is dropped. `exact_tokens`, when the backend reported the
+        prompt's size, corrects the estimates (the last boundary is exact)."""
         table = self._by_backend.setdefault(backend, OrderedDict())
         bounds = chain.bounds
         scale = 1.0
         if exact_tokens is not None and exact_tokens > 0 and bounds and bounds[-1].tokens > 0:
             scale = exact_tokens / bounds[-1].tokens
         for b in bounds:
-            table[b.key] = _Entry(round(b.tokens * scale), now)
+            tokens = round(b.tokens * scale)
+            if restorable is not None:
+                tokens = restorable.at(tokens, slack)
+                if tokens <= 0:
+                    table.pop(b.key, None)
+                    continue
+            table[b.key] = _Entry(tokens, now)
             table.move_to_end(b.key)
         while len(table) > self.max_entries:
             table.popitem(last=False)

@@ -25,6 +25,7 @@ from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.memory import mlx_memory
 from prefixd.backends.mlx.output import Delta, LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.prompt import Prompt, Renderer
+from prefixd.backends.mlx.restorable import digest
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.mlx.stats import PromptStats, breakdown, observe
 
@@ -308,7 +309,7 @@ class Generator:
             text.finish()
         stats = engine.last_stats
         before = {**job.prompt.timings, "queue": job.queue_s}
-        turn = observe_turn(stats, before)
+        turn = observe_turn(stats, before, digest(engine.store))
         cached = stats.cached_tokens if stats else 0
         prefill_s = stats.lookup_s + stats.restore_s + stats.prefill_s if stats else 0.0
         decode_s = time.perf_counter() - t0 - prefill_s
@@ -369,10 +370,12 @@ def warm_up(model: Any, cache: list[Any], tokenizer: Any) -> None:
         log.warning("worker: warm-up pass failed", exc_info=True)
 
 
-def observe_turn(stats: PromptStats | None, before: dict[str, float]) -> dict[str, Any]:
-    """Record the request's breakdown (metrics, DEBUG log) and return its JSON."""
+def observe_turn(stats: PromptStats | None, before: dict[str, float],
+                 restorable: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Record the request's breakdown (metrics, DEBUG log) and return its JSON, with what the
+    worker can restore of its tokens now (`restorable.py`)."""
     observe(stats, before)
-    return breakdown(stats, before)
+    return breakdown(stats, before, restorable)
 
 
 def _reset_random_state() -> None:

@@ -2,7 +2,8 @@
 
 Owns: `PromptStats` (filled by the Engine while it restores, prefills, checkpoints, samples the
 first token and commits), the `prefixd` JSON object the worker adds to its responses (the final
-non-streamed response and the usage chunk of a stream), the stage histograms, and the DEBUG log
+non-streamed response and the usage chunk of a stream; with `restorable`, what the worker can
+restore of the request's tokens, from `restorable.py`), the stage histograms, and the DEBUG log
 line. Stages, in request order:
 
 - `template`, `tokenize`, `boundaries`: building the prompt (beside generation, on a thread);
@@ -58,9 +59,11 @@ class PromptStats:
                 "commit": self.commit_s}
 
 
-def breakdown(stats: PromptStats | None, before: dict[str, float]) -> dict[str, Any]:
+def breakdown(stats: PromptStats | None, before: dict[str, float],
+              restorable: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `prefixd` object of a response: `before` holds the stages outside the Engine
-    (template, tokenize, boundaries, queue), in seconds."""
+    (template, tokenize, boundaries, queue), in seconds; `restorable`, the prefixes of the
+    request's tokens the worker can restore now (`restorable.py`)."""
     seconds = {**before, **(stats.seconds() if stats else {})}
     out: dict[str, Any] = {
         "timings_ms": {k: round(seconds[k] * 1000, 3) for k in STAGES if k in seconds},
@@ -77,6 +80,8 @@ def breakdown(stats: PromptStats | None, before: dict[str, float]) -> dict[str, 
                         "miss": stats.miss}
         if stats.tier == "disk":
             out["cache"]["disk_load_ms"] = round(stats.disk_load_s * 1000, 3)
+    if restorable is not None:
+        out["restorable"] = restorable
     return out
 
 

@@ -84,6 +84,8 @@ class CheckpointStore:
         self.evicted_entries = 0
         self.evicted_checkpoints = 0
         self.rejected = 0
+        # The last request's entry, even once dropped (its tokens then; `restorable.py`)
+        self.latest: Entry | None = None
         # Told what leaves the store: (entry, why: merged | discarded | rejected | evicted),
         # and (entry, position, snapshot) of a checkpoint evicted under budget pressure.
         self.on_remove: Callable[[Entry, str], None] = lambda entry, why: None
@@ -127,7 +129,7 @@ class CheckpointStore:
     def begin(self, tokens: Sequence[int]) -> Entry:
         """Open the entry of a new request; its checkpoints are added as the prefill takes them."""
         self.tick += 1
-        entry = Entry(tokens=list(tokens), last_used=self.tick)
+        entry = self.latest = Entry(tokens=list(tokens), last_used=self.tick)
         self.entries.append(entry)
         return entry
 
@@ -276,6 +278,8 @@ class CheckpointStore:
         self.entries.remove(entry)
         self.bytes_used -= entry.nbytes + sum(c.nbytes for c in entry.checkpoints.values())
         self.on_remove(entry, why)
+        if why in ("rejected", "discarded"):  # never stored: `latest` keeps no snapshots alive
+            entry.checkpoints = {}
 
     # --- reporting ---------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """route: the requested model → its backends → one of them. The decision is pure policy
 (`proxy/route.py`) over what the prefix index (`proxy/index.py`) says each backend holds;
-after the answer, the backend's reported usage corrects the index (backend truth). On a
-llama-server, the request is announced to the backend's slot book (`backends/llama.py`),
-which may pin it to a slot when it is sent, and told how it ended."""
+after the answer, the backend's reported usage corrects the index (backend truth), and a prefixd
+worker's digest of what it can restore (`usage.prefixd.restorable`) says which prefixes it
+really holds. On a llama-server, the request is announced to the backend's slot book
+(`backends/llama.py`), which may pin it to a slot when it is sent, and told how it ended."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from prefixd.api.errors import ApiError
 from prefixd.backends.base import Backend, BackendGone
 from prefixd.metrics import proxy as m
 from prefixd.proxy.exchange import Exchange
-from prefixd.proxy.index import Chain, PrefixIndex, boundaries
+from prefixd.proxy.index import Chain, PrefixIndex, Restorable, boundaries
 from prefixd.proxy.prefix.report import header
 from prefixd.proxy.queue import BackendQueue
 from prefixd.proxy.route import (
@@ -29,6 +30,7 @@ from prefixd.proxy.route import (
 from prefixd.proxy.stages import Next
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
+MAX_DIGEST = 1024         # positions read of a backend's restorable digest (a worker sends 64)
 
 
 class RouteStage:
@@ -144,7 +146,8 @@ class RouteStage:
             truth["mispredictions"] += 1
             self.prefixes.forget(decision.name, chain, after_tokens=cached)
         now = time.monotonic()
-        self.prefixes.record(decision.name, chain, now, prompt or None)
+        self.prefixes.record(decision.name, chain, now, prompt or None, _restorable(usage),
+                             MISPREDICT_SLACK)
         if lane:
             self.prefixes.note(decision.name, lane, prompt or chain.bounds[-1].tokens, now)
         m.INDEX_ENTRIES.labels(decision.name).set(self.prefixes.size(decision.name))
@@ -174,3 +177,21 @@ def _count(value: object) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40:
         return value
     return None
+
+
+def _restorable(usage: dict) -> Restorable | None:
+    """A prefixd worker's digest of the prefixes it can restore (`prefixd.restorable`:
+    `positions`, `prefix_to`, `any_prefix`); None when there is none, it is malformed, or any
+    prefix restores (then every boundary counts, as for any other backend)."""
+    worker = usage.get("prefixd")
+    digest = worker.get("restorable") if isinstance(worker, dict) else None
+    if not isinstance(digest, dict) or digest.get("any_prefix") is True:
+        return None
+    positions = digest.get("positions")
+    if not isinstance(positions, list) or len(positions) > MAX_DIGEST:
+        return None
+    counts = [_count(p) for p in positions]
+    prefix_to = _count(digest.get("prefix_to", 0))
+    if prefix_to is None or any(c is None for c in counts):
+        return None
+    return Restorable(tuple(sorted(c for c in counts if c)), prefix_to)
