@@ -216,6 +216,7 @@ class Req:
     prompt_ms: float
     body: dict
     reply: str
+    predicted: int | None = None      # X-Prefixd-Prefix `predicted=` (None: no report)
 
 
 class StreamFailed(Exception):
@@ -268,6 +269,7 @@ async def converse(http: aiohttp.ClientSession, ports: list[int], conv: int,
                     errors.append(f"{r.status}: {(await r.text())[:200]}")
                     continue
                 backend = r.headers.get("X-Prefixd-Backend", "?")
+                predicted = _predicted(r.headers.get("X-Prefixd-Prefix", ""))
                 try:
                     await read_stream(r, start, text, usage, timings)
                 except StreamFailed as e:
@@ -286,7 +288,16 @@ async def converse(http: aiohttp.ClientSession, ports: list[int], conv: int,
         out.append(Req(conv, t, replica, backend, start, time.monotonic(),
                        ttft if ttft is not None else time.monotonic() - start,
                        usage.get("prompt_tokens", 0), details.get("cached_tokens", 0),
-                       float(prompt_ms), body, reply))
+                       float(prompt_ms), body, reply, predicted))
+
+
+def _predicted(header: str) -> int | None:
+    """`predicted=N` of an X-Prefixd-Prefix header."""
+    for part in header.replace(";", " ").split():
+        if part.startswith("predicted="):
+            with contextlib.suppress(ValueError):
+                return int(part.split("=", 1)[1])
+    return None
 
 
 async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str,
@@ -394,6 +405,8 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
     ideal = sum(ideals)
     later = [(r.prompt - r.cached, i) for r, i in zip(reqs, ideals, strict=True) if r.turn]
     waits = sorted(max(0.0, r.ttft - r.prompt_ms / 1000) for r in reqs)
+    judged = [r for r in reqs if r.predicted is not None and r.turn]
+    exact = sum(abs(r.predicted - r.cached) <= 16 for r in judged)  # type: ignore[operator]
     firsts = {f"b{i}": 0 for i in range(len(ups.urls))}
     for r in reqs:
         if r.turn == 0:
@@ -407,6 +420,9 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "ttft_median_ms": 1000 * statistics.median(r.ttft for r in reqs),
         "queue_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
         "first_turns": firsts, "slot_pins": dict(slot_pins),
+        "predicted_exact": f"{exact}/{len(judged)}",
+        "predicted_error": sum(abs(r.predicted - r.cached) for r in judged)  # type: ignore[operator]
+        / max(1, len(judged)),
         "wall_s": wall, "errors": errors, "resent": resent,
     }
 
@@ -423,8 +439,9 @@ def plan(setups: list[str]) -> list[tuple[str, str, bool]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     out = ["| setup | upstream | policy | convs | reqs | recomputed | ideal | ratio "
-           "| ratio, turns 2+ | reuse | TTFT p50 ms | queue p99 ms | first turns | slot pins |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| ratio, turns 2+ | reuse | TTFT p50 ms | queue p99 ms | first turns | slot pins "
+           "| predicted ~ cached |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         policy = r["policy"] if r["setup"] not in ("c4", "c12") else \
             ("prefixd + slot pins" if r["pins"] else "prefixd, no pins")
@@ -434,7 +451,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                    f"{r['requests']} | {r['recomputed']} | {r['ideal']} | {r['ratio']:.2f} | "
                    f"{r['ratio_later']:.2f} | "
                    f"{100 * r['reuse']:.1f}% | {r['ttft_median_ms']:.0f} | "
-                   f"{r['queue_p99_ms']:.0f} | {firsts} | {pins} |")
+                   f"{r['queue_p99_ms']:.0f} | {firsts} | {pins} | "
+                   f"{r.get('predicted_exact', '-')} |")
     return "\n".join(out)
 
 
@@ -472,7 +490,8 @@ async def main() -> int:
               f"reuse={100 * row['reuse']:.1f}% ttft50={row['ttft_median_ms']:.0f}ms "
               f"q99={row['queue_p99_ms']:.0f}ms firsts={row['first_turns']} "
               f"failed={len(row['errors'])}/{row['requests'] + len(row['errors'])} "
-              f"resent={row['resent']:.0f} "
+              f"resent={row['resent']:.0f} predicted~cached={row['predicted_exact']} "
+              f"(mean error {row['predicted_error']:.0f} tok) "
               f"({row['wall_s']:.1f}s)", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     cmd = "./run bench routing " + " ".join(sys.argv[1:])
