@@ -150,3 +150,25 @@ def test_a_model_the_hooks_do_not_fit_keeps_cutting_passes() -> None:
     assert len(stats.segments) == len(entry.checkpoints)  # a pass ends at each checkpoint
     edit = prompt[:95] + _words(random.Random(36), 10)
     _assert_same(_run(engine, edit), _cold(model, edit))
+
+
+def test_a_tap_that_fails_at_run_time_costs_checkpoints_not_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recurrence the hook no longer sees at run time (as if a layer captured the function
+    some other way): that pass loses its inner checkpoints, the answer stays exact, and the
+    engine cuts passes from then on."""
+    import mlx_lm.models.qwen3_next as qn
+
+    model = CountingModel(build_model("qwen3_next", seed=5))
+    engine = Engine(model, _settings(prefill_chunk=512))
+    assert engine.inpass is not None
+    monkeypatch.setattr(qn, "gated_delta_update", qn.gated_delta_update.__prefixd_original__)
+    prompt = _words(random.Random(37), 200)
+    first = _run(engine, prompt, BOUNDS[:1])
+    assert engine.inpass is None and engine.fallbacks == {"inpass_error": 1}
+    assert len(first[2].segments) == 2           # that pass was not cut...
+    _assert_same(first, _cold(model, prompt))    # ...and its answer is exact
+    second = _words(random.Random(38), 200)
+    _, _, stats = _run(engine, second, BOUNDS[:1], max_tokens=1)
+    entry = max(engine.store.entries, key=lambda e: e.last_used)
+    assert len(stats.segments) == len(entry.checkpoints) >= 10   # a cut per checkpoint

@@ -184,9 +184,11 @@ class Engine:
             t0 = time.perf_counter()
             logits = run.prefill(*self._plan(len(prompt), start, boundaries), capture)
             stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
-            for why in run.tap_failures:
-                log.warning("in-pass checkpoints lost in one pass: %s", why)
+            if run.tap_failures:  # its inner checkpoints are lost; later requests cut passes
+                log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
+                            "checkpoints from now on", run.tap_failures[0])
                 self._count_fallback("inpass_error")
+                self.inpass = None
             self._finish_stats(stats, start, run.pos - start)
             self.tiers.prefilled(stats)
             if logits is not None:
