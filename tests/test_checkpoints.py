@@ -288,7 +288,10 @@ def test_kv_quantization_warm_equals_cold(arch: str) -> None:
     model = model_from_config({**tiny_config(arch), "head_dim": 64, "query_pre_attn_scalar": 64}
                               if arch == "gemma3_text" else {**tiny_config(arch), "head_dim": 64},
                               seed=3)
-    engine = Engine(model, _settings(kv_bits=8))
+    # Passes cut at the checkpoints, so the warm run's history and the cold run are computed in
+    # the same chunks: quantizing turns the last-bit differences of other chunkings (in-pass
+    # checkpoints do not cut) into ~1e-3 (OpenBLAS), above this comparison's tolerance.
+    engine = Engine(model, _settings(kv_bits=8, checkpoint_inpass=False))
     assert engine.cache_info()["kv_bits"] == 8
     rng = random.Random(13)
     base = _words(rng, 260)
@@ -296,7 +299,8 @@ def test_kv_quantization_warm_equals_cold(arch: str) -> None:
     prompt = base[:150] + _words(rng, 40)
     warm = _run(engine, prompt)
     assert warm[2].cached_tokens >= 148
-    _assert_same(warm, _run(Engine(model, _settings(kv_bits=8, cache_bytes=0)), prompt))
+    _assert_same(warm, _run(Engine(model, _settings(kv_bits=8, cache_bytes=0,
+                                                    checkpoint_inpass=False)), prompt))
 
 
 def test_kv_quantization_unsupported_head_dim_keeps_full_precision() -> None:
