@@ -417,20 +417,27 @@ def test_stats_account_for_every_pass_and_checkpoint(model: CountingModel) -> No
     assert all(v >= 0 for v in stats.seconds().values())
 
 
+def append_only_turn(engine: Engine, rng: random.Random, first: int, bounds: tuple[int, ...],
+                     new: int) -> tuple[list[int], int, tuple]:
+    """Turn 1 (`first` tokens, message boundaries `bounds`) and its 8-token reply, then turn 2
+    appending a `new`-token message (boundaries: its content start and end, as the worker
+    gives them): (turn 2's tokens, what turn 1 stored, turn 2's run)."""
+    turn1 = _words(rng, first)
+    reply, _, _ = _run(engine, turn1, bounds, max_tokens=8)
+    r = len(turn1) + len(reply)
+    turn2 = [*turn1, *reply, *_words(rng, new)]
+    return turn2, r, _run(engine, turn2, (*bounds[:2], r + 5, len(turn2) - 5))
+
+
 def test_an_append_only_turn_takes_two_prefill_passes_like_stock(model: CountingModel) -> None:
     """Checkpoints for free: the next turn restores the previous prompt + reply and prefills
     the rest in two passes (as stock mlx-lm: all but the tail, then the tail), taking its
     checkpoints where the passes end anyway: the last message's end and the prompt's end.
     An all-KV model takes no checkpoints: all but the last token, then the last token."""
-    rng = random.Random(22)
     engine = Engine(model, _settings(checkpoint_interval=512, prefill_chunk=512,
                                      checkpoint_tail=4))
-    turn1 = _words(rng, 160)
-    reply, _, _ = _run(engine, turn1, (3, 73, 155), max_tokens=8)
-    r = len(turn1) + len(reply)
-    turn2 = [*turn1, *reply, *_words(rng, 105)]
-    n = len(turn2)  # boundaries: the new message's content start and end, as the worker gives
-    warm = _run(engine, turn2, (3, 73, r + 5, n - 5))
+    turn2, r, warm = append_only_turn(engine, random.Random(22), 160, (3, 73, 155), 105)
+    n = len(turn2)
     stats = warm[2]
     assert stats.cached_tokens == r
     all_kv = not snapshot.snapshot_indices(make_prompt_cache(model))

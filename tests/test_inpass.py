@@ -21,6 +21,7 @@ from test_checkpoints import (
     _settings,
     _window,
     _words,
+    append_only_turn,
 )
 
 from prefixd.backends.mlx import snapshot, tap
@@ -107,15 +108,10 @@ def test_a_long_appended_message_takes_two_passes_and_keeps_its_interval_checkpo
     """The append-only turn of issue 18 with the default interval policy: a 260-token new
     message gets its interval checkpoints (an edit inside it later recomputes little) in the
     two passes stock takes."""
-    rng = random.Random(33)
     engine = Engine(model, _settings(checkpoint_interval=64, prefill_chunk=512,
                                      checkpoint_tail=4))
-    turn1 = _words(rng, 200)
-    reply, _, _ = _run(engine, turn1, (3, 120, 195), max_tokens=8)
-    r = len(turn1) + len(reply)
-    turn2 = [*turn1, *reply, *_words(rng, 260)]
+    turn2, r, warm = append_only_turn(engine, random.Random(33), 200, (3, 120, 195), 260)
     n = len(turn2)
-    warm = _run(engine, turn2, (3, 120, r + 5, n - 5))
     assert warm[2].cached_tokens == r
     assert [tokens for tokens, _ in warm[2].segments] == [n - 5 - r, 5]
     entry = max(engine.store.entries, key=lambda e: len(e.tokens))
