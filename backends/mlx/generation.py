@@ -1,4 +1,5 @@
-"""The worker's single generation thread: model loading, the Engine, and one job at a time.
+"""The worker's single generation thread: the loaded model (`loading.py`), its Engine, and one
+job at a time.
 
 Owns: every mlx call of the worker process. Model loading, Engine construction, generation and
 `Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one worker), so the
@@ -18,13 +19,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import mlx_memory
 from prefixd.backends.mlx.output import Delta, LogprobTap, TextOut, sampling_functions
-from prefixd.backends.mlx.prompt import Prompt, Renderer
+from prefixd.backends.mlx.prompt import Prompt
 from prefixd.backends.mlx.restorable import digest
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.mlx.stats import PromptStats, breakdown, observe
@@ -55,15 +56,6 @@ class Failed:
 Event = Delta | Finished | Failed  # Delta: a text delta
 
 
-@dataclass
-class Loaded:
-    model: Any
-    tokenizer: Any
-    renderer: Renderer
-    engine: Any
-    max_context: int | None
-
-
 @dataclass(eq=False)  # identity-hashed: pending jobs live in a set
 class Job:
     prompt: Prompt
@@ -90,15 +82,6 @@ class Job:
             yield event
             if not isinstance(event, Delta):
                 return
-
-
-def max_context(model: Any) -> int | None:
-    args = getattr(model, "args", None)
-    value = getattr(args, "max_position_embeddings", None)
-    text_config = getattr(args, "text_config", None)
-    if value is None and isinstance(text_config, dict):
-        value = text_config.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
 
 
 class Generator:
@@ -169,51 +152,10 @@ class Generator:
         return self._executor.submit(self._load, spec).result()
 
     def _load(self, spec: str) -> Loaded:
-        from prefixd.backends.mlx.engine import Engine, EngineConfig
-        from prefixd.backends.mlx.provision import load_model, resolve_model
-
-        target = resolve_model(spec, self.settings.cache_dir, progress=log.info)
-        dequantize = wants_dequantize(self.settings.dequantize, spec)
-        model, tokenizer = load_model(target, self.settings.cache_dir, progress=log.info,
-                                      dequantize=dequantize)
-        ram = self._ram_budget()
-        engine = Engine(model, EngineConfig.from_settings(self.settings, cache_bytes=ram),
-                        self._disk_spec(target, dequantize))
-        warm_up(model, engine.fresh_cache(), tokenizer)
-        self.cache_info = engine.cache_info()
+        self.loaded = load(self.settings, spec)
+        self.cache_info = self.loaded.engine.cache_info()
         self.memory = mlx_memory()
-        self.loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
-        log.info("worker: model %s loaded (%s, max context %s)", spec,
-                 type(model).__module__.rsplit(".", 1)[-1], self.loaded.max_context)
         return self.loaded
-
-    def _ram_budget(self) -> int:
-        from prefixd.backends.mlx.memory import auto_ram_bytes, available_memory
-
-        if self.settings.cache_bytes is not None:
-            return self.settings.cache_bytes
-        available = available_memory()
-        budget = auto_ram_bytes(available)
-        log.info("worker: prompt cache budget %.2f GiB in RAM (auto: %.1f GiB available after "
-                 "loading the model)", budget / 2**30, available / 2**30)
-        return budget
-
-    def _disk_spec(self, target: str, dequantize: bool) -> Any:
-        from prefixd.backends.mlx.disktier import DiskSpec, model_fingerprint
-        from prefixd.backends.mlx.memory import auto_disk_bytes, free_space
-
-        s = self.settings
-        if s.disk_cache_bytes == 0:
-            return None
-        base = Path(s.cache_dir).expanduser() / "prompts"
-        try:
-            budget = s.disk_cache_bytes if s.disk_cache_bytes is not None else \
-                auto_disk_bytes(free_space(base))
-        except OSError as e:
-            log.warning("worker: no disk tier: cannot use %s (%s)", base, e)
-            return None
-        return DiskSpec(base, model_fingerprint(target, dequantize), budget,
-                        s.disk_write_delay, s.disk_block_tokens)
 
     def submit(self, prompt: Prompt, sampling: Sampling, max_tokens: int,
                logprobs: int | None = None) -> Job:
@@ -336,38 +278,6 @@ class Generator:
         if self.loaded is not None:  # stop the disk writer without waiting (persist waits)
             self._executor.submit(self.loaded.engine.close, 0.0)
         self._executor.shutdown(wait=False)
-
-
-def wants_dequantize(mode: str, spec: str) -> bool:
-    """auto: float32 weights for the small built-in models when MLX runs on the CPU, where
-    its quantized matmuls are several times slower than float ones."""
-    if mode != "auto":
-        return mode == "on"
-    import mlx.core as mx
-
-    from prefixd.backends.mlx.provision import BUILTIN_MODELS
-
-    return spec in BUILTIN_MODELS and not mx.metal.is_available()
-
-
-
-def warm_up(model: Any, cache: list[Any], tokenizer: Any) -> None:
-    """A throwaway prefill, sampling (greedy and with temperature) and decode step at load, so
-    the first request (often the first after a swap or a restart) does not pay first-call
-    costs: mlx-lm's compiled samplers, kernels for new shapes, the detokenizer."""
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
-    try:
-        logits = model(mx.array([[0] * 16]), cache=cache)[:, -1, :]
-        lp = logits - mx.logsumexp(logits, keepdims=True)
-        token = mx.array([0])
-        for sampler in (make_sampler(0.0), make_sampler(0.7, 0.95, 0.05, top_k=20)):
-            token = sampler(lp)
-        mx.eval(model(token[None], cache=cache))
-        tokenizer.decode([int(token.item())])
-    except Exception:  # a warm-up that fails costs nothing but the warm-up
-        log.warning("worker: warm-up pass failed", exc_info=True)
 
 
 def observe_turn(stats: PromptStats | None, before: dict[str, float],
