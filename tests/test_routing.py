@@ -362,3 +362,49 @@ async def test_a_killed_backend_loses_no_request_and_rejoins_when_back(three, st
                 break
     else:
         raise AssertionError("the recovered backend got no new conversation")
+
+
+async def test_a_stream_that_waited_in_a_killed_backends_queue_fails_over_and_streams(
+        three, start_proxy, http):
+    """A streaming request already told `: queued position=N` in the queue of a backend that
+    is then killed waits in the next backend's queue on the same response, then streams."""
+    ups = dict(zip(["b0", "b1"], three[:2], strict=True))
+    cfg = [{**b, "max_concurrency": 1, "health_interval_s": 3600} for b in backends(three[:2])]
+    proxy = await start_proxy(backends=cfg)
+    base = f"http://127.0.0.1:{proxy.port}/v1/chat/completions"
+
+    def turn(c: int, t: int, **extra: Any) -> dict:
+        return {**body("shared system " * 30, [f"conv {c} step {k}" for k in range(t + 1)]),
+                **extra}
+
+    home: dict[int, str] = {}
+    for c in range(12):
+        async with http.post(base, json=turn(c, 0)) as r:
+            home[c] = r.headers["X-Prefixd-Backend"]
+    victim, other = home[0], ("b1" if home[0] == "b0" else "b0")
+    on_other = next(c for c in home if home[c] == other)
+
+    async def send(c: int, t: int, **extra: Any) -> tuple[int, bytes]:
+        async with http.post(base, json=turn(c, t, **extra)) as r:
+            return r.status, await r.read()
+
+    busy_other = asyncio.create_task(send(on_other, 1, fake={"hold": True}))
+    await ups[other].wait_received(len(ups[other].received) + 1)
+    busy_victim = asyncio.create_task(send(0, 1, fake={"hold": True}))
+    await ups[victim].wait_received(len(ups[victim].received) + 1)
+    stream = asyncio.create_task(send(0, 2, stream=True))
+    deadline = time.monotonic() + 10
+    while proxy.proxy.queues[victim].waiting < 1:          # the stream waits on the victim
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await ups[victim].kill()
+    deadline = time.monotonic() + 10
+    while proxy.proxy.queues[other].waiting < 2:           # both wait on the other backend
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    ups[other].release.set()
+    (s1, _), (s2, _), (s3, streamed) = await asyncio.gather(busy_other, busy_victim, stream)
+    assert (s1, s2, s3) == (200, 200, 200)
+    text = streamed.decode()
+    assert text.startswith(": queued position=") and "data: [DONE]" in text
+    assert '"content"' in text

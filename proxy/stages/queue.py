@@ -5,7 +5,7 @@ gets its SSE response at once, with `: queued position=N` comments while it wait
 from __future__ import annotations
 
 from prefixd.api.errors import ApiError
-from prefixd.proxy.exchange import SSE_HEADERS, Exchange
+from prefixd.proxy.exchange import SSE_HEADERS, Exchange, ResponseState
 from prefixd.proxy.queue import BackendQueue, QueueClosed, QueueFull, QueueTimeout
 from prefixd.proxy.stages import Next
 
@@ -21,7 +21,10 @@ class QueueStage:
         queue = self.queues[ex.backend.name]
         on_position = None
         if ex.stream and queue.would_wait() and not queue.full():
-            resp = await ex.start(200, SSE_HEADERS, sse=True)
+            # started already when an earlier backend's queue held it (then failed over)
+            resp = ex.response if ex.state is ResponseState.SSE else \
+                await ex.start(200, SSE_HEADERS, sse=True)
+            assert resp is not None
 
             async def on_position(pos: int) -> None:
                 await resp.write(f": queued position={pos}\n\n".encode())
