@@ -3,8 +3,9 @@
 Owns: rendering a `GenRequest` through the model's chat template (with the text fallback of
 `tooltext` when the template ignores tools), the prompt token ids, and the message boundaries
 (token positions where each message's content starts, and where the last one's ends) that the
-engine uses as checkpoint positions. One render and one tokenization per prompt: boundaries are
-found in the rendered text with the tokenizer's offsets. Pure functions over a tokenizer; no
+engine uses as checkpoint positions. One render and one tokenization per prompt (of its new part
+only, where it extends a recent prompt: `suffix.py`): boundaries are found in the rendered text
+with the tokenizer's offsets. Pure functions over a tokenizer; no
 mlx, no I/O.
 """
 
@@ -20,6 +21,7 @@ from prefixd.backends.mlx import tooltext
 from prefixd.backends.mlx.chat import GenRequest, bad
 from prefixd.backends.mlx.oai import ToolFormat
 from prefixd.backends.mlx.placement import common_prefix
+from prefixd.backends.mlx.suffix import SuffixEncoder, added_token_ids
 
 # Without token offsets each boundary costs an encode of the prompt before it: then only the
 # first message and the newest ones are placed (older ones were placed, as checkpoints, by
@@ -53,6 +55,9 @@ class Renderer:
         self.has_template = bool(getattr(tokenizer, "has_chat_template", True))
         self.native_tools = not self.has_template or tooltext.renders_tools(self._probe)
         self._backend_ids = backend_ids_match(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.suffix = (SuffixEncoder(backend, added_token_ids(tokenizer))
+                       if backend is not None and self._backend_ids else None)
 
     def _probe(self, messages: Messages, tools: Tools) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -105,10 +110,9 @@ class Renderer:
     def _encode(self, text: str) -> tuple[list[int], list[int] | None]:
         """The ids of `text`, and the end character offset of each token when the fast
         tokenizer gives offsets that match the ids (else None)."""
+        if self.suffix is not None:  # the new part only, where it extends a recent prompt
+            return self.suffix.encode(text)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None and self._backend_ids:
-            enc = backend.encode(text, add_special_tokens=False)
-            return list(enc.ids), _ends(enc)
         tokens = encode(self.tokenizer, text)
         if backend is None:
             return tokens, None
