@@ -7,8 +7,8 @@ Issue 18 ("checkpoints for free"): on turns where both servers reuse exactly the
 (each turn appends the previous reply and ~260 new user tokens, so both restore the previous
 prompt + reply), prefixd's checkpointing must cost (almost) nothing. For each tiny model both
 servers run at once on the same folder (`multiturn.py`'s helpers); every repeat plays a fresh
-6-turn conversation (a new seed, so turn 0 is cold on both) on one server, then on the other,
-the order alternating between repeats. Per turn: each server's TTFT (streaming, to the first
+6-turn conversation (a new seed, so turn 0 is cold on both) on both servers in lockstep, turn
+by turn, the server going first alternating. Per turn: each server's TTFT (streaming, to the first
 content token), cached tokens, and prefixd's `prefixd` breakdown from its usage chunk.
 Writes bench/out/ttft.json, bench/out/ttft.md (tables) and bench/out/ttft.png.
 """
@@ -41,20 +41,23 @@ STAGES = ("template", "tokenize", "boundaries", "queue", "lookup", "restore", "p
           "checkpoint", "first_token")
 
 
-def play(port: int, seed: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One conversation of `args.turns` append-only turns; one row per turn."""
-    steps = chat(1.0, random.Random(seed), turns=args.turns, per_turn=args.per_turn)
-    rows, reply = [], None
-    for turn in range(args.turns):
-        step = steps.send(reply) if reply is not None else next(steps)
-        body = {**step.body, "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        text, usage, ttft, _ = stream_chat(port, body)
-        rows.append({"turn": turn, "ttft": ttft, "prompt": usage["prompt_tokens"],
-                     "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                     "prefixd": usage.get("prefixd")})
-        reply = Reply(text)
-    return rows
+class Player:
+    """One server's copy of a conversation of `args.turns` append-only turns."""
+
+    def __init__(self, port: int, seed: str, args: argparse.Namespace) -> None:
+        self.port, self.args = port, args
+        self.steps = chat(1.0, random.Random(seed), turns=args.turns, per_turn=args.per_turn)
+        self.reply: Reply | None = None
+
+    def turn(self, turn: int) -> dict[str, Any]:
+        step = self.steps.send(self.reply) if self.reply is not None else next(self.steps)
+        body = {**step.body, "max_tokens": self.args.max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage, ttft, _ = stream_chat(self.port, body)
+        self.reply = Reply(text)
+        return {"turn": turn, "ttft": ttft, "prompt": usage["prompt_tokens"],
+                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                "prefixd": usage.get("prefixd")}
 
 
 def bench_model(arch: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -68,13 +71,21 @@ def bench_model(arch: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             wait_ready(server)
             warm_up(server, args.max_tokens)
         for rep in range(args.repeats):
-            order = ("stock", "prefixd") if rep % 2 == 0 else ("prefixd", "stock")
-            for kind in order:
-                t0 = time.monotonic()
-                got = play(servers[kind].port, f"ttft-{arch}-{rep}", args)
-                rows += [{"model": arch, "server": kind, "repeat": rep, **r} for r in got]
+            # Both servers play the same conversation in lockstep, turn by turn, the one going
+            # first alternating: each pair of TTFTs is taken a moment apart, so load from
+            # outside the bench (shared cores) hits both alike.
+            players = {kind: Player(servers[kind].port, f"ttft-{arch}-{rep}", args)
+                       for kind in servers}
+            got: dict[str, list[dict[str, Any]]] = {kind: [] for kind in servers}
+            t0 = time.monotonic()
+            for turn in range(args.turns):
+                order = ("stock", "prefixd") if (rep + turn) % 2 == 0 else ("prefixd", "stock")
+                for kind in order:
+                    got[kind].append(players[kind].turn(turn))
+            for kind, turns in got.items():
+                rows += [{"model": arch, "server": kind, "repeat": rep, **r} for r in turns]
                 print(f"  {arch:12} repeat {rep} {kind:8} {time.monotonic() - t0:5.1f} s "
-                      f"ttft ms {[round(r['ttft'] * 1000) for r in got]}", flush=True)
+                      f"ttft ms {[round(r['ttft'] * 1000) for r in turns]}", flush=True)
     finally:
         for server in servers.values():
             stop_server(server)
