@@ -184,9 +184,9 @@ class Engine:
             t0 = time.perf_counter()
             logits = run.prefill(*self._plan(len(prompt), start, boundaries), capture)
             stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
-            if run.tap_failures:  # its inner checkpoints are lost; later requests cut passes
+            if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
                 log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
-                            "checkpoints from now on", run.tap_failures[0])
+                            "checkpoints from now on", run.tap_failure)
                 self._count_fallback("inpass_error")
                 self.inpass = None
             self._finish_stats(stats, start, run.pos - start)
@@ -228,7 +228,7 @@ class Engine:
             if payload is None:
                 payload, size = snapshot.take(run.cache, self._snap_idx)
             else:
-                size = sum(leaf.nbytes for leaf in payload.values())
+                size = snapshot.payload_bytes(payload)
             if self.store.add_checkpoint(entry, pos, payload, size, interval=interval,
                                          trimmable=snapshot.snapshot_trimmable(payload)):
                 stats.checkpoints += 1

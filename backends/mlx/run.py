@@ -34,7 +34,7 @@ class Run:
         self.model, self.cache, self.prompt, self.chunk = model, cache, prompt, chunk
         self.start, self.should_stop = start, should_stop
         self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
-        self.tap_failures: list[str] = []  # why a pass's in-pass checkpoints were not built
+        self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
         self.pos = start  # prompt tokens in the KV state
         self.fed: list[int] = []  # generated tokens in the KV state
         self.pending: int | None = None  # the last yielded token, not yet fed to the model
@@ -62,7 +62,7 @@ class Run:
         last = out[:, -1, :] if logits else None
         snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
         if recorder is not None and recorder.failed:
-            self.tap_failures.append(recorder.failed)
+            self.tap_failure = self.tap_failure or recorder.failed
         snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if snaps else ()))
         self.broken = False
         return (last if last is not None else out), snaps

@@ -121,7 +121,11 @@ def take(cache: Cache, indices: tuple[int, ...]) -> tuple[Snapshot, int]:
     """Snapshot the given leaves of a live (evaluated) cache: (payload, bytes)."""
     all_leaves = leaves(cache)
     snap = {i: copy_leaf(all_leaves[i]) for i in indices}
-    return snap, sum(s.nbytes for s in snap.values())
+    return snap, payload_bytes(snap)
+
+
+def payload_bytes(snap: Snapshot) -> int:
+    return sum(leaf.nbytes for leaf in snap.values())
 
 
 def snapshot_trimmable(snap: Snapshot) -> bool:

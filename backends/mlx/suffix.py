@@ -71,10 +71,11 @@ class SuffixEncoder:
                 log.warning("worker: tokenizing only the new part of a prompt gave other "
                             "tokens than the whole prompt; tokenizing whole prompts from now on")
                 self.enabled = False
-                return self._full(text)
+                return full
         if ends != sorted(ends):
             return ids, None
-        self._remember(_Encoded(text, ids, starts, ends, self._cuts(ids)))
+        cuts = [i for i in prev.cuts if i < k] + self._cuts(enc.ids, k)
+        self._remember(_Encoded(text, ids, starts, ends, cuts))
         with self._lock:
             self.reused_tokens += k
         return ids, ends
@@ -90,8 +91,9 @@ class SuffixEncoder:
             self._remember(_Encoded(text, ids, starts, ends, self._cuts(ids)))
         return ids, ends
 
-    def _cuts(self, ids: list[int]) -> list[int]:
-        return [i for i, t in enumerate(ids) if t in self.added]
+    def _cuts(self, ids: Any, first: int = 0) -> list[int]:
+        """Indices (from `first`) of the added tokens among `ids`."""
+        return [first + i for i, t in enumerate(ids) if t in self.added]
 
     def _remember(self, enc: _Encoded) -> None:
         with self._lock:

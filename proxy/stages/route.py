@@ -7,6 +7,7 @@ really holds. On a llama-server, the request is announced to the backend's slot 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -30,6 +31,7 @@ from prefixd.proxy.route import (
 from prefixd.proxy.stages import Next
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
+TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions")  # per backend, for /status
 MAX_DIGEST = 1024         # positions read of a backend's restorable digest (a worker sends 64)
 
 
@@ -47,7 +49,8 @@ class RouteStage:
         self.prefixes = prefixes or PrefixIndex()
         self._epochs: dict[str, object] = {}
         # backend -> predicted / reported cached tokens and mispredictions, for /status
-        self.truth: dict[str, dict[str, int]] = {}
+        self.truth: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter)
         # benchmarks swap in other policies (bench/routing.py)
         self.policy: Policy = functools.partial(decide, policy=balance)
 
@@ -65,8 +68,7 @@ class RouteStage:
             except BackendGone as e:
                 # Nothing reached that backend (its connection was refused: killed, restarting):
                 # it lost its cache, and another backend of the model may take the request.
-                self.prefixes.forget(decision.name)
-                m.INDEX_ENTRIES.labels(decision.name).set(0)
+                self._forget(decision.name)
                 refused.append(decision.name)
                 if len(refused) >= len(self.index[ex.model]):
                     raise ApiError(502, str(e), code="upstream_error") from None
@@ -136,9 +138,7 @@ class RouteStage:
         prompt = _count(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-        truth = self.truth.setdefault(decision.name, {"predicted_tokens": 0,
-                                                      "reported_tokens": 0,
-                                                      "mispredictions": 0})
+        truth = self.truth[decision.name]
         truth["predicted_tokens"] += decision.predicted
         truth["reported_tokens"] += cached or 0
         if cached is not None and cached + MISPREDICT_SLACK < decision.predicted:
@@ -158,9 +158,13 @@ class RouteStage:
         epoch = (st.detail.get("restarts"), st.up, st.state)
         old = self._epochs.get(name)
         if old is not None and old != epoch and (not st.up or epoch[0] != old[0]):  # type: ignore[index]
-            self.prefixes.forget(name)
-            m.INDEX_ENTRIES.labels(name).set(0)
+            self._forget(name)
         self._epochs[name] = epoch
+
+    def _forget(self, name: str) -> None:
+        """`name` lost its cache (restarted, went down, refused a request)."""
+        self.prefixes.forget(name)
+        m.INDEX_ENTRIES.labels(name).set(0)
 
     def status(self, name: str) -> dict:
         """What /status shows of routing for a backend: its index (entries, conversations and
@@ -168,8 +172,7 @@ class RouteStage:
         predictions."""
         return {"index_entries": self.prefixes.size(name),
                 "index": {**self.prefixes.summary(name, time.monotonic()),
-                          **self.truth.get(name, {"predicted_tokens": 0, "reported_tokens": 0,
-                                                  "mispredictions": 0})}}
+                          **{k: self.truth[name][k] for k in TRUTH}}}
 
 
 def _count(value: object) -> int | None:
