@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
 
 import aiohttp
 
@@ -38,7 +37,7 @@ from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
 from prefixd.backends.supervisor import ProcState, Supervisor
-from prefixd.backends.worker_api import WorkerEndpoints, call
+from prefixd.backends.worker_api import Endpoint, WorkerEndpoints
 
 log = logging.getLogger("prefixd.backend")
 
@@ -146,13 +145,13 @@ class ManagedBackend(WorkerEndpoints, BackendBase):
             self._sup.report_failure()
             raise
 
-    async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
+    def _endpoint(self) -> Endpoint | None:
         base = self._sup.base_url
         if self._sup.state is not ProcState.READY or base is None:
             return None
         if self._session is None:
             self._session = local_session()
-        return await call(self._session, base + path, self._sup.auth, payload, text)
+        return self._session, base, self._sup.auth
 
     @property
     def loaded(self) -> bool:

@@ -4,14 +4,12 @@ its cache metrics and cache summary — minus process management: its owner star
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefixd.backends.openai import OpenAIBackend
-from prefixd.backends.worker_api import WorkerEndpoints, call
+from prefixd.backends.worker_api import Endpoint, WorkerEndpoints
 
 
 class RemoteWorkerBackend(WorkerEndpoints, OpenAIBackend):
     kind = "prefixd"
 
-    async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
-        return await call(self._ensure_session(), self._base + path, self._auth, payload, text)
+    def _endpoint(self) -> Endpoint | None:
+        return self._ensure_session(), self._base, self._auth

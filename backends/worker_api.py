@@ -1,12 +1,19 @@
-"""Calls to a prefixd worker's own endpoints (`/tokenize`, `/metrics`, `/v1/cache`), shared
-by the managed backend (a local worker it runs) and the `prefixd` backend (a remote one).
-Every call is bounded in time and answers None when the worker cannot tell."""
+"""Calls to a prefixd worker's own endpoints (`/tokenize`, `/metrics`, `/v1/cache`, and the
+state export/import that moves a prefix between workers), shared by the managed backend (a
+local worker it runs) and the `prefixd` backend (a remote one). Every call is bounded in time
+and answers None (or a `Moved` outcome) when the worker cannot tell."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+# (session, base URL, auth headers) of a worker that can be called now
+Endpoint = tuple[aiohttp.ClientSession, str, dict[str, str]]
 
 
 class WorkerEndpoints:
@@ -14,8 +21,14 @@ class WorkerEndpoints:
     defines `_call(path, payload=None, text=False)` (how it reaches its worker). Listed before
     `BackendBase` in the bases, so these replace its defaults."""
 
-    async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
+    moves_state = True     # it exports and imports prefix states (`move_state`)
+
+    def _endpoint(self) -> Endpoint | None:
         raise NotImplementedError
+
+    async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
+        ep = self._endpoint()
+        return None if ep is None else await call(ep[0], ep[1] + path, ep[2], payload, text)
 
     async def tokenize(self, body: dict) -> list[int] | None:
         """The worker's exact prompt ids for a chat or completions body (rendered through its
@@ -58,3 +71,60 @@ async def call(session: aiohttp.ClientSession, url: str, auth: dict[str, str],
             return await r.text() if text else await r.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class Moved:
+    """How a state move ended: `moved` (the target stored `tokens`), `not_cached` (the source
+    holds no prefix of the prompt), `refused` (the target would not store it: another model's,
+    too large, its budget), `timeout`, or `error` (a worker unreachable or failing)."""
+
+    outcome: str
+    tokens: int = 0
+    nbytes: int = 0
+    detail: str = ""
+    status: int = 0          # the target's refusal (409: another model's state)
+
+
+async def move_state(source: WorkerEndpoints, target: WorkerEndpoints, body: bytes,
+                     timeout_s: float) -> Moved:
+    """Copy the longest prefix of `body`'s prompt that `source` restores into `target`'s
+    prompt cache, streamed from one worker to the other (never held whole here). The export
+    runs on the source's generation thread after its request in progress, so this waits for a
+    prefix the source is computing; `timeout_s` bounds the whole move."""
+    src, dst = source._endpoint(), target._endpoint()
+    if src is None or dst is None:
+        return Moved("error", detail="a worker is not running")
+    sent = 0
+
+    async def counted(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        nonlocal sent
+        async for chunk in chunks:
+            sent += len(chunk)
+            yield chunk
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with src[0].post(src[1] + "/v1/cache/export", data=body,
+                                   headers={**src[2], "Content-Type": "application/json"}) as r:
+                if r.status == 404:
+                    return Moved("not_cached")
+                if r.status != 200:
+                    return Moved("error", detail=f"export answered {r.status}")
+                headers = {**dst[2], "Content-Type": "application/octet-stream"}
+                if r.content_length is not None:
+                    headers["Content-Length"] = str(r.content_length)
+                async with dst[0].post(dst[1] + "/v1/cache/import", headers=headers,
+                                       data=counted(r.content.iter_chunked(1 << 20))) as t:
+                    answer = await t.json(content_type=None) if t.status == 200 else None
+                    if t.status != 200:
+                        return Moved("refused", 0, sent, (await t.text())[:300], t.status)
+    except TimeoutError:
+        return Moved("timeout", 0, sent)
+    except (aiohttp.ClientError, OSError, ValueError) as e:
+        return Moved("error", 0, sent, str(e) or type(e).__name__)
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return Moved("error", 0, sent, "the import answered no token count")
+    return Moved("moved" if tokens else "refused", tokens, sent,
+                 "" if tokens else "the target's budget did not take it")

@@ -301,12 +301,14 @@ def _predicted(header: str) -> int | None:
 
 
 async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str,
-                         pins: bool, kind: str = "openai") -> list[Server]:
+                         pins: bool, kind: str = "openai", transfers: bool = True
+                         ) -> list[Server]:
     backends = [{"name": f"b{i}", "kind": kind, "url": u, "models": ["m"],
                  "max_concurrency": slots, "health_interval_s": 60} for i, u in enumerate(urls)]
     servers = []
     for _ in range(replicas):
-        settings = Settings(_env_file=None, backends=backends, log_level="WARNING")
+        settings = Settings(_env_file=None, backends=backends, log_level="WARNING",
+                            **({} if transfers else {"route_transfer_min_tokens": 0}))
         server = Server(make_proxy(settings, build_backends(settings.backends, settings)))
         await server.start("127.0.0.1", 0)
         make_policy = POLICIES[policy]
@@ -369,12 +371,14 @@ def resends(urls: list[str]) -> float:
 
 async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
                   real: bool) -> dict[str, Any]:
+    """One run; on setup a, `pins` means prefix state transfers between the workers."""
     ups = await start_upstreams(setup, real, args.ms_per_token)
     convs = 4 if setup == "c4" else args.convs
     servers: list[Server] = []
     try:
         servers = await start_replicas(ups.urls, ups.slots, 2 if setup == "d" else 1,
-                                       policy, pins, ups.backend_kind)
+                                       policy, pins, ups.backend_kind,
+                                       transfers=pins and policy == "prefixd")
         reqs: list[Req] = []
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -390,6 +394,8 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
             toks = await tokens_of(http, ups.urls[0] if ups.procs or ups.workers else None,
                                    reqs, worker=bool(ups.workers))
         slot_pins: dict[str, int] = collections.Counter()
+        copied = sum(s.proxy.router.truth[b]["transferred_tokens"] for s in servers
+                     for b in s.proxy.backends)
         for s in servers:
             for b in s.proxy.backends.values():
                 sl = type(b).slots(b)     # the real method, also where the bench turned it off
@@ -423,7 +429,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "predicted_exact": f"{exact}/{len(judged)}",
         "predicted_error": sum(abs(r.predicted - r.cached) for r in judged)  # type: ignore[operator]
         / max(1, len(judged)),
-        "wall_s": wall, "errors": errors, "resent": resent,
+        "wall_s": wall, "errors": errors, "resent": resent, "copied": copied,
     }
 
 
@@ -432,6 +438,8 @@ def plan(setups: list[str]) -> list[tuple[str, str, bool]]:
     for s in setups:
         if s in ("c4", "c12"):
             runs += [(s, "prefixd", True), (s, "prefixd", False)]
+        elif s == "a":                  # prefixd with and without state transfers
+            runs += [(s, p, True) for p in POLICIES] + [(s, "prefixd", False)]
         else:
             runs += [(s, p, True) for p in POLICIES]
     return runs
@@ -440,11 +448,14 @@ def plan(setups: list[str]) -> list[tuple[str, str, bool]]:
 def table(rows: list[dict[str, Any]]) -> str:
     out = ["| setup | upstream | policy | convs | reqs | recomputed | ideal | ratio "
            "| ratio, turns 2+ | reuse | TTFT p50 ms | queue p99 ms | first turns | slot pins "
-           "| predicted ~ cached |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| predicted ~ cached | copied in |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        policy = r["policy"] if r["setup"] not in ("c4", "c12") else \
-            ("prefixd + slot pins" if r["pins"] else "prefixd, no pins")
+        policy = r["policy"]
+        if r["setup"] in ("c4", "c12"):
+            policy = "prefixd + slot pins" if r["pins"] else "prefixd, no pins"
+        elif r["setup"] == "a" and policy == "prefixd":
+            policy = "prefixd + transfers" if r["pins"] else "prefixd, no transfers"
         firsts = "/".join(str(v) for v in r["first_turns"].values())
         pins = ", ".join(f"{k} {v}" for k, v in sorted(r["slot_pins"].items())) or "-"
         out.append(f"| {r['setup']} | {r['upstream']} | {policy} | {r['convs']} | "
@@ -452,7 +463,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                    f"{r['ratio_later']:.2f} | "
                    f"{100 * r['reuse']:.1f}% | {r['ttft_median_ms']:.0f} | "
                    f"{r['queue_p99_ms']:.0f} | {firsts} | {pins} | "
-                   f"{r.get('predicted_exact', '-')} |")
+                   f"{r.get('predicted_exact', '-')} | {r.get('copied', 0)} |")
     return "\n".join(out)
 
 
@@ -491,7 +502,7 @@ async def main() -> int:
               f"q99={row['queue_p99_ms']:.0f}ms firsts={row['first_turns']} "
               f"failed={len(row['errors'])}/{row['requests'] + len(row['errors'])} "
               f"resent={row['resent']:.0f} predicted~cached={row['predicted_exact']} "
-              f"(mean error {row['predicted_error']:.0f} tok) "
+              f"(mean error {row['predicted_error']:.0f} tok) copied={row['copied']} "
               f"({row['wall_s']:.1f}s)", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     cmd = "./run bench routing " + " ".join(sys.argv[1:])

@@ -56,6 +56,20 @@ ROUTE_MISPREDICTIONS = Counter("prefixd_route_mispredictions_total",
                                "Requests whose backend reported fewer cached tokens than "
                                "predicted (its index entries beyond that were dropped).",
                                ["backend"], registry=REGISTRY)
+TRANSFERS = Counter("prefixd_route_transfers_total",
+                    "Prefix states copied from one worker to another before a request, by "
+                    "outcome (moved, not_cached, refused, timeout, error).",
+                    ["source", "target", "outcome"], registry=REGISTRY)
+TRANSFER_TOKENS = Counter("prefixd_route_transfer_tokens_total",
+                          "Prompt tokens of prefix state copied into a worker instead of "
+                          "recomputed there.", ["target"], registry=REGISTRY)
+TRANSFER_BYTES = Counter("prefixd_route_transfer_bytes_total",
+                         "Bytes of prefix state streamed between workers.", ["target"],
+                         registry=REGISTRY)
+TRANSFER_SECONDS = Histogram("prefixd_route_transfer_seconds",
+                             "Time a request waited for a prefix state to be copied in (the "
+                             "source finishing its request in progress included).",
+                             ["target"], buckets=_LAT, registry=REGISTRY)
 INDEX_ENTRIES = Gauge("prefixd_route_index_entries", "Prefix boundaries indexed per backend.",
                       ["backend"], registry=REGISTRY)
 MODEL_LOADS = Counter("prefixd_model_loads_total",

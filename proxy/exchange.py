@@ -74,6 +74,8 @@ class Exchange:
     stream_out: Any = None              # the translator's per-response stream state
     message: dict[str, Any] | None = None   # the assistant's answer, for the lane
     usage: dict[str, Any] | None = None
+    transfer: tuple[str, int] | None = None   # (source, tokens): copy that prefix in first
+    transferred: int = 0                      # tokens of prefix state copied in
     failed: bool = False                # an error was delivered: nothing more is sent
 
     @property

@@ -34,6 +34,7 @@ from prefixd.proxy.stages.prefix import CanonicalizeStage, DetectStage, MeasureS
 from prefixd.proxy.stages.queue import QueueStage
 from prefixd.proxy.stages.relay import RelayStage
 from prefixd.proxy.stages.route import RouteStage
+from prefixd.proxy.stages.transfer import TransferStage
 from prefixd.proxy.stages.translate import TranslateStage
 from prefixd.proxy.trace import RequestTrace
 from prefixd.proxy.translate import AnthropicTranslator, ResponsesTranslator
@@ -67,7 +68,8 @@ class Proxy:
                                          settings.route_min_hit_tokens),
                                  settings.model_aliases,
                                  PrefixIndex(settings.route_index_entries,
-                                             settings.route_index_ttl_s))
+                                             settings.route_index_ttl_s),
+                                 settings.route_transfer_min_tokens)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
         self.inflight: set[Exchange] = set()
@@ -130,6 +132,9 @@ def build_stages(proxy: Proxy) -> list[Stage]:
     stages.append(QueueStage(proxy.queues))
     if proxy.pool is not None:
         stages.append(LoadStage(proxy.pool))
+    if s.route_transfer_min_tokens and sum(
+            getattr(b, "moves_state", False) for b in proxy.backends.values()) > 1:
+        stages.append(TransferStage(proxy.backends, proxy.router, s.route_transfer_timeout_s))
     stages += [ForwardStage({n: c.request_timeout_s for n, c in proxy.configs.items()}),
                RelayStage()]
     return stages

@@ -118,6 +118,22 @@ def decide(candidates: list[Candidate], affinity: str | None, conversation: str,
     return Decision(least.name, "balance", least.shared)
 
 
+def transfer_source(target: str, have: dict[str, int], min_tokens: int) -> tuple[str, int] | None:
+    """Where to copy this request's prefix from before `target` serves it: the backend holding
+    (or computing) the most tokens of it, when that is at least `min_tokens` more than the
+    target holds; None otherwise (`min_tokens` 0: never). `have`: backend -> tokens of the
+    request's prefix it holds or is computing, over the backends that move state."""
+    if min_tokens <= 0:
+        return None
+    best: tuple[str, int] | None = None
+    for name, tokens in have.items():            # ties: the first in configuration order
+        if name != target and (best is None or tokens > best[1]):
+            best = (name, tokens)
+    if best is None or best[1] - have.get(target, 0) < min_tokens:
+        return None
+    return best
+
+
 def choose(candidates: list[Candidate], affinity: str | None, slack: int = 2) -> Candidate:
     """The lane-only policy (kept for comparison in benchmarks): the lane's last backend
     while it is up and within `slack` requests per slot of the least loaded."""

@@ -81,6 +81,16 @@ class Settings(WorkerSettings):
         Balance.min_hit_tokens, ge=0,
         description="An indexed prefix shorter than this many tokens does not draw a request "
         "to the backend holding it (not worth a longer wait).")
+    route_transfer_min_tokens: int = Field(
+        256, ge=0,
+        description="Before a prefixd worker (managed or kind `prefixd`) serves a request, "
+        "copy the request's prefix state from another worker of the same model that holds or "
+        "is computing at least this many more of its tokens, instead of recomputing them "
+        "(0: never).")
+    route_transfer_timeout_s: float = Field(
+        10.0, gt=0,
+        description="How long a request waits for that copy, the source finishing its "
+        "request in progress included; after that it is served without it.")
     route_index_entries: int = Field(
         100_000, ge=100,
         description="Prefix boundaries the routing index keeps per backend (least recently "

@@ -28,6 +28,7 @@ class RequestTrace:
     usage: dict[str, Any] | None = None
     upstream_status: int | None = None
     completed: bool = False       # the last byte of the answer was sent
+    transfer: str | None = None   # a prefix state moved in first: "<source>:<outcome>:<tokens>"
 
     def tokens(self) -> tuple[int | None, int | None, int | None]:
         u = self.usage or {}
@@ -42,7 +43,8 @@ class RequestTrace:
             "request_id": self.request_id, "backend": self.backend, "model": self.model,
             "status": self.status, "queue_wait_s": _r(self.queue_wait), "ttft_s": _r(ttft),
             "duration_s": _r(time.monotonic() - self.started), "prompt_tokens": prompt,
-            "cached_tokens": cached, "completion_tokens": completion, "error": self.error,
+            "cached_tokens": cached, "completion_tokens": completion,
+            "transfer": self.transfer, "error": self.error,
         }
 
     def finish(self, log_format: str) -> None:

@@ -4,24 +4,16 @@ listen beyond loopback, and a proxy reaches it as a backend of kind `prefixd` wi
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import aiohttp
 import pytest
+from worker_process import running_worker
 
 from prefixd.backends.mlx.__main__ import is_loopback
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_loopback_addresses():
@@ -40,34 +32,9 @@ def test_a_worker_refuses_a_non_loopback_address_without_a_key(tmp_path: Path):
 
 
 @pytest.fixture
-async def remote_worker(tiny_model_dir: Callable[[str], Path]):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
-    env["PREFIXD_USE_SYSTEM_BLAS"] = "false"
-    proc = subprocess.Popen([sys.executable, "-m", "prefixd.backends.mlx", "--model",
-                             str(tiny_model_dir("qwen3")), "--served-name", "tiny",
-                             "--port", str(port), "--api-key", "k3y"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(600):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert proc.poll() is None, "the worker exited"
-                await asyncio.sleep(0.2)
+def remote_worker(tiny_model_dir: Callable[[str], Path]):
+    with running_worker(tiny_model_dir("qwen3"), "k3y") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 async def test_proxy_over_a_remote_worker(remote_worker, start_proxy, http):

@@ -113,14 +113,16 @@ class TierGlue:
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, prompt: list[int], ram_pos: int, stats: PromptStats,
-                fresh: Callable[[], list[Any]]) -> Restore | None:
+                fresh: Callable[[], list[Any]], count: bool = True) -> Restore | None:
         """A live cache from disk when the disk tier holds a longer prefix worth loading, else
-        None (the RAM match, if any, is used). Sets the request's tier, known tokens and miss."""
+        None (the RAM match, if any, is used). Sets the request's tier, known tokens and miss;
+        counts them in the tier metrics unless `count` is False (an export, not a request)."""
         d = self.tiers.decide(prompt, ram_pos)
         stats.known_tokens, stats.miss = d.known, d.reason
         stats.tier = "ram" if ram_pos else None
         if d.disk is None:
-            self._count(stats, ram_pos)
+            if count:
+                self._count(stats, ram_pos)
             return None
         rec, pos = d.disk
         t0 = time.perf_counter()
@@ -131,14 +133,16 @@ class TierGlue:
                         rec.rid, rec.pos, e)
             self.disk.forget(rec, "corrupt")
             stats.miss = "format_mismatch"
-            self._count(stats, ram_pos)
+            if count:
+                self._count(stats, ram_pos)
             return None
         seconds = time.perf_counter() - t0
         stats.disk_load_s, stats.tier = seconds, "disk"
         self.tiers.rates.read(nbytes, seconds)
         metrics.TIER_LOAD_SECONDS.labels("disk").observe(seconds)
         metrics.TIER_READ_BYTES.inc(nbytes)
-        self._count(stats, pos)
+        if count:
+            self._count(stats, pos)
         return Restore(cache, pos)
 
     def _count(self, stats: PromptStats, restored: int) -> None:

@@ -56,9 +56,13 @@ class Engine:
     """One model, one checkpoint store, one generation at a time."""
 
     def __init__(self, model: nn.Module, config: EngineConfig,
-                 disk: DiskSpec | None = None) -> None:
+                 disk: DiskSpec | None = None, model_id: str | None = None) -> None:
         self.model = model
         self.config = config
+        # what identifies the model's weights (`disktier.model_fingerprint`): states move
+        # only between workers of the same one (`bundle.py`)
+        self.model_id = model_id or (disk.model_id if disk else None)
+        self._reference: list[Any] | None = None
         self.store = CheckpointStore(config.cache_bytes)
         self.last_stats: PromptStats | None = None
         self.totals = {"requests": 0, "cached_tokens": 0, "recomputed_tokens": 0}
@@ -151,6 +155,44 @@ class Engine:
             return self.fresh_cache(), 0
         stats.restore_s = time.perf_counter() - t1
         return cache, match.pos
+
+    def restore_only(self, prompt: list[int], stats: PromptStats) -> tuple[list[Any], int]:
+        """`_restore` for an export (`bundle.py`): the same lookup, without counting a hit or
+        a miss in the tier metrics (no request is served)."""
+        if self._unsupported:
+            return self.fresh_cache(), 0
+        match = self.store.lookup(prompt)
+        loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
+                                    self.fresh_cache, count=False)
+        if loaded is not None:
+            return loaded.cache, loaded.pos
+        if match is None:
+            return self.fresh_cache(), 0
+        snap = match.checkpoint.payload if match.checkpoint else None
+        return snapshot.restore(match.entry.payload, snap, match.pos), match.pos
+
+    def reference_leaves(self) -> list[Any]:
+        """This model's cache leaves after a one-token pass: the classes, array shapes and
+        dtypes an imported state must have (`bundle.py`)."""
+        if self._reference is None:
+            cache = self.fresh_cache()
+            self.model(mx.array([[0]]), cache=cache)
+            snapshot.evaluate(cache)
+            self._reference = snapshot.leaves(cache)
+        return self._reference
+
+    def adopt(self, tokens: list[int], cache: list[Any]) -> int:
+        """Store a state another worker computed (`bundle.import_`) as if a request had ended
+        at `tokens`; the tokens stored (0: the cache is unsupported or the budget refused it)."""
+        if self._unsupported or not tokens:
+            return 0
+        entry = self.store.begin(tokens)
+        stored = self.store.finish(entry, tokens, cache, snapshot.nbytes(cache),
+                                   snapshot.trimmable(cache), self._end_snapshot)
+        if stored:
+            self.tiers.committed(entry)
+        self._update_gauges()
+        return len(tokens) if stored else 0
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],

@@ -177,6 +177,24 @@ class Generator:
             raise WorkerClosed("the worker is shutting down") from None
         return job
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the generation thread, in turn with the jobs (a state export or
+        import: `bundle.py`); then the cache summary is refreshed."""
+        assert self.loaded is not None
+        engine = self.loaded.engine
+
+        def run() -> Any:
+            try:
+                return fn(engine)
+            finally:
+                self.cache_info = engine.cache_info()
+
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, run)
+        except RuntimeError:  # the executor is shut down
+            raise WorkerClosed("the worker is shutting down") from None
+        return await future
+
     def cancel_all(self) -> None:
         """Cancel the running job and every queued one (each still gets its last event)."""
         for job in list(self._pending):

@@ -46,8 +46,11 @@ def load(settings: WorkerSettings, spec: str) -> Loaded:
     dequantize = wants_dequantize(settings.dequantize, spec)
     model, tokenizer = load_model(target, settings.cache_dir, progress=log.info,
                                   dequantize=dequantize)
+    from prefixd.backends.mlx.disktier import model_fingerprint
+
+    model_id = model_fingerprint(target, dequantize)
     engine = Engine(model, EngineConfig.from_settings(settings, cache_bytes=ram_budget(settings)),
-                    disk_spec(settings, target, dequantize))
+                    disk_spec(settings, model_id), model_id)
     warm_up(model, engine.fresh_cache(), tokenizer)
     loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
     log.info("worker: model %s loaded (%s, max context %s)", spec,
@@ -68,9 +71,9 @@ def ram_budget(settings: WorkerSettings) -> int:
     return budget
 
 
-def disk_spec(s: WorkerSettings, target: str, dequantize: bool) -> Any:
+def disk_spec(s: WorkerSettings, model_id: str) -> Any:
     """Where and how big the disk tier is for this model (None: off, or unusable)."""
-    from prefixd.backends.mlx.disktier import DiskSpec, model_fingerprint
+    from prefixd.backends.mlx.disktier import DiskSpec
     from prefixd.backends.mlx.memory import auto_disk_bytes, free_space
 
     if s.disk_cache_bytes == 0:
@@ -82,7 +85,7 @@ def disk_spec(s: WorkerSettings, target: str, dequantize: bool) -> Any:
     except OSError as e:
         log.warning("worker: no disk tier: cannot use %s (%s)", base, e)
         return None
-    return DiskSpec(base, model_fingerprint(target, dequantize), budget,
+    return DiskSpec(base, model_id, budget,
                     s.disk_write_delay, s.disk_block_tokens)
 
 

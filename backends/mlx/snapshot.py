@@ -184,6 +184,14 @@ def _trim_to(c: Any, i: int, pos: int) -> None:
         c.keys, c.values = _cut(c.keys, pos), _cut(c.values, pos)
 
 
+def compact(leaf: Any, pos: int) -> None:
+    """Drop a full-attention leaf's buffer capacity past `pos` (its positions), in place."""
+    if type(leaf) in (KVCache, QuantizedKVCache) and leaf.keys is not None:
+        k = leaf.keys[0] if isinstance(leaf.keys, tuple) else leaf.keys
+        if k.shape[-2] > pos:
+            leaf.keys, leaf.values = _cut(leaf.keys, pos), _cut(leaf.values, pos)
+
+
 def restore(entry_cache: Cache, snap: Snapshot | None, pos: int) -> Cache:
     """A fresh live cache at `pos`: snapshot leaves from `snap`, the rest from the entry, each
     trimmed to `pos` if it is past it (a trimmable snapshot may be taken above `pos`).

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.api.schema import Kind, decode_json, parse_body
+from prefixd.backends.mlx import bundle
 from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
 from prefixd.backends.mlx.generation import Generator, WorkerClosed
 from prefixd.backends.mlx.loading import Loaded
@@ -52,6 +53,8 @@ def create_app(generator: Generator, model_name: str, settings: WorkerSettings,
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/cache", _cache)
+    app.router.add_post("/v1/cache/export", _export)
+    app.router.add_post("/v1/cache/import", _import)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -195,6 +198,54 @@ async def _cache(request: web.Request) -> web.Response:
     return web.json_response({**generator.cache_info, "disk": loaded.engine.tiers.info(),
                               "worker": dict(generator.stats),
                               "memory": memory_info(generator.memory)})
+
+
+async def _export(request: web.Request) -> web.Response:
+    """A chat or completions body → the state of the longest prefix of its prompt this worker
+    restores (RAM or disk), as a bundle (`bundle.py`) with `X-Prefixd-Tokens: <pos>`; 404 when
+    it holds none. Runs on the generation thread, after the request in progress."""
+    raw = await request.read()
+    body = decode_json(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+    req = gen_request(parse_body("chat" if "messages" in body else "completion", raw))
+    loaded = _loaded(request)
+    prompt = await _build(loaded.renderer, req, boundaries=False)
+    try:
+        found = await request.app[GENERATOR].call(lambda e: bundle.export(e, prompt.tokens))
+    except WorkerClosed:
+        raise ApiError(503, "the worker is shutting down", type_="server_error") from None
+    if found is None:
+        raise ApiError(404, "no prefix of this prompt is cached here", code="not_cached")
+    data, pos = found
+    return web.Response(body=data, content_type="application/octet-stream",
+                        headers={"X-Prefixd-Tokens": str(pos)})
+
+
+async def _import(request: web.Request) -> web.Response:
+    """A bundle another worker of this model exported → stored in this worker's prompt cache
+    (`{"tokens": N}`; 0 when its budget refused it). 400 for a malformed bundle, 409 for
+    another model's, 413 for one larger than this worker's prompt cache."""
+    loaded = _loaded(request)
+    limit = loaded.engine.store.budget
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"the bundle is larger than this worker's prompt cache ({limit} "
+                       "bytes)", code="too_large")
+    parts, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the bundle is larger than this worker's prompt cache "
+                           f"({limit} bytes)", code="too_large")
+        parts.append(chunk)
+    data = b"".join(parts)
+    try:
+        tokens = await request.app[GENERATOR].call(lambda e: bundle.import_(e, data))
+    except bundle.BundleError as e:
+        raise ApiError(e.status, f"bundle refused: {e}", code="bad_bundle") from None
+    except WorkerClosed:
+        raise ApiError(503, "the worker is shutting down", type_="server_error") from None
+    return web.json_response({"tokens": tokens})
 
 
 async def _metrics(request: web.Request) -> web.Response:

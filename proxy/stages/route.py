@@ -3,7 +3,10 @@
 after the answer, the backend's reported usage corrects the index (backend truth), and a prefixd
 worker's digest of what it can restore (`usage.prefixd.restorable`) says which prefixes it
 really holds. On a llama-server, the request is announced to the backend's slot book
-(`backends/llama.py`), which may pin it to a slot when it is sent, and told how it ended."""
+(`backends/llama.py`), which may pin it to a slot when it is sent, and told how it ended.
+Between prefixd workers of one model, it plans a state transfer (`ex.transfer`, carried out by
+the transfer stage once the request has its slot) when another worker holds or is computing a
+much longer prefix of the request than the chosen one."""
 
 from __future__ import annotations
 
@@ -27,11 +30,13 @@ from prefixd.proxy.route import (
     Policy,
     decide,
     resolve_model,
+    transfer_source,
 )
 from prefixd.proxy.stages import Next
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
-TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions")  # per backend, for /status
+TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions",     # per backend, for /status
+         "transferred_tokens")
 MAX_DIGEST = 1024         # positions read of a backend's restorable digest (a worker sends 64)
 
 
@@ -41,13 +46,17 @@ class RouteStage:
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
                  index: dict[str, list[str]], balance: Balance,
                  aliases: dict[str, str] | None = None,
-                 prefixes: PrefixIndex | None = None) -> None:
+                 prefixes: PrefixIndex | None = None, transfer_min_tokens: int = 0) -> None:
         self.backends, self.queues, self.index = backends, queues, index
         self.aliases = aliases or {}
         self.balance = balance
         self.affinity = AffinityMap()
         self.prefixes = prefixes or PrefixIndex()
         self._epochs: dict[str, object] = {}
+        self.transfer_min_tokens = transfer_min_tokens
+        # backend -> the chains of the requests it is serving (what it will hold soon)
+        self.inflight: dict[str, dict[int, Chain]] = collections.defaultdict(dict)
+        self._incompatible: set[tuple[str, str]] = set()   # (source, target): other models
         # backend -> predicted / reported cached tokens and mispredictions, for /status
         self.truth: dict[str, collections.Counter[str]] = collections.defaultdict(
             collections.Counter)
@@ -62,8 +71,9 @@ class RouteStage:
         refused: list[str] = []
         while True:
             decision = self.decide(ex.model, lane, chain, exclude=refused)
+            ex.transfer = self.transfer_plan(ex.model, decision.name, chain)
             try:
-                await self._serve(ex, call_next, decision, lane)
+                await self._serve(ex, call_next, decision, chain, lane)
                 break
             except BackendGone as e:
                 # Nothing reached that backend (its connection was refused: killed, restarting):
@@ -73,9 +83,11 @@ class RouteStage:
                 if len(refused) >= len(self.index[ex.model]):
                     raise ApiError(502, str(e), code="upstream_error") from None
         if ex.trace.status == 200 and chain.bounds:
+            if ex.transferred > decision.predicted:
+                decision = dataclasses.replace(decision, predicted=ex.transferred)
             self.learn(decision, chain, ex.usage, lane)
 
-    async def _serve(self, ex: Exchange, call_next: Next, decision: Decision,
+    async def _serve(self, ex: Exchange, call_next: Next, decision: Decision, chain: Chain,
                      lane: str | None) -> None:
         """The rest of the pipeline on the chosen backend (a llama-server's slot book told)."""
         ex.backend = self.backends[decision.name]
@@ -86,11 +98,14 @@ class RouteStage:
         slots = ex.backend.slots()        # a llama-server's: it may pin a slot when sent
         placed = (slots.expect(ex.trace.request_id, lane, decision.predicted)
                   if slots is not None and lane else None)
+        serving = self.inflight[decision.name]
+        serving[id(ex)] = chain
         try:
             await call_next(ex)
             if slots is not None and placed is not None and ex.trace.status == 200:
                 await slots.learn(placed, ex.usage)
         finally:
+            serving.pop(id(ex), None)
             if slots is not None and placed is not None:
                 slots.done(placed)
 
@@ -128,6 +143,43 @@ class RouteStage:
         m.ROUTE_PREDICTED_TOKENS.labels(decision.name).inc(decision.predicted)
         return decision
 
+    def transfer_plan(self, model: str, target: str, chain: Chain) -> tuple[str, int] | None:
+        """(source, tokens) when another worker of `model` holds or is computing at least
+        `transfer_min_tokens` more of this request's prefix than `target` (both must move
+        state: prefixd workers); None otherwise."""
+        if not self.transfer_min_tokens or not chain.bounds or \
+                not getattr(self.backends[target], "moves_state", False):
+            return None
+        held = self.prefixes.longest(chain, time.monotonic())
+        have = {}
+        for n in self.index[model]:
+            b = self.backends[n]
+            if n == target or (getattr(b, "moves_state", False) and b.status().up
+                               and (n, target) not in self._incompatible):
+                have[n] = max(held.get(n, (0, False))[0], self._computing(n, chain))
+        return transfer_source(target, have, self.transfer_min_tokens)
+
+    def _computing(self, name: str, chain: Chain) -> int:
+        """Tokens of `chain`'s prefix that a request `name` is serving shares with it."""
+        best = 0
+        for other in self.inflight.get(name, {}).values():
+            depth = 0
+            for a, b in zip(chain.bounds, other.bounds, strict=False):
+                if a.key != b.key:
+                    break
+                depth += 1
+            if depth:
+                best = max(best, other.bounds[depth - 1].tokens)
+        return best
+
+    def transferred(self, source: str, target: str, outcome: str, tokens: int,
+                    incompatible: bool = False) -> None:
+        """What a planned transfer did (the transfer stage reports it)."""
+        if incompatible:
+            self._incompatible.add((source, target))
+        if tokens:
+            self.truth[target]["transferred_tokens"] += tokens
+
     def pick(self, model: str, lane: str | None) -> Backend:
         return self.backends[self.decide(model, lane, Chain([], 0)).name]
 
@@ -164,6 +216,7 @@ class RouteStage:
     def _forget(self, name: str) -> None:
         """`name` lost its cache (restarted, went down, refused a request)."""
         self.prefixes.forget(name)
+        self._incompatible = {p for p in self._incompatible if name not in p}
         m.INDEX_ENTRIES.labels(name).set(0)
 
     def status(self, name: str) -> dict:

@@ -90,7 +90,8 @@ function indexCell(ix) {
     el("span", {}, `${plural(ix.conversations, "conversation")} · ${num(ix.tokens)} tok`),
     el("div", { class: "muted small" }, `predicted ${num(ix.predicted_tokens)} / ` +
       `reported ${num(ix.reported_tokens)} cached tok` +
-      (ix.mispredictions ? ` · ${plural(ix.mispredictions, "miss", "misses")}` : "")),
+      (ix.mispredictions ? ` · ${plural(ix.mispredictions, "miss", "misses")}` : "") +
+      (ix.transferred_tokens ? ` · ${num(ix.transferred_tokens)} tok copied in` : "")),
     ...top);
 }
 

@@ -1,0 +1,62 @@
+"""transfer: before a prefixd worker serves a request, copy in the prefix state another worker
+of the same model holds or is computing (planned by the route stage as `ex.transfer`), so the
+prefix is computed once across workers instead of once per worker. Runs once the request has
+its slot (the target is idle), before it is sent; the export waits behind the source's
+request in progress, bounded by `PREFIXD_ROUTE_TRANSFER_TIMEOUT_S`. Any failure only costs the
+copy: the request is then served as it would have been without it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prefixd.backends.base import Backend, BackendError, BackendUnavailable
+from prefixd.backends.worker_api import move_state
+from prefixd.metrics import proxy as m
+from prefixd.proxy.exchange import Exchange
+from prefixd.proxy.prefix.report import header
+from prefixd.proxy.stages import Next
+from prefixd.proxy.stages.forward import forward_body
+from prefixd.proxy.stages.route import RouteStage
+
+log = logging.getLogger("prefixd.route")
+
+
+class TransferStage:
+    name = "transfer"
+
+    def __init__(self, backends: dict[str, Backend], router: RouteStage,
+                 timeout_s: float) -> None:
+        self.backends, self.router, self.timeout_s = backends, router, timeout_s
+
+    async def __call__(self, ex: Exchange, call_next: Next) -> None:
+        plan, ex.transfer = ex.transfer, None
+        if plan is not None and ex.backend is not None:
+            await self._move(ex, ex.backend, *plan)
+        await call_next(ex)
+
+    async def _move(self, ex: Exchange, target: Backend, source: str, expected: int) -> None:
+        try:
+            await target.ensure_ready()
+        except (BackendUnavailable, BackendError):
+            return                       # the forward stage reports it
+        t0 = time.monotonic()
+        moved = await move_state(self.backends[source], target,  # type: ignore[arg-type]
+                                 forward_body(ex), self.timeout_s)
+        m.TRANSFERS.labels(source, target.name, moved.outcome).inc()
+        m.TRANSFER_SECONDS.labels(target.name).observe(time.monotonic() - t0)
+        m.TRANSFER_BYTES.labels(target.name).inc(moved.nbytes)
+        ex.trace.transfer = f"{source}:{moved.outcome}:{moved.tokens}"
+        self.router.transferred(source, target.name, moved.outcome, moved.tokens,
+                                incompatible=moved.status == 409)
+        if moved.outcome != "moved":
+            log.info("request %s: no prefix state from %s for %s (%s%s; %d tokens expected)",
+                     ex.trace.request_id, source, target.name, moved.outcome,
+                     f": {moved.detail}" if moved.detail else "", expected)
+            return
+        m.TRANSFER_TOKENS.labels(target.name).inc(moved.tokens)
+        ex.transferred = moved.tokens
+        report = ex.prepared.report if ex.prepared is not None else None
+        if report is not None and moved.tokens > (report.predicted_cached_tokens or 0):
+            report.predicted_cached_tokens = moved.tokens
+            ex.prepared.header = header(report)  # type: ignore[union-attr]

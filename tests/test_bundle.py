@@ -1,0 +1,126 @@
+"""Moving a prefix's state between workers: a bundle exported by one engine and imported by
+another engine of the same model restores like the first one's own cache (warm == cold, the
+cached tokens exactly the exported position), and a bundle that is not this model's, or not a
+bundle, is refused before anything is stored."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from prefixd.backends.mlx import bundle
+from prefixd.backends.mlx.engine import Engine
+from prefixd.backends.mlx.tinymodels import (
+    ARCHS,
+    TINY_VOCAB,
+    build_model,
+    model_from_config,
+    tiny_config,
+)
+from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings
+
+SYSTEM = 150          # a shared head: every conversation's prompt starts with these tokens
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request: pytest.FixtureRequest) -> CountingModel:
+    return CountingModel(build_model(request.param, seed=3))
+
+
+def _prompts(seed: int = 11) -> tuple[list[int], list[int]]:
+    """Two conversations sharing a SYSTEM-token head, then different first messages."""
+    rng = random.Random(seed)
+    head = [rng.randrange(1, 1000) for _ in range(SYSTEM)]
+    return ([*head, *(rng.randrange(1, 1000) for _ in range(90))],
+            [*head, *(rng.randrange(1, 1000) for _ in range(70))])
+
+
+def _engine(model: CountingModel, model_id: str = "tiny") -> Engine:
+    return Engine(model, _settings(), model_id=model_id)
+
+
+def test_an_imported_prefix_restores_like_the_exporters_own(model: CountingModel) -> None:
+    first, second = _prompts()
+    source = _engine(model)
+    _run(source, first, (SYSTEM,))
+    found = bundle.export(source, second)
+    assert found is not None
+    data, pos = found
+    assert pos == SYSTEM                # the shared head: a boundary checkpoint, or any prefix
+    target = _engine(model)
+    assert bundle.import_(target, data) == SYSTEM
+    model.tokens = 0
+    warm = _run(target, second)
+    assert warm[2].cached_tokens == SYSTEM
+    assert model.tokens == len(second) - SYSTEM + 4     # the head was not computed again
+    _assert_same(warm, _cold(model, second))
+
+
+def test_a_prefix_the_worker_does_not_hold_exports_nothing(model: CountingModel) -> None:
+    first, _ = _prompts()
+    other, _ = _prompts(seed=12)
+    source = _engine(model)
+    _run(source, first, (SYSTEM,))
+    assert bundle.export(source, other) is None
+    assert bundle.export(_engine(model), first) is None
+
+
+def _bundle(model: CountingModel) -> tuple[bytes, list[int]]:
+    first, second = _prompts()
+    source = _engine(model)
+    _run(source, first, (SYSTEM,))
+    found = bundle.export(source, second)
+    assert found is not None
+    return found[0], second
+
+
+def _with_meta(data: bytes, change: dict) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    meta = json.loads(header["__metadata__"]["prefixd"])
+    meta.update(change)
+    header["__metadata__"]["prefixd"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
+
+
+def test_bundles_that_are_not_this_models_state_are_refused(model: CountingModel) -> None:
+    data, second = _bundle(model)
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8:8 + n])["__metadata__"]["prefixd"])
+    leaf0 = meta["leaves"]["0"]
+    bad = {
+        "another model": (data, 409),
+        "truncated": (data[: len(data) // 2], 400),
+        "not safetensors": (b"\x00" * 64, 400),
+        "position moved": (_with_meta(data, {"pos": SYSTEM - 1}), 400),
+        "leaf class": (_with_meta(data, {"leaves": {**meta["leaves"], "0": {
+            **leaf0, "class": "ChunkedKVCache"}}}), 400),
+        "leaf missing": (_with_meta(data, {"leaves": {
+            k: v for k, v in meta["leaves"].items() if k != "0"}}), 400),
+        "another kind": (_with_meta(data, {"kind": "x"}), 400),
+    }
+    for why, (blob, status) in bad.items():
+        target = _engine(model, "other" if why == "another model" else "tiny")
+        with pytest.raises(bundle.BundleError) as e:
+            bundle.import_(target, blob)
+        assert e.value.status == status, why
+        assert target.store.entries == [], why
+        assert _run(target, second)[2].cached_tokens == 0, why
+
+
+def test_arrays_of_another_shape_are_refused() -> None:
+    """A bundle from a model of the same classes but other sizes (its key forged to match)."""
+    small = CountingModel(build_model("qwen3_next", seed=3))
+    data, _ = _bundle(small)
+    config = {**tiny_config("qwen3_next", TINY_VOCAB), "num_key_value_heads": 4,
+              "linear_num_value_heads": 8}
+    wide = Engine(model_from_config(config, 3), _settings(), model_id="tiny")
+    forged = _with_meta(data, {"key": bundle.bundle_key(wide)})
+    with pytest.raises(bundle.BundleError) as e:
+        bundle.import_(wide, forged)
+    assert e.value.status == 400 and "shape" in str(e.value)
+    assert wide.store.entries == []

@@ -1,0 +1,164 @@
+"""Prefix state moves between prefixd workers (issue 17): two real worker processes of one
+tiny hybrid model (Gated-DeltaNet) behind one proxy. A conversation routed to the worker that
+never saw its shared system prompt gets that prefix's state copied in from the worker that
+holds it — or is still computing it — instead of recomputing it, and answers exactly as the
+holder does; a worker of another model refuses the state (409) and the request is served
+cold, once, without a second attempt."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from worker_process import running_worker
+
+from prefixd.proxy.index import boundaries
+from prefixd.proxy.prefix.segments import flatten
+from prefixd.proxy.route import rendezvous
+
+SYSTEM = "You are a careful agent working in a large repository. Keep every rule. " * 12
+KEY = "k3y"
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir: Callable[[str], Path]) -> Iterator[list[str]]:
+    model = tiny_model_dir("qwen3_next")
+    with running_worker(model, KEY) as a, running_worker(model, KEY) as b:
+        yield [a, b]
+
+
+def _backends(urls: list[str]) -> list[dict[str, Any]]:
+    return [{"name": f"w{i}", "kind": "prefixd", "url": u, "api_key": KEY, "models": ["tiny"]}
+            for i, u in enumerate(urls)]
+
+
+def _body(user: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "temperature": 0, "max_tokens": 4, **extra, "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}
+
+
+async def _ask(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+               ) -> tuple[str, dict[str, Any]]:
+    async with http.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        return r.headers.get("X-Prefixd-Backend", ""), await r.json()
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def _metric(http: aiohttp.ClientSession, base: str, line_start: str) -> float:
+    async with http.get(base + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(line_start))
+
+
+def _goes_to(body: dict[str, Any]) -> str:
+    """Where the proxy sends a new conversation: the rendezvous choice on its head."""
+    return rendezvous(boundaries(flatten(body)).key, ["w0", "w1"])
+
+
+def _other_conversation(first: str, tag: str, system: str = SYSTEM) -> str:
+    """A first user message whose new conversation the proxy sends to the other backend."""
+    for i in range(64):
+        user = f"{tag} question {i}: which file holds the parser?"
+        body = _body(user)
+        body["messages"][0]["content"] = system
+        if _goes_to(body) != first:
+            return user
+    raise AssertionError("no conversation goes to the other backend")
+
+
+async def test_a_new_conversation_gets_the_shared_prefix_from_the_worker_holding_it(
+        workers: list[str], start_proxy: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_proxy(backends=_backends(workers), route_transfer_min_tokens=64)
+    base = f"http://127.0.0.1:{server.port}"
+    first, _ = await _ask(http, base + "/v1/chat/completions", _body("held: list the files"))
+    user = _other_conversation(first, "held")
+    second = "w1" if first == "w0" else "w0"
+    moved = ('prefixd_route_transfers_total{outcome="moved",'
+             f'source="{first}",target="{second}"}}')
+    tokens = f'prefixd_route_transfer_tokens_total{{target="{second}"}}'
+    before = await _metric(http, base, moved), await _metric(http, base, tokens)
+    got, two = await _ask(http, base + "/v1/chat/completions", _body(user))
+    assert got == second
+    # the worker never saw the system prompt: its state came from the first worker
+    assert 0 < _cached(two) < two["usage"]["prompt_tokens"]
+    assert await _metric(http, base, moved) - before[0] == 1
+    assert await _metric(http, base, tokens) - before[1] == _cached(two)
+    # the copied state answers as the holder's own: ask the holder directly
+    holder = workers[int(first[1])]
+    async with http.post(holder + "/v1/chat/completions", json=_body(user),
+                         headers={"Authorization": f"Bearer {KEY}"}) as r:
+        own = await r.json()
+    assert _cached(own) == _cached(two)
+    assert own["choices"][0]["message"] == two["choices"][0]["message"]
+
+
+async def test_a_prefix_still_being_computed_is_waited_for_then_copied(
+        workers: list[str], start_proxy: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_proxy(backends=_backends(workers), route_transfer_min_tokens=64,
+                               route_transfer_timeout_s=120)
+    base = f"http://127.0.0.1:{server.port}"
+    system = SYSTEM.replace("careful", "patient")     # a prefix neither worker holds yet
+
+    def body(user: str, **extra: Any) -> dict[str, Any]:
+        b = _body(user, **extra)
+        b["messages"][0]["content"] = system
+        return b
+
+    lead = "computing: list the files"
+    first = _goes_to(body(lead))
+    # Keep the first worker busy (a long generation sent to it directly), so the first
+    # conversation is still waiting there, in flight, when the second one is routed.
+    holder = workers[int(first[1])]
+    busy = asyncio.create_task(http.post(
+        holder + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "tiny", "max_tokens": 600, "messages": [
+            {"role": "user", "content": "Count slowly."}]}))
+    await asyncio.sleep(0.5)
+    one = asyncio.create_task(_ask(http, base + "/v1/chat/completions", body(lead)))
+    route = server.proxy.router
+    for _ in range(200):                   # until the first conversation is in flight
+        if route.inflight[first]:
+            break
+        await asyncio.sleep(0.05)
+    assert route.inflight[first] and not route.prefixes.size(first)  # computing, not held
+    user = _other_conversation(first, "computing", system)
+    second, two = await _ask(http, base + "/v1/chat/completions", body(user))
+    assert one.done()                      # the copy waited for the first conversation
+    assert second != first and 0 < _cached(two) < two["usage"]["prompt_tokens"]
+    (await busy).release()
+    await one
+
+
+async def test_a_worker_of_another_model_refuses_the_state_once(
+        workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
+        http: aiohttp.ClientSession) -> None:
+    with running_worker(tiny_model_dir("qwen3_5"), KEY) as stranger:
+        server = await start_proxy(backends=_backends([workers[0], stranger]),
+                                   route_transfer_min_tokens=64)
+        base = f"http://127.0.0.1:{server.port}"
+        url = base + "/v1/chat/completions"
+        tried = "prefixd_route_transfers_total{"
+        refused = 'prefixd_route_transfers_total{outcome="refused"'
+        before = await _metric(http, base, tried), await _metric(http, base, refused)
+        for n, system in enumerate((SYSTEM, SYSTEM.replace("careful", "quiet"))):
+            lead = _body(f"stranger {n}: list the files")
+            lead["messages"][0]["content"] = system
+            first = _goes_to(lead)
+            second_body = _body(_other_conversation(first, f"stranger {n}", system))
+            second_body["messages"][0]["content"] = system
+            assert first == "w0"       # the tiny qwen3_next worker holds it first
+            await _ask(http, url, lead)
+            second, answer = await _ask(http, url, second_body)
+            assert second == "w1" and _cached(answer) == 0    # served cold
+        # refused once (409: another model's state), then not tried again
+        assert await _metric(http, base, tried) - before[0] == 1
+        assert await _metric(http, base, refused) - before[1] == 1

@@ -1,0 +1,60 @@
+"""`prefixd worker` processes for tests: started on a free loopback port, waited for, and
+stopped by PID (terminate, then kill) whatever the test does."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_worker(model: Path, api_key: str, served: str = "tiny",
+                   **env_extra: str) -> Iterator[str]:
+    """A worker process serving `model` as `served` with a disk tier of its own (nothing from
+    other runs); yields its base URL once healthy."""
+    port = free_port()
+    cache = tempfile.TemporaryDirectory(prefix="prefixd-worker-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
+    env.update({"PREFIXD_USE_SYSTEM_BLAS": "false", "PREFIXD_CACHE_DIR": cache.name,
+                **env_extra})
+    proc = subprocess.Popen([sys.executable, "-m", "prefixd.backends.mlx", "--model",
+                             str(model), "--served-name", served, "--port", str(port),
+                             "--api-key", api_key], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert proc.poll() is None, "the worker exited"
+            assert time.monotonic() < deadline, "the worker did not become healthy"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        cache.cleanup()
