@@ -9,9 +9,12 @@ import json
 import random
 
 import pytest
+from aiohttp.test_utils import TestClient
+from worker_fixtures import chat, post
 
 from prefixd.backends.mlx import bundle
 from prefixd.backends.mlx.engine import Engine
+from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.tinymodels import (
     ARCHS,
     TINY_VOCAB,
@@ -124,3 +127,35 @@ def test_arrays_of_another_shape_are_refused() -> None:
         bundle.import_(wide, forged)
     assert e.value.status == 400 and "shape" in str(e.value)
     assert wide.store.entries == []
+
+
+# --- the worker's endpoints -----------------------------------------------------------------
+async def test_export_and_import_over_http(client: TestClient, generator: Generator) -> None:
+    body = chat([{"role": "system", "content": "You keep every rule of the repository. " * 8},
+                 {"role": "user", "content": "List the files."}], max_tokens=2)
+    r = await client.post("/v1/cache/export", json=body)
+    assert r.status == 404 and (await r.json())["error"]["code"] == "not_cached"
+    await post(client, body)
+    r = await client.post("/v1/cache/export", json=body)
+    assert r.status == 200 and r.content_type == "application/octet-stream"
+    pos = int(r.headers["X-Prefixd-Tokens"])
+    data = await r.read()
+    assert pos > 0
+    r = await client.post("/v1/cache/import", data=data,
+                          headers={"Content-Type": "application/octet-stream"})
+    assert r.status == 200 and (await r.json()) == {"tokens": pos}
+    for bad in (b"", b"{}", data[:100], b"\xff" * 300):
+        r = await client.post("/v1/cache/import", data=bad)
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["code"] == "bad_bundle", bad[:20]
+    for bad_json in (b"[1]", b"{", b'{"messages": 3}'):
+        r = await client.post("/v1/cache/export", data=bad_json)
+        assert r.status == 400, bad_json
+    engine = generator.loaded.engine  # type: ignore[union-attr]
+    budget = engine.store.budget
+    engine.store.budget = len(data) - 1
+    try:
+        r = await client.post("/v1/cache/import", data=data)
+        assert r.status == 413 and (await r.json())["error"]["code"] == "too_large"
+    finally:
+        engine.store.budget = budget
