@@ -54,8 +54,8 @@ class RouteStage:
         self.prefixes = prefixes or PrefixIndex()
         self._epochs: dict[str, object] = {}
         self.transfer_min_tokens = transfer_min_tokens
-        # backend -> the chains of the requests it is serving (what it will hold soon)
-        self.inflight: dict[str, dict[int, Chain]] = collections.defaultdict(dict)
+        # backend -> its requests in this proxy (waiting or sent) and their chains
+        self.inflight: dict[str, dict[Exchange, Chain]] = collections.defaultdict(dict)
         self._incompatible: set[tuple[str, str]] = set()   # (source, target): other models
         # backend -> predicted / reported cached tokens and mispredictions, for /status
         self.truth: dict[str, collections.Counter[str]] = collections.defaultdict(
@@ -80,6 +80,7 @@ class RouteStage:
                 # it lost its cache, and another backend of the model may take the request.
                 self._forget(decision.name)
                 refused.append(decision.name)
+                ex.trace.queue_wait = None       # it waits again, in the next backend's queue
                 if len(refused) >= len(self.index[ex.model]):
                     raise ApiError(502, str(e), code="upstream_error") from None
         if ex.trace.status == 200 and chain.bounds:
@@ -99,13 +100,13 @@ class RouteStage:
         placed = (slots.expect(ex.trace.request_id, lane, decision.predicted)
                   if slots is not None and lane else None)
         serving = self.inflight[decision.name]
-        serving[id(ex)] = chain
+        serving[ex] = chain
         try:
             await call_next(ex)
             if slots is not None and placed is not None and ex.trace.status == 200:
                 await slots.learn(placed, ex.usage)
         finally:
-            serving.pop(id(ex), None)
+            serving.pop(ex, None)
             if slots is not None and placed is not None:
                 slots.done(placed)
 
@@ -160,9 +161,13 @@ class RouteStage:
         return transfer_source(target, have, self.transfer_min_tokens)
 
     def _computing(self, name: str, chain: Chain) -> int:
-        """Tokens of `chain`'s prefix that a request `name` is serving shares with it."""
+        """Tokens of `chain`'s prefix shared by a request `name` is computing: one that got
+        its slot there (a request still waiting in the proxy's queue would run after an
+        export sent now)."""
         best = 0
-        for other in self.inflight.get(name, {}).values():
+        for ex, other in self.inflight.get(name, {}).items():
+            if ex.trace.queue_wait is None:
+                continue
             depth = 0
             for a, b in zip(chain.bounds, other.bounds, strict=False):
                 if a.key != b.key:
