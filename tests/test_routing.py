@@ -15,7 +15,7 @@ from fake_upstream import FakeUpstream
 from prefixd.backends.registry import build_backends
 from prefixd.proxy.index import PrefixIndex, boundaries
 from prefixd.proxy.prefix.segments import flatten
-from prefixd.proxy.route import Balance, Candidate, decide, rendezvous
+from prefixd.proxy.route import Balance, Candidate, decide, rendezvous, transfer_source
 from prefixd.proxy.server import make_proxy
 from prefixd.proxy.settings import Settings
 
@@ -69,6 +69,21 @@ def test_decision_table(cands, affinity, want):
 def test_balance_thresholds_change_decisions(cands, affinity, balance, want):
     d = decide(cands, affinity, "conv", balance)
     assert (d.name, d.reason) == want
+
+
+@pytest.mark.parametrize(("target", "have", "min_tokens", "want"), [
+    # the worker holding (or computing) the most, when it beats the target by min_tokens
+    ("b", {"a": 900, "b": 0, "c": 400}, 256, ("a", 900)),
+    ("b", {"a": 900, "b": 700, "c": 400}, 256, None),          # the target holds nearly as much
+    ("b", {"a": 900, "b": 644, "c": 0}, 256, ("a", 900)),      # exactly min_tokens more
+    ("a", {"a": 900, "b": 1200}, 256, ("b", 1200)),
+    ("b", {"a": 500, "b": 0, "c": 500}, 256, ("a", 500)),      # ties: configuration order
+    ("b", {"b": 0}, 256, None),                                 # nobody else moves state
+    ("b", {"a": 5000, "b": 0}, 0, None),                        # 0: transfers off
+    ("b", {"a": 100, "b": 0}, 256, None),                       # too short to be worth it
+])
+def test_transfer_source_table(target, have, min_tokens, want):
+    assert transfer_source(target, have, min_tokens) == want
 
 
 def test_balance_thresholds_are_settings(monkeypatch):
