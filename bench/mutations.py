@@ -33,6 +33,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from worker_process import stop  # tests/: stop a process by PID
+
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 SYSTEM_BODY = ("You are a careful coding agent working in a small repository. " * 3 + "\n"
                + "Read the files you need, change the least code that works, and say what you "
@@ -112,16 +115,6 @@ async def wait_up(url: str, proc: subprocess.Popen, deadline_s: float) -> None:
                 pass
             await asyncio.sleep(0.2)
     raise TimeoutError(f"{url} not up after {deadline_s}s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 # --- one run ------------------------------------------------------------------------------------

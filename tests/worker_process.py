@@ -51,10 +51,16 @@ def running_worker(model: Path, api_key: str, served: str = "tiny",
             time.sleep(0.2)
         yield url
     finally:
+        stop(proc, 30.0)
+        cache.cleanup()
+
+
+def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Terminate `proc` (by PID), kill it if it is still there after `grace` seconds."""
+    if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(10)
-        cache.cleanup()
+            proc.wait(5)
