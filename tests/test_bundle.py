@@ -105,6 +105,7 @@ def test_bundles_that_are_not_this_models_state_are_refused(model: CountingModel
         "leaf missing": (_with_meta(data, {"leaves": {
             k: v for k, v in meta["leaves"].items() if k != "0"}}), 400),
         "another kind": (_with_meta(data, {"kind": "x"}), 400),
+        "a damaged value": (data[:-1] + bytes([data[-1] ^ 1]), 400),
     }
     for why, (blob, status) in bad.items():
         target = _engine(model, "other" if why == "another model" else "tiny")
@@ -113,6 +114,16 @@ def test_bundles_that_are_not_this_models_state_are_refused(model: CountingModel
         assert e.value.status == status, why
         assert target.store.entries == [], why
         assert _run(target, second)[2].cached_tokens == 0, why
+
+
+def test_a_prefix_the_worker_holds_is_not_replaced(model: CountingModel) -> None:
+    data, _ = _bundle(model)
+    first, _ = _prompts()
+    target = _engine(model)
+    _run(target, first, (SYSTEM,))
+    before = [(e, e.payload) for e in target.store.entries]
+    assert bundle.import_(target, data) == SYSTEM
+    assert [(e, e.payload) for e in target.store.entries] == before
 
 
 def test_arrays_of_another_shape_are_refused() -> None:

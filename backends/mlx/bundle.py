@@ -77,11 +77,22 @@ def export(engine: Engine, tokens: Sequence[int]) -> tuple[bytes, int] | None:
         desc[str(i)] = {"class": type(leaf).__name__,
                         "state": diskfmt.flatten(leaf.state, f"s{i}", tensors, dtypes)}
     tensors[TOKENS] = np.asarray(tokens[:pos], dtype=np.int32)
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     meta = {"kind": KIND, "key": bundle_key(engine), "pos": pos, "leaves": desc,
-            "dtypes": dtypes}
-    data = safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                                  metadata={diskfmt.META: json.dumps(meta)})
+            "dtypes": dtypes, "digest": _digest(tensors)}
+    data = safetensors.numpy.save(tensors, metadata={diskfmt.META: json.dumps(meta)})
     return data, pos
+
+
+def _digest(tensors: dict[str, np.ndarray]) -> str:
+    """A checksum of every tensor's name, dtype, shape and bytes: a bundle damaged on its way
+    (or by a bug) is refused, never restored."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        a = tensors[name]
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
 
 
 # --- import --------------------------------------------------------------------------------
@@ -89,13 +100,16 @@ def parse(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, mx.array], l
     """(description, arrays, tokens) of a bundle for the model with bundle key `key`."""
     try:
         meta = _meta(data)
-        arrays = _arrays(data)
+        host = safetensors.numpy.load(data)
     except BundleError:
         raise
     except Exception as e:
         raise BundleError(f"not a prefixd state bundle: {type(e).__name__}: {e}") from None
     if not isinstance(meta, dict) or meta.get("kind") != KIND:
         raise BundleError("not a prefixd state bundle")
+    if meta.get("digest") != _digest(host):
+        raise BundleError("the bundle's data does not match its checksum")
+    arrays = {name: mx.array(a) for name, a in host.items()}
     if meta.get("key") != key:
         raise BundleError("this bundle holds another model's state (its model, cache layout or "
                           "KV quantization differ)", status=409)
@@ -115,13 +129,6 @@ def _meta(data: bytes) -> Any:
         raise BundleError("not a safetensors file")
     header = json.loads(data[8:8 + n])
     return json.loads(header["__metadata__"][diskfmt.META])
-
-
-def _arrays(data: bytes) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    for name, arr in safetensors.numpy.load(data).items():
-        out[name] = mx.array(arr)
-    return out
 
 
 def rebuild(engine: Engine, meta: dict[str, Any], arrays: dict[str, mx.array]) -> list[Any]:

@@ -186,6 +186,9 @@ class Engine:
         at `tokens`; the tokens stored (0: the cache is unsupported or the budget refused it)."""
         if self._unsupported or not tokens:
             return 0
+        held = self.store.lookup([*tokens, -1])       # restores all of it already: keep ours
+        if held is not None and held.pos >= len(tokens):
+            return len(tokens)
         entry = self.store.begin(tokens)
         stored = self.store.finish(entry, tokens, cache, snapshot.nbytes(cache),
                                    snapshot.trimmable(cache), self._end_snapshot)
