@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient
 from worker_fixtures import chat, post
 
 from prefixd.backends.mlx import bundle
+from prefixd.backends.mlx.disktier import DiskSpec
 from prefixd.backends.mlx.engine import Engine
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.tinymodels import (
@@ -170,3 +172,24 @@ async def test_export_and_import_over_http(client: TestClient, generator: Genera
         assert r.status == 413 and (await r.json())["error"]["code"] == "too_large"
     finally:
         engine.store.budget = budget
+
+
+def test_a_prefix_only_on_disk_exports_too(tmp_path: Path) -> None:
+    """After a restart the RAM is empty and the disk tier holds the prefix: the export loads
+    it from disk, as a request would."""
+    model = CountingModel(build_model("qwen3_next", seed=3))
+    first, second = _prompts()
+    spec = DiskSpec(tmp_path, "tiny", 1 << 30, 0.0, 64)
+    before = Engine(model, _settings(), spec)
+    _run(before, first, (SYSTEM,))
+    before.persist()
+    assert before.close(30.0)
+    after = Engine(model, _settings(), spec)
+    found = bundle.export(after, second)
+    after.close(5)
+    assert found is not None and found[1] == SYSTEM
+    target = _engine(model)
+    assert bundle.import_(target, found[0]) == SYSTEM
+    warm = _run(target, second)
+    assert warm[2].cached_tokens == SYSTEM
+    _assert_same(warm, _cold(model, second))
