@@ -43,9 +43,13 @@ def _body(user: str, **extra: Any) -> dict[str, Any]:
 
 async def _ask(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
                ) -> tuple[str, dict[str, Any]]:
+    """(the backend that answered, the answer, with the proxy's prediction as `predicted`)."""
     async with http.post(url, json=body) as r:
         assert r.status == 200, await r.text()
-        return r.headers.get("X-Prefixd-Backend", ""), await r.json()
+        header = r.headers.get("X-Prefixd-Prefix", "")
+        answer = await r.json()
+        answer["predicted"] = int(header.split("predicted=")[1].split(";")[0])
+        return r.headers.get("X-Prefixd-Backend", ""), answer
 
 
 def _cached(answer: dict[str, Any]) -> int:
@@ -90,6 +94,7 @@ async def test_a_new_conversation_gets_the_shared_prefix_from_the_worker_holding
     assert got == second
     # the worker never saw the system prompt: its state came from the first worker
     assert 0 < _cached(two) < two["usage"]["prompt_tokens"]
+    assert two["predicted"] == _cached(two)          # the copy is what routing predicts
     assert await _metric(http, base, moved) - before[0] == 1
     assert await _metric(http, base, tokens) - before[1] == _cached(two)
     # the copied state answers as the holder's own: ask the holder directly
