@@ -169,7 +169,11 @@ class Engine:
         if match is None:
             return self.fresh_cache(), 0
         snap = match.checkpoint.payload if match.checkpoint else None
-        return snapshot.restore(match.entry.payload, snap, match.pos), match.pos
+        try:
+            return snapshot.restore(match.entry.payload, snap, match.pos), match.pos
+        except Exception:
+            log.exception("restore of %d cached tokens for an export failed", match.pos)
+            return self.fresh_cache(), 0
 
     def reference_leaves(self) -> list[Any]:
         """This model's cache leaves after a one-token pass: the classes, array shapes and
