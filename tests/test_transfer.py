@@ -31,9 +31,9 @@ def workers(tiny_model_dir: Callable[[str], Path]) -> Iterator[list[str]]:
         yield [a, b]
 
 
-def _backends(urls: list[str]) -> list[dict[str, Any]]:
-    return [{"name": f"w{i}", "kind": "prefixd", "url": u, "api_key": KEY, "models": ["tiny"]}
-            for i, u in enumerate(urls)]
+def _backends(urls: list[str], **extra: Any) -> list[dict[str, Any]]:
+    return [{"name": f"w{i}", "kind": "prefixd", "url": u, "api_key": KEY, "models": ["tiny"],
+             **extra} for i, u in enumerate(urls)]
 
 
 def _body(user: str, **extra: Any) -> dict[str, Any]:
@@ -68,15 +68,20 @@ def _goes_to(body: dict[str, Any]) -> str:
     return rendezvous(boundaries(flatten(body)).key, ["w0", "w1"])
 
 
-def _other_conversation(first: str, tag: str, system: str = SYSTEM) -> str:
-    """A first user message whose new conversation the proxy sends to the other backend."""
+def _conversation_to(backend: str, tag: str, system: str = SYSTEM) -> str:
+    """A first user message whose new conversation the proxy sends to `backend`."""
     for i in range(64):
         user = f"{tag} question {i}: which file holds the parser?"
         body = _body(user)
         body["messages"][0]["content"] = system
-        if _goes_to(body) != first:
+        if _goes_to(body) == backend:
             return user
-    raise AssertionError("no conversation goes to the other backend")
+    raise AssertionError(f"no conversation goes to {backend}")
+
+
+def _other_conversation(first: str, tag: str, system: str = SYSTEM) -> str:
+    """A first user message whose new conversation the proxy sends to the other backend."""
+    return _conversation_to("w1" if first == "w0" else "w0", tag, system)
 
 
 async def test_a_new_conversation_gets_the_shared_prefix_from_the_worker_holding_it(
@@ -167,3 +172,26 @@ async def test_a_worker_of_another_model_refuses_the_state_once(
         # refused once (409: another model's state), then not tried again
         assert await _metric(http, base, tried) - before[0] == 1
         assert await _metric(http, base, refused) - before[1] == 1
+
+
+async def test_a_source_that_died_costs_the_copy_not_the_request(
+        workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
+        http: aiohttp.ClientSession) -> None:
+    system = SYSTEM.replace("careful", "lost")
+    with running_worker(tiny_model_dir("qwen3_next"), KEY) as doomed:
+        # no health probe in the test's time: the proxy learns of the death from the copy
+        server = await start_proxy(backends=_backends([doomed, workers[1]],
+                                                      health_interval_s=600),
+                                   route_transfer_min_tokens=64)
+        base = f"http://127.0.0.1:{server.port}"
+        lead = _body(_conversation_to("w0", "doomed lead", system))
+        lead["messages"][0]["content"] = system
+        await _ask(http, base + "/v1/chat/completions", lead)
+    # w0 is gone (stopped by PID); its index entries are still there until it is noticed
+    failed = 'prefixd_route_transfers_total{outcome="error",source="w0",target="w1"}'
+    before = await _metric(http, base, failed)
+    body = _body(_other_conversation("w0", "doomed", system))
+    body["messages"][0]["content"] = system
+    got, answer = await _ask(http, base + "/v1/chat/completions", body)
+    assert got == "w1" and _cached(answer) == 0
+    assert await _metric(http, base, failed) - before == 1
