@@ -195,3 +195,41 @@ async def test_a_source_that_died_costs_the_copy_not_the_request(
     got, answer = await _ask(http, base + "/v1/chat/completions", body)
     assert got == "w1" and _cached(answer) == 0
     assert await _metric(http, base, failed) - before == 1
+
+
+async def test_a_worker_already_getting_the_prefix_gets_it_once(
+        workers: list[str], start_proxy: Any, http: aiohttp.ClientSession) -> None:
+    """Two new conversations for a worker that lacks their system prompt: the first has it
+    copied in; the second, routed while the first is still being served there, does not get a
+    second copy (the worker is computing it: prefixes in flight count, on the index's token
+    scale) and restores it from the first."""
+    server = await start_proxy(backends=_backends(workers), route_transfer_min_tokens=64,
+                               route_transfer_timeout_s=120)
+    base = f"http://127.0.0.1:{server.port}"
+    url = base + "/v1/chat/completions"
+    system = SYSTEM.replace("careful", "thrifty")
+
+    def body(user: str) -> dict[str, Any]:
+        b = _body(user)
+        b["messages"][0]["content"] = system
+        return b
+
+    await _ask(http, url, body(_conversation_to("w0", "once lead", system)))   # w0 holds it
+    copies = 'prefixd_route_transfers_total{outcome="moved",source="w0",target="w1"}'
+    before = await _metric(http, base, copies)
+    busy = asyncio.create_task(http.post(      # keeps w1 busy: the first stays in flight
+        workers[1] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "tiny", "max_tokens": 600, "messages": [
+            {"role": "user", "content": "Count slowly."}]}))
+    await asyncio.sleep(0.5)
+    first = asyncio.create_task(_ask(http, url, body(_conversation_to("w1", "once a", system))))
+    route = server.proxy.router
+    for _ in range(200):
+        if route.inflight["w1"]:
+            break
+        await asyncio.sleep(0.05)
+    got, second = await _ask(http, url, body(_conversation_to("w1", "once b", system)))
+    assert got == "w1" and _cached(second) > 0
+    assert (await first)[0] == "w1"
+    assert await _metric(http, base, copies) - before == 1
+    (await busy).release()

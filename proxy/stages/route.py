@@ -57,6 +57,9 @@ class RouteStage:
         # backend -> its requests in this proxy (waiting or sent) and their chains
         self.inflight: dict[str, dict[Exchange, Chain]] = collections.defaultdict(dict)
         self._incompatible: set[tuple[str, str]] = set()   # (source, target): other models
+        # model -> its tokens per estimated token (its tokenizer against 4 chars a token),
+        # from the last prompt a backend reported: puts prefixes in flight on the index's scale
+        self._scale: dict[str, float] = {}
         # backend -> predicted / reported cached tokens and mispredictions, for /status
         self.truth: dict[str, collections.Counter[str]] = collections.defaultdict(
             collections.Counter)
@@ -86,7 +89,7 @@ class RouteStage:
         if ex.trace.status == 200 and chain.bounds:
             if ex.transferred > decision.predicted:
                 decision = dataclasses.replace(decision, predicted=ex.transferred)
-            self.learn(decision, chain, ex.usage, lane)
+            self.learn(decision, chain, ex.usage, lane, ex.model)
 
     async def _serve(self, ex: Exchange, call_next: Next, decision: Decision, chain: Chain,
                      lane: str | None) -> None:
@@ -157,13 +160,14 @@ class RouteStage:
             b = self.backends[n]
             if n == target or (getattr(b, "moves_state", False) and b.status().up
                                and (n, target) not in self._incompatible):
-                have[n] = max(held.get(n, (0, False))[0], self._computing(n, chain))
+                have[n] = max(held.get(n, (0, False))[0],
+                              round(self._computing(n, chain) * self._scale.get(model, 1.0)))
         return transfer_source(target, have, self.transfer_min_tokens)
 
     def _computing(self, name: str, chain: Chain) -> int:
-        """Tokens of `chain`'s prefix shared by a request `name` is computing: one that got
-        its slot there (a request still waiting in the proxy's queue would run after an
-        export sent now)."""
+        """Estimated tokens of `chain`'s prefix shared by a request `name` is computing: one
+        that got its slot there (a request still waiting in the proxy's queue would run after
+        an export sent now)."""
         best = 0
         for ex, other in self.inflight.get(name, {}).items():
             if ex.trace.queue_wait is None:
@@ -189,7 +193,7 @@ class RouteStage:
         return self.backends[self.decide(model, lane, Chain([], 0)).name]
 
     def learn(self, decision: Decision, chain: Chain, usage: dict | None,
-              lane: str | None = None) -> None:
+              lane: str | None = None, model: str | None = None) -> None:
         """The backend now holds this prompt; what it reported corrects the prediction."""
         usage = usage or {}
         prompt = _count(usage.get("prompt_tokens"))
@@ -203,6 +207,8 @@ class RouteStage:
             truth["mispredictions"] += 1
             self.prefixes.forget(decision.name, chain, after_tokens=cached)
         now = time.monotonic()
+        if model and prompt and chain.bounds[-1].tokens > 0:
+            self._scale[model] = prompt / chain.bounds[-1].tokens
         self.prefixes.record(decision.name, chain, now, prompt or None, _restorable(usage),
                              MISPREDICT_SLACK)
         if lane:
