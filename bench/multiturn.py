@@ -121,8 +121,9 @@ def ensure_model(arch: str, models_dir: Path) -> Path:
     return path
 
 
-def start_server(kind: str, model_dir: Path, args: argparse.Namespace) -> Server:
-    port = free_port()
+def start_server(kind: str, model_dir: Path, args: argparse.Namespace,
+                 port: int | None = None) -> Server:
+    port = port or free_port()
     module = "mlx_lm.server" if kind == "stock" else "prefixd.backends.mlx"
     cmd = [sys.executable, "-m", module, "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port)]

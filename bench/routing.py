@@ -149,11 +149,14 @@ class Upstreams:
 WORKER_ARCH = "qwen3_next"
 
 
+WORKER_OPTS = argparse.Namespace(out=OUT, prefixd_env={"PREFIXD_LOG_LEVEL": "WARNING"},
+                                 kv_bits=None)
+
+
 async def start_workers(n: int) -> Upstreams:
     """`n` prefixd worker processes on the tiny hybrid (each with its own fresh disk tier)."""
     model_dir = multiturn.ensure_model(WORKER_ARCH, OUT / "models")
-    opts = argparse.Namespace(out=OUT, prefixd_env={"PREFIXD_LOG_LEVEL": "WARNING"},
-                              kv_bits=None)
+    opts = WORKER_OPTS
     workers = []
     try:
         for _ in range(n):
@@ -198,6 +201,36 @@ async def start_upstreams(setup: str, real: bool, ms_per_token: float) -> Upstre
         await f.start()
     return Upstreams("fake llama-server", f"-np {slots} -sps 0 (modelled)",
                      [f.url for f in fakes], slots, fakes=fakes)
+
+
+async def kill_and_restart(ups: Upstreams, at: float, events: list[str]) -> None:
+    """`--kill-at`: kill backend b1 (SIGKILL, by PID) `at` seconds into the run, and start it
+    again on the same port 2 s later, with an empty cache."""
+    await asyncio.sleep(at)
+    t0 = time.monotonic()
+    if ups.workers:
+        old = ups.workers[1]
+        old.proc.kill()
+        old.proc.wait(10)
+        events.append(f"killed b1 (pid {old.proc.pid}) at {at:g}s")
+        await asyncio.sleep(2.0)
+        model_dir = multiturn.ensure_model(WORKER_ARCH, OUT / "models")
+        new = multiturn.start_server("prefixd", model_dir, WORKER_OPTS, port=old.port)
+        ups.workers[1] = new
+        multiturn.stop_server(old)              # its disk tier goes; the process is gone
+        await asyncio.to_thread(multiturn.wait_ready, new)
+    elif ups.procs:
+        proc = ups.procs[1]
+        assert proc.proc is not None
+        proc.proc.kill()
+        events.append(f"killed b1 (pid {proc.proc.pid}) at {at:g}s")
+        await proc.stop()
+        await asyncio.sleep(2.0)
+        await proc.start()
+    else:
+        events.append("--kill-at: no process to kill (fake upstreams)")
+        return
+    events.append(f"b1 back after {time.monotonic() - t0:.1f}s")
 
 
 # --- one run -------------------------------------------------------------------------------
@@ -386,8 +419,10 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
             t0 = time.monotonic()
             errors: list[str] = []
             resent0 = resends(ups.urls)
+            events: list[str] = []
+            chaos = [kill_and_restart(ups, args.kill_at, events)] if args.kill_at else []
             await asyncio.gather(*(converse(http, ports, c, args, reqs, errors)
-                                   for c in range(convs)))
+                                   for c in range(convs)), *chaos)
             wall = time.monotonic() - t0
             resent = resends(ups.urls) - resent0
             reqs.sort(key=lambda r: r.start)
@@ -430,6 +465,7 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         "predicted_error": sum(abs(r.predicted - r.cached) for r in judged)  # type: ignore[operator]
         / max(1, len(judged)),
         "wall_s": wall, "errors": errors, "resent": resent, "copied": copied,
+        "events": events,
     }
 
 
@@ -484,6 +520,9 @@ async def main() -> int:
     ap.add_argument("--ms-per-token", type=float, default=0.5,
                     help="fake upstreams: prompt processing time per computed token")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kill-at", type=float, default=0.0,
+                    help="kill backend b1 this many seconds into each run and restart it on "
+                         "the same port 2 s later (real processes only; 0: never)")
     args = ap.parse_args()
     real = args.real == "yes" or (args.real == "auto" and llama_server_binary() is not None)
     llama_setups = set(args.setups.split(",")) - {"a"}
@@ -503,7 +542,10 @@ async def main() -> int:
               f"failed={len(row['errors'])}/{row['requests'] + len(row['errors'])} "
               f"resent={row['resent']:.0f} predicted~cached={row['predicted_exact']} "
               f"(mean error {row['predicted_error']:.0f} tok) copied={row['copied']} "
-              f"({row['wall_s']:.1f}s)", flush=True)
+              f"({row['wall_s']:.1f}s)" + (f" {'; '.join(row['events'])}"
+                                            if row["events"] else ""), flush=True)
+        for e in row["errors"]:
+            print(f"     error: {e}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     cmd = "./run bench routing " + " ".join(sys.argv[1:])
     (OUT / "routing.json").write_text(json.dumps({"command": cmd, "args": vars(args),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 from typing import Any
 
@@ -423,3 +424,55 @@ async def test_a_stream_that_waited_in_a_killed_backends_queue_fails_over_and_st
     text = streamed.decode()
     assert text.startswith(": queued position=") and "data: [DONE]" in text
     assert '"content"' in text
+
+
+ROLE_ONLY = ('data: {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": '
+             '[{"index": 0, "delta": {"role": "assistant"}, "finish_reason": null}]}\n\n')
+
+
+@pytest.mark.parametrize("api", ["chat", "anthropic"])
+async def test_a_stream_whose_backend_dies_before_the_answer_is_answered_by_another(
+        three, start_proxy, http, api):
+    """A backend killed during its prefill has sent the stream's headers and a role-only
+    chunk, nothing of the answer: the client gets one whole answer from another backend,
+    with one start (the role chunk was held back), not an error event."""
+    calls: list[str] = []
+
+    def responder(up: str):                     # the first backend asked dies, later ones answer
+        def respond(body: dict) -> dict:
+            calls.append(up)
+            if len(calls) == 1:
+                return {"raw": [ROLE_ONLY], "drop": True}
+            return {"reply": {"content": "the whole answer"}}
+        return respond
+
+    for i, up in enumerate(three[:2]):
+        up.responder = responder(f"b{i}")
+    proxy = await start_proxy(backends=[{**b, "health_interval_s": 3600}
+                                        for b in backends(three[:2])])
+    base = f"http://127.0.0.1:{proxy.port}"
+    if api == "chat":
+        req = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        path = "/v1/chat/completions"
+    else:
+        req = {"model": "m", "stream": True, "max_tokens": 20,
+               "messages": [{"role": "user", "content": "hi"}]}
+        path = "/v1/messages"
+    async with http.post(base + path, json=req) as r:
+        assert r.status == 200
+        text = (await r.read()).decode()
+    assert len(calls) == 2 and calls[0] != calls[1]          # sent again, elsewhere
+    assert "error" not in text
+    if api == "chat":
+        events = [json.loads(line[6:]) for line in text.splitlines()
+                  if line.startswith("data: {")]
+        roles = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("role")]
+        assert len(roles) == 1 and text.rstrip().endswith("data: [DONE]")
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"]) == "the whole answer"
+    else:
+        assert text.count("event: message_start") == 1
+        assert text.count("event: message_stop") == 1
+        assert "the whole answer" in "".join(
+            json.loads(line[6:]).get("delta", {}).get("text", "")
+            for line in text.splitlines() if line.startswith("data: {"))

@@ -1,6 +1,11 @@
 """relay: answer the client from the upstream response — SSE event by event, or the JSON
 body as it arrives — through the client API's translator when it has one; note time to
-first token, the assistant message and usage for the later stages and the trace."""
+first token, the assistant message and usage for the later stages and the trace.
+
+A stream's events before its first generated content (a role-only chunk) are held back until
+that content: an upstream that dies before it (a worker killed during its prefill) has sent
+the client nothing of the answer, so the route stage sends the request to another backend
+(`BackendGone`) and the client gets one whole answer."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import json
 import time
 
 from prefixd.api.errors import ApiError
+from prefixd.backends.base import BackendError, BackendGone, BackendTimeout
 from prefixd.proxy.exchange import SSE_HEADERS, Exchange, ResponseState
 from prefixd.proxy.sse import SSERecorder, UpstreamProtocolError, loads, parse_json_body
 from prefixd.proxy.stages import Next
@@ -63,17 +69,33 @@ class RelayStage:
         ex.trace.status = 200
         rec = SSERecorder(strip_usage=ex.stream and not ex.parsed.req.wants_usage,
                           translate=ex.stream_out)
-        async for chunk in up.chunks:
-            out = rec.feed(chunk)
-            if out:
-                await resp.write(out)
-            if rec.done and not ex.trace.completed and ex.api.translator is None:
-                # The client has every byte that matters: whatever it does next (close at
-                # once, say), this request completed, with its usage.
-                ex.trace.completed = True
-                ex.trace.first_token_at = rec.first_content_at
-                ex.usage = ex.trace.usage = rec.usage
-        tail = rec.flush()
+        held = bytearray()     # what precedes the answer (a role-only chunk): held back
+
+        def answering() -> bool:
+            return rec.first_content_at is not None or rec.done
+
+        try:
+            async for chunk in up.chunks:
+                out = rec.feed(chunk)
+                if out and not answering():
+                    held += out
+                elif out or held:
+                    await resp.write(bytes(held) + out)
+                    held.clear()
+                if rec.done and not ex.trace.completed and ex.api.translator is None:
+                    # The client has every byte that matters: whatever it does next (close
+                    # at once, say), this request completed, with its usage.
+                    ex.trace.completed = True
+                    ex.trace.first_token_at = rec.first_content_at
+                    ex.usage = ex.trace.usage = rec.usage
+        except BackendError as e:
+            if answering() or isinstance(e, BackendTimeout):
+                raise
+            # Nothing of the answer reached the client: another backend may give it whole.
+            if ex.api.translator is not None:
+                ex.stream_out = ex.api.translator.stream()
+            raise BackendGone(f"{e} (before any of the answer was sent)") from e
+        tail = bytes(held) + rec.flush()
         if ex.stream_out is not None:
             tail += ex.stream_out.finish()
         if tail:
