@@ -46,6 +46,7 @@ __all__ = ["ManagedBackend", "ProcState"]
 
 class ManagedBackend(WorkerEndpoints, BackendBase):
     kind = "mlx"
+    restarts_itself = True    # a request its dead worker never answered may wait for the next
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
                  command: CommandBuilder | None = None, stop_grace_s: float = 20.0,

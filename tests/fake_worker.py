@@ -15,7 +15,8 @@ answers 401 unless the request carries `Authorization: Bearer <token>`.
 FAKE_WORKER_CRASH_ONCE=<path>: crash in the middle of the first stream only (the file
 marks that it happened, so the restarted worker serves). Request header `x-fake-crash: 1`
 crashes that request's stream. FAKE_WORKER_CHUNKS / FAKE_WORKER_DELAY shape the stream,
-a body field `"fake": {"chunks": N, "delay": s}` one request's. GET /stats counts requests.
+a body field `"fake": {"chunks": N, "delay": s}` one request's (`"stall_pid": P`: the worker
+with that PID sends the role chunk, then stalls, as in a long prefill). GET /stats counts requests.
 GET /v1/cache answers like the real worker's: `bytes_budget` is PREFIXD_CACHE_BYTES (what the
 proxy gave it), nothing used; with FAKE_WORKER_RSS=<bytes> it also reports that much memory
 (the real worker's "memory" object), so the proxy's pool measures its footprint.
@@ -136,6 +137,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     crash = _should_crash(request)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
+    if shape.get("stall_pid") == os.getpid():     # a long prefill: the role, then nothing
+        await resp.write(b'data: {"id": "chatcmpl-fake", "object": "chat.completion.chunk", '
+                         b'"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n')
+        await asyncio.sleep(3600)
     for i, w in enumerate(words):
         if crash and i == 2:
             print("fake worker: crashing mid-stream", file=sys.stderr, flush=True)

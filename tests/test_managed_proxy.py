@@ -95,6 +95,33 @@ async def test_kill_9_mid_stream_while_five_wait(start: Start, http: aiohttp.Cli
     assert "SIGKILL" in status["backends"][0]["last_error"]
 
 
+async def test_a_worker_killed_in_its_prefill_answers_after_its_restart(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    """The only worker of the model dies before a stream's first content (its role chunk
+    held back by the proxy): the client gets one whole answer from the restarted worker."""
+    server, backend = await start()
+    await backend.ensure_ready()
+    pid1 = backend.status().detail["pid"]
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    task = asyncio.create_task(http.post(url, json=chat(fake={"stall_pid": pid1})))
+    token = psutil.Process(pid1).environ()[TOKEN_ENV]
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):                     # until the worker has it (and stalls)
+            async with s.get(backend.status().detail["url"] + "/stats",
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+                if (await r.json())["requests"] == 1:
+                    break
+            await asyncio.sleep(0.05)
+    os.kill(pid1, signal.SIGKILL)
+    r = await task
+    body = (await r.read()).decode()
+    assert r.status == 200 and '"error"' not in body and body.rstrip().endswith("data: [DONE]")
+    # the dead worker's role chunk never reached the client (held back); the whole answer did
+    assert '"role"' not in body and "w0" in body and "w4" in body
+    st = backend.status()
+    assert st.detail["pid"] != pid1 and st.detail["restarts"] == 1
+
+
 async def test_crash_loop_ends_failed_and_ready_says_why(start: Start,
                                                          http: aiohttp.ClientSession) -> None:
     server, backend = await start("exit", max_restarts=1)

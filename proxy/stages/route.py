@@ -16,7 +16,7 @@ import functools
 import time
 
 from prefixd.api.errors import ApiError
-from prefixd.backends.base import Backend, BackendGone
+from prefixd.backends.base import Backend, BackendGone, BackendUnavailable
 from prefixd.metrics import proxy as m
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.index import Chain, PrefixIndex, Restorable, boundaries
@@ -72,6 +72,7 @@ class RouteStage:
         chain = boundaries(ex.prepared.segments if ex.prepared is not None else [])
         lane = ex.prepared.lane if ex.prepared is not None else None
         refused: list[str] = []
+        restarted = False
         while True:
             decision = self.decide(ex.model, lane, chain, exclude=refused)
             ex.transfer = self.transfer_plan(ex.model, decision.name, chain)
@@ -85,7 +86,11 @@ class RouteStage:
                 refused.append(decision.name)
                 ex.trace.queue_wait = None       # it waits again, in the next backend's queue
                 if len(refused) >= len(self.index[ex.model]):
-                    raise ApiError(502, str(e), code="upstream_error") from None
+                    # none left but a managed worker that restarts itself: once, its successor
+                    if restarted or not await self._restarted(decision.name):
+                        raise ApiError(502, str(e), code="upstream_error") from None
+                    restarted = True
+                    refused.remove(decision.name)
         if ex.trace.status == 200 and chain.bounds:
             if ex.transferred > decision.predicted:
                 decision = dataclasses.replace(decision, predicted=ex.transferred)
@@ -112,6 +117,18 @@ class RouteStage:
             serving.pop(ex, None)
             if slots is not None and placed is not None:
                 slots.done(placed)
+
+    async def _restarted(self, name: str) -> bool:
+        """Whether `name` is a backend that restarts itself (a managed worker) and is ready
+        again now."""
+        backend = self.backends[name]
+        if not getattr(backend, "restarts_itself", False):
+            return False
+        try:
+            await backend.ensure_ready()
+        except BackendUnavailable:
+            return False
+        return True
 
     def model_for(self, requested: str | None) -> str:
         """The served model for a request's `model`; 400/404 naming what is served."""
