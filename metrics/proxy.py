@@ -70,6 +70,10 @@ TRANSFER_SECONDS = Histogram("prefixd_route_transfer_seconds",
                              "Time a request waited for a prefix state to be copied in (the "
                              "source finishing its request in progress included).",
                              ["target"], buckets=_LAT, registry=REGISTRY)
+PREFIX_WAITS = Counter("prefixd_route_prefix_waits_total",
+                       "Requests that waited for a llama-server to finish computing a long "
+                       "prefix they share, to restore it from its RAM prompt cache, by outcome "
+                       "(done, timeout).", ["backend", "outcome"], registry=REGISTRY)
 INDEX_ENTRIES = Gauge("prefixd_route_index_entries", "Prefix boundaries indexed per backend.",
                       ["backend"], registry=REGISTRY)
 MODEL_LOADS = Counter("prefixd_model_loads_total",

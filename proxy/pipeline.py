@@ -69,7 +69,8 @@ class Proxy:
                                  settings.model_aliases,
                                  PrefixIndex(settings.route_index_entries,
                                              settings.route_index_ttl_s),
-                                 settings.route_transfer_min_tokens)
+                                 settings.route_transfer_min_tokens,
+                                 settings.route_prefix_wait_s)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
         self.inflight: set[Exchange] = set()

@@ -5,6 +5,7 @@ against the real binary."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -315,6 +316,31 @@ async def test_four_sessions_reuse_95_percent_of_the_ideal(llama, start_proxy, h
     await play(http, proxy.port, convs=4, turns=8, ideal=ideal)
     reuse = (ideal.prompt - computed(f)) / (ideal.prompt - ideal.ideal_computed)
     assert reuse >= 0.95, (reuse, f.served)
+
+
+@pytest.mark.parametrize("wait_s", [30.0, 0.0])
+async def test_new_conversations_wait_for_the_system_prompt_being_computed(
+        llama, start_proxy, http, wait_s):
+    """Four conversations start together on a 4-slot server, one system prompt: slots share
+    no KV and an idle slot reaches the RAM cache only when a later task starts, so with no wait
+    each first turn computes the system prompt (4 copies). Waiting for the first one to end,
+    the second computes it again (its slot is picked and loaded before the first one's idle
+    slot is saved) and the other two restore it from RAM: 2 copies."""
+    f = await llama(slots=4, similarity=0.0, ms_per_token=0.5)
+    proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": f.url,
+                                         "models": ["m"], "max_concurrency": 4}],
+                              route_prefix_wait_s=wait_s)
+    assert await proxy.proxy.backends["ls"].detect_slots() is not None
+    url = f"http://127.0.0.1:{proxy.port}"
+
+    async def first_turn(c: int) -> None:
+        await asyncio.sleep(0.05 * c)
+        await ask(http, url, chat(SYSTEM, [f"task {c}: read the parser module"]))
+
+    await asyncio.gather(*(first_turn(c) for c in range(4)))
+    system = len(tokenize(SYSTEM))
+    copies = sum(s.prompt - s.cached for s in f.served) / system
+    assert (round(copies) == 2) if wait_s else (round(copies) == 4), (copies, f.served)
 
 
 async def test_more_conversations_than_slots_leave_placement_to_the_server(

@@ -136,10 +136,10 @@ async def test_a_prefix_still_being_computed_is_waited_for_then_copied(
     one = asyncio.create_task(_ask(http, base + "/v1/chat/completions", body(lead)))
     route = server.proxy.router
     for _ in range(200):                   # until the first conversation is in flight
-        if route.inflight[first]:
+        if route.inflight.requests(first):
             break
         await asyncio.sleep(0.05)
-    assert route.inflight[first] and not route.prefixes.size(first)  # computing, not held
+    assert route.inflight.requests(first) and not route.prefixes.size(first)  # computing, not held
     user = _other_conversation(first, "computing", system)
     second, two = await _ask(http, base + "/v1/chat/completions", body(user))
     assert one.done()                      # the copy waited for the first conversation
@@ -225,7 +225,7 @@ async def test_a_worker_already_getting_the_prefix_gets_it_once(
     first = asyncio.create_task(_ask(http, url, body(_conversation_to("w1", "once a", system))))
     route = server.proxy.router
     for _ in range(200):
-        if route.inflight["w1"]:
+        if route.inflight.requests("w1"):
             break
         await asyncio.sleep(0.05)
     got, second = await _ask(http, url, body(_conversation_to("w1", "once b", system)))

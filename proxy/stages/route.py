@@ -10,16 +10,19 @@ much longer prefix of the request than the chosen one."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import functools
 import time
+from typing import Any
 
 from prefixd.api.errors import ApiError
 from prefixd.backends.base import Backend, BackendGone, BackendUnavailable
 from prefixd.metrics import proxy as m
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.index import Chain, PrefixIndex, Restorable, boundaries
+from prefixd.proxy.inflight import InFlight
 from prefixd.proxy.prefix.report import header
 from prefixd.proxy.queue import BackendQueue
 from prefixd.proxy.route import (
@@ -37,6 +40,7 @@ from prefixd.proxy.stages import Next
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
 TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions",     # per backend, for /status
          "transferred_tokens")
+WAIT_MIN_TOKENS = 256     # a shared prefix worth waiting for when transfers are off
 MAX_DIGEST = 1024         # positions read of a backend's restorable digest (a worker sends 64)
 
 
@@ -46,7 +50,8 @@ class RouteStage:
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
                  index: dict[str, list[str]], balance: Balance,
                  aliases: dict[str, str] | None = None,
-                 prefixes: PrefixIndex | None = None, transfer_min_tokens: int = 0) -> None:
+                 prefixes: PrefixIndex | None = None, transfer_min_tokens: int = 0,
+                 prefix_wait_s: float = 0.0) -> None:
         self.backends, self.queues, self.index = backends, queues, index
         self.aliases = aliases or {}
         self.balance = balance
@@ -54,8 +59,8 @@ class RouteStage:
         self.prefixes = prefixes or PrefixIndex()
         self._epochs: dict[str, object] = {}
         self.transfer_min_tokens = transfer_min_tokens
-        # backend -> its requests in this proxy (waiting or sent) and their chains
-        self.inflight: dict[str, dict[Exchange, Chain]] = collections.defaultdict(dict)
+        self.inflight = InFlight()                  # what each backend is computing now
+        self.prefix_wait_s = prefix_wait_s
         self._incompatible: set[tuple[str, str]] = set()   # (source, target): other models
         # model -> its tokens per estimated token (its tokenizer against 4 chars a token),
         # from the last prompt a backend reported: puts prefixes in flight on the index's scale
@@ -75,6 +80,8 @@ class RouteStage:
         restarted = False
         while True:
             decision = self.decide(ex.model, lane, chain, exclude=refused)
+            if not refused:
+                await self._wait_for_prefix(ex.model, decision.name, chain)
             ex.transfer = self.transfer_plan(ex.model, decision.name, chain)
             try:
                 await self._serve(ex, call_next, decision, chain, lane)
@@ -107,14 +114,13 @@ class RouteStage:
         slots = ex.backend.slots()        # a llama-server's: it may pin a slot when sent
         placed = (slots.expect(ex.trace.request_id, lane, decision.predicted)
                   if slots is not None and lane else None)
-        serving = self.inflight[decision.name]
-        serving[ex] = chain
+        self.inflight.add(decision.name, ex, chain)
         try:
             await call_next(ex)
             if slots is not None and placed is not None and ex.trace.status == 200:
                 await slots.learn(placed, ex.usage)
         finally:
-            serving.pop(ex, None)
+            self.inflight.remove(decision.name, ex)
             if slots is not None and placed is not None:
                 slots.done(placed)
 
@@ -177,26 +183,36 @@ class RouteStage:
             b = self.backends[n]
             if n == target or (getattr(b, "moves_state", False) and b.status().up
                                and (n, target) not in self._incompatible):
-                have[n] = max(held.get(n, (0, False))[0],
-                              round(self._computing(n, chain) * self._scale.get(model, 1.0)))
+                have[n] = max(held.get(n, (0, False))[0], self._computing(model, n, chain)[0])
         return transfer_source(target, have, self.transfer_min_tokens)
 
-    def _computing(self, name: str, chain: Chain) -> int:
-        """Estimated tokens of `chain`'s prefix shared by a request `name` is computing: one
-        that got its slot there (a request still waiting in the proxy's queue would run after
-        an export sent now)."""
-        best = 0
-        for ex, other in self.inflight.get(name, {}).items():
-            if ex.trace.queue_wait is None:
-                continue
-            depth = 0
-            for a, b in zip(chain.bounds, other.bounds, strict=False):
-                if a.key != b.key:
-                    break
-                depth += 1
-            if depth:
-                best = max(best, other.bounds[depth - 1].tokens)
-        return best
+    def _computing(self, model: str, name: str, chain: Chain) -> tuple[int, Any]:
+        """(tokens of `chain`'s prefix a request `name` is computing shares, on the index's
+        scale: the model's tokens per estimated token; that request's end event)."""
+        tokens, done = self.inflight.computing(name, chain)
+        return round(tokens * self._scale.get(model, 1.0)), done
+
+    async def _wait_for_prefix(self, model: str, name: str, chain: Chain) -> None:
+        """A llama-server (slots, several at once) computing a long prefix of this request
+        that it does not hold yet: wait (at most `prefix_wait_s`) until that request ends, so
+        this one restores the prefix from the server's RAM prompt cache instead of computing
+        it again in another slot (slots share no KV; an idle slot is saved when a task
+        starts)."""
+        backend = self.backends[name]
+        if not self.prefix_wait_s or backend.slots() is None or \
+                self.queues[name].max_concurrency <= 1:
+            return
+        tokens, done = self._computing(model, name, chain)
+        held = self.prefixes.longest(chain, time.monotonic()).get(name, (0, False))[0]
+        if done is None or tokens - held < (self.transfer_min_tokens or WAIT_MIN_TOKENS):
+            return
+        try:
+            async with asyncio.timeout(self.prefix_wait_s):
+                await done.wait()
+            outcome = "done"
+        except TimeoutError:
+            outcome = "timeout"
+        m.PREFIX_WAITS.labels(name, outcome).inc()
 
     def transferred(self, source: str, target: str, outcome: str, tokens: int,
                     incompatible: bool = False) -> None:
