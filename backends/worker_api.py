@@ -18,8 +18,8 @@ Endpoint = tuple[aiohttp.ClientSession, str, dict[str, str]]
 
 class WorkerEndpoints:
     """The Backend capabilities a prefixd worker answers itself, for a backend class that
-    defines `_call(path, payload=None, text=False)` (how it reaches its worker). Listed before
-    `BackendBase` in the bases, so these replace its defaults."""
+    defines `_endpoint()` (how it reaches its worker now). Listed before `BackendBase` in the
+    bases, so these replace its defaults."""
 
     moves_state = True     # it exports and imports prefix states (`move_state`)
 

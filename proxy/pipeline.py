@@ -135,7 +135,7 @@ def build_stages(proxy: Proxy) -> list[Stage]:
         stages.append(LoadStage(proxy.pool))
     if s.route_transfer_min_tokens and sum(
             getattr(b, "moves_state", False) for b in proxy.backends.values()) > 1:
-        stages.append(TransferStage(proxy.backends, proxy.router, s.route_transfer_timeout_s))
+        stages.append(TransferStage(proxy.router, s.route_transfer_timeout_s))
     stages += [ForwardStage({n: c.request_timeout_s for n, c in proxy.configs.items()}),
                RelayStage()]
     return stages

@@ -7,10 +7,10 @@ can restore (RAM or disk, the same restore a request does), and importing a bund
 worker of the same model into the checkpoint store, where the next request finds it as if this
 worker had computed it.
 
-The proxy moves bundles (`proxy/transfer.py`): when a request goes to a worker that lacks a long
-prefix another worker of the same model holds or is computing, it asks that worker to export
-the prefix and this one to import it, instead of recomputing it. The state is the exporting
-worker's own, so a request restored from it gives what that worker's restore would.
+The proxy moves bundles (`proxy/stages/transfer.py`): when a request goes to a worker that
+lacks a long prefix another worker of the same model holds or is computing, it asks that worker
+to export the prefix and this one to import it, instead of recomputing it. The state is the
+exporting worker's own, so a request restored from it gives what that worker's restore would.
 
 An import is checked before anything is stored: the bundle's key (model fingerprint, file
 format, cache layout, KV quantization) must be this model's, and every leaf must have this

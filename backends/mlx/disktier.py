@@ -117,12 +117,12 @@ class TierGlue:
         """A live cache from disk when the disk tier holds a longer prefix worth loading, else
         None (the RAM match, if any, is used). Sets the request's tier, known tokens and miss;
         counts them in the tier metrics unless `count` is False (an export, not a request)."""
+        tally = self._count if count else lambda stats, restored: None
         d = self.tiers.decide(prompt, ram_pos)
         stats.known_tokens, stats.miss = d.known, d.reason
         stats.tier = "ram" if ram_pos else None
         if d.disk is None:
-            if count:
-                self._count(stats, ram_pos)
+            tally(stats, ram_pos)
             return None
         rec, pos = d.disk
         t0 = time.perf_counter()
@@ -133,16 +133,14 @@ class TierGlue:
                         rec.rid, rec.pos, e)
             self.disk.forget(rec, "corrupt")
             stats.miss = "format_mismatch"
-            if count:
-                self._count(stats, ram_pos)
+            tally(stats, ram_pos)
             return None
         seconds = time.perf_counter() - t0
         stats.disk_load_s, stats.tier = seconds, "disk"
         self.tiers.rates.read(nbytes, seconds)
         metrics.TIER_LOAD_SECONDS.labels("disk").observe(seconds)
         metrics.TIER_READ_BYTES.inc(nbytes)
-        if count:
-            self._count(stats, pos)
+        tally(stats, pos)
         return Restore(cache, pos)
 
     def _count(self, stats: PromptStats, restored: int) -> None:

@@ -127,8 +127,10 @@ class Engine:
         metrics.FALLBACKS.labels(reason).inc()
 
     # --- restore -----------------------------------------------------------------------------
-    def _restore(self, prompt: list[int], stats: PromptStats) -> tuple[list[Any], int]:
-        """(live cache, tokens already in it); the fallback reason and times go to `stats`."""
+    def _restore(self, prompt: list[int], stats: PromptStats,
+                 count: bool = True) -> tuple[list[Any], int]:
+        """(live cache, tokens already in it); the fallback reason and times go to `stats`,
+        the tier hit or miss to the metrics unless `count` is False (an export)."""
         t0 = time.perf_counter()
         if self._unsupported:
             self._count_fallback("unsupported_cache")
@@ -138,7 +140,7 @@ class Engine:
         t1 = time.perf_counter()
         stats.lookup_s = t1 - t0
         loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
-                                    self.fresh_cache)
+                                    self.fresh_cache, count)
         if loaded is not None:
             stats.restore_s = time.perf_counter() - t1
             return loaded.cache, loaded.pos
@@ -157,23 +159,11 @@ class Engine:
         return cache, match.pos
 
     def restore_only(self, prompt: list[int], stats: PromptStats) -> tuple[list[Any], int]:
-        """`_restore` for an export (`bundle.py`): the same lookup, without counting a hit or
-        a miss in the tier metrics (no request is served)."""
+        """`_restore` for an export (`bundle.py`): the same restore, without counting a hit
+        or a miss in the tier metrics (no request is served)."""
         if self._unsupported:
             return self.fresh_cache(), 0
-        match = self.store.lookup(prompt)
-        loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
-                                    self.fresh_cache, count=False)
-        if loaded is not None:
-            return loaded.cache, loaded.pos
-        if match is None:
-            return self.fresh_cache(), 0
-        snap = match.checkpoint.payload if match.checkpoint else None
-        try:
-            return snapshot.restore(match.entry.payload, snap, match.pos), match.pos
-        except Exception:
-            log.exception("restore of %d cached tokens for an export failed", match.pos)
-            return self.fresh_cache(), 0
+        return self._restore(prompt, stats, count=False)
 
     def reference_leaves(self) -> list[Any]:
         """This model's cache leaves after a one-token pass: the classes, array shapes and

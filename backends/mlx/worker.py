@@ -228,15 +228,15 @@ async def _import(request: web.Request) -> web.Response:
     another model's, 413 for one larger than this worker's prompt cache."""
     loaded = _loaded(request)
     limit = loaded.engine.store.budget
+    too_large = ApiError(413, f"the bundle is larger than this worker's prompt cache ({limit} "
+                         "bytes)", code="too_large")
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"the bundle is larger than this worker's prompt cache ({limit} "
-                       "bytes)", code="too_large")
+        raise too_large
     parts, size = [], 0
     async for chunk in request.content.iter_chunked(1 << 20):
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"the bundle is larger than this worker's prompt cache "
-                           f"({limit} bytes)", code="too_large")
+            raise too_large
         parts.append(chunk)
     data = b"".join(parts)
     try:

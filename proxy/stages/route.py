@@ -214,7 +214,7 @@ class RouteStage:
             outcome = "timeout"
         m.PREFIX_WAITS.labels(name, outcome).inc()
 
-    def transferred(self, source: str, target: str, outcome: str, tokens: int,
+    def transferred(self, source: str, target: str, tokens: int,
                     incompatible: bool = False) -> None:
         """What a planned transfer did (the transfer stage reports it)."""
         if incompatible:

@@ -25,9 +25,8 @@ log = logging.getLogger("prefixd.route")
 class TransferStage:
     name = "transfer"
 
-    def __init__(self, backends: dict[str, Backend], router: RouteStage,
-                 timeout_s: float) -> None:
-        self.backends, self.router, self.timeout_s = backends, router, timeout_s
+    def __init__(self, router: RouteStage, timeout_s: float) -> None:
+        self.router, self.timeout_s = router, timeout_s
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         plan, ex.transfer = ex.transfer, None
@@ -41,13 +40,13 @@ class TransferStage:
         except (BackendUnavailable, BackendError):
             return                       # the forward stage reports it
         t0 = time.monotonic()
-        moved = await move_state(self.backends[source], target,  # type: ignore[arg-type]
+        moved = await move_state(self.router.backends[source], target,  # type: ignore[arg-type]
                                  forward_body(ex), self.timeout_s)
         m.TRANSFERS.labels(source, target.name, moved.outcome).inc()
         m.TRANSFER_SECONDS.labels(target.name).observe(time.monotonic() - t0)
         m.TRANSFER_BYTES.labels(target.name).inc(moved.nbytes)
         ex.trace.transfer = f"{source}:{moved.outcome}:{moved.tokens}"
-        self.router.transferred(source, target.name, moved.outcome, moved.tokens,
+        self.router.transferred(source, target.name, moved.tokens,
                                 incompatible=moved.status == 409)
         if moved.outcome != "moved":
             log.info("request %s: no prefix state from %s for %s (%s%s; %d tokens expected)",
