@@ -359,8 +359,8 @@ def test_quantized_kv_round_trips(tmp_path: Path) -> None:
 
 def test_a_chain_of_thousands_of_blocks_indexes(tmp_path: Path) -> None:
     """The start-up check walks block chains without recursion: 2,000 blocks of one prefix."""
-    from prefixd.backends.mlx.disk import Job, State
     from prefixd.backends.mlx.diskindex import open_tier
+    from prefixd.backends.mlx.diskwriter import Job, State
 
     block, n = 16, 32_000
     tokens = np.arange(n, dtype=np.int32) % 997

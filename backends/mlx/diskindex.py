@@ -16,20 +16,22 @@ from pathlib import Path
 import numpy as np
 
 from prefixd.backends.mlx import chain, diskfmt
-from prefixd.backends.mlx.disk import DiskTier
+from prefixd.backends.mlx.disk import DiskTier, OnEvict
 from prefixd.backends.mlx.diskrec import Block, Record
 
 log = logging.getLogger("prefixd.worker.disk")
 
 
 def open_tier(root: Path, salt: str, layout: list[str], budget: int, block: int,
-              **kw: object) -> DiskTier:
-    tier = DiskTier(root, salt, layout, budget, block, **kw)  # type: ignore[arg-type]
+              on_evict: OnEvict | None = None) -> DiskTier:
+    """The tier of `root`, indexed, within its budget, its writer started."""
+    tier = (DiskTier(root, salt, layout, budget, block) if on_evict is None
+            else DiskTier(root, salt, layout, budget, block, on_evict))
     t0 = time.perf_counter()
     index_directory(tier)
     if tier.bytes_used > tier.budget:      # the budget was lowered since the last run
-        with tier._lock:
-            tier._make_room(0, set())
+        with tier.lock:
+            tier.make_room(0, set())
     tier.start()
     skipped = sum(tier.skipped.values())
     log.info("disk cache: %s: %d records, %d blocks, %.1f MiB of %.1f MiB, indexed in %.2fs%s",

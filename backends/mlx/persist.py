@@ -15,7 +15,9 @@ from typing import Any
 import mlx.core as mx
 
 from prefixd.backends.mlx import chain, diskfmt, snapshot
-from prefixd.backends.mlx.disk import DiskTier, Job, Record, State
+from prefixd.backends.mlx.disk import DiskTier
+from prefixd.backends.mlx.diskrec import Record
+from prefixd.backends.mlx.diskwriter import Job, State
 from prefixd.backends.mlx.store import Entry
 
 

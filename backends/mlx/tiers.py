@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixd.backends.mlx import chain
-from prefixd.backends.mlx.disk import DiskTier, Job, Record
+from prefixd.backends.mlx.disk import DiskTier
+from prefixd.backends.mlx.diskrec import Record
+from prefixd.backends.mlx.diskwriter import Job
 from prefixd.backends.mlx.persist import make_job
 from prefixd.backends.mlx.store import Entry
 
