@@ -4,84 +4,32 @@ job at a time.
 Owns: every mlx call of the worker process. Model loading, Engine construction, generation and
 `Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one worker), so the
 Engine and its checkpoint store need no locks, and the executor's FIFO is the request queue.
-A `Job` carries a prompt in and text deltas out (through an asyncio.Queue, thread-safely); its
-`cancel` flag is the Engine's `should_stop`, so a client that goes away stops generation within
-one decode step. Nothing here speaks HTTP: failures are `Failed` events or `WorkerClosed`, which
-`worker.py` turns into responses.
+It runs `Job`s (`jobs.py`: a prompt in, events out, a cancel flag polled between decode
+steps) and hands the disk tier the writes that fall due while no request runs. Nothing here
+speaks HTTP: failures are `Failed` events or `WorkerClosed`, which `worker.py` and
+`respond.py` turn into responses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import mlx_memory
-from prefixd.backends.mlx.output import Delta, LogprobTap, TextOut, sampling_functions
+from prefixd.backends.mlx.output import LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.prompt import Prompt
 from prefixd.backends.mlx.restorable import digest
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.mlx.stats import PromptStats, breakdown, observe
 
 log = logging.getLogger("prefixd.worker")
-
-
-class WorkerClosed(RuntimeError):
-    """The generation thread is shut down: no new job can run."""
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The last event of a job. `finish_reason`: stop, length, or cancelled (client gone).
-    `prefixd`: where the time went (`stats.breakdown`), for the response."""
-
-    finish_reason: str
-    completion_tokens: int
-    cached_tokens: int
-    prefixd: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Delta | Finished | Failed  # Delta: a text delta
-
-
-@dataclass(eq=False)  # identity-hashed: pending jobs live in a set
-class Job:
-    prompt: Prompt
-    sampling: Sampling
-    max_tokens: int
-    logprobs: int | None  # None: none; else how many alternatives per token
-    _emit: Callable[[Event], None]
-    _queue: asyncio.Queue[Event]
-    _cancel: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
-    queue_s: float = 0.0  # how long it waited for the generation thread
-
-    def cancel(self) -> None:
-        """Stop generating (idempotent; harmless once the job has finished)."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._queue.get()
-            yield event
-            if not isinstance(event, Delta):
-                return
 
 
 class Generator:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from prefixd.api.errors import ApiError, error_response
 from prefixd.backends.mlx.chat import GenRequest
-from prefixd.backends.mlx.generation import Failed, Finished, Job
+from prefixd.backends.mlx.jobs import Failed, Finished, Job
 from prefixd.backends.mlx.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from prefixd.backends.mlx.oai import DONE, ChatOutput, Shapes, sse, usage
 from prefixd.backends.mlx.output import Delta

@@ -23,7 +23,8 @@ from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.api.schema import Kind, decode_json, parse_body
 from prefixd.backends.mlx import bundle
 from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
-from prefixd.backends.mlx.generation import Generator, WorkerClosed
+from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.jobs import WorkerClosed
 from prefixd.backends.mlx.loading import Loaded
 from prefixd.backends.mlx.memory import memory_info
 from prefixd.backends.mlx.oai import ChatOutput, Shapes
