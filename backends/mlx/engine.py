@@ -2,9 +2,13 @@
 with checkpoints, decode, and commit what the KV state holds back to the checkpoint store.
 
 Owns: the prefill/decode loop (so prefill chunks can end exactly at checkpoint positions), the
-restore decision and its fallbacks, per-request `PromptStats`, and the worker cache metrics.
-Policy (placement, lookup, budget) lives in `store.py`; per-class cache handling in `snapshot.py`.
-Called from one thread only (the worker's single-thread executor), so nothing here locks.
+restore decision and its fallbacks, taking checkpoints, the commit at the end of a request,
+per-request `PromptStats`, and the face other workers' states come in and go out through
+(`bundle.py`). What this model's cache supports is probed at start (`probe.py`); the counts
+and cache metrics are `cachecounts.py`; policy (placement, lookup, budget) lives in
+`placement.py` and `store.py`; per-class cache handling in `snapshot.py`; the disk tier behind
+`disktier.py`. Called from one thread only (the worker's single-thread executor), so nothing
+here locks.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixd.backends.mlx import probe, snapshot, tap
+from prefixd.backends.mlx import probe, snapshot
+from prefixd.backends.mlx.cachecounts import CacheCounts
 from prefixd.backends.mlx.disktier import DiskSpec, TierGlue
-from prefixd.backends.mlx.placement import auto_interval, placement_marks, tail_mark
+from prefixd.backends.mlx.placement import prefill_plan
 from prefixd.backends.mlx.run import Run
 from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.store import CheckpointStore, Entry
-from prefixd.metrics import worker as metrics
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -65,12 +69,10 @@ class Engine:
         self._reference: list[Any] | None = None
         self.store = CheckpointStore(config.cache_bytes)
         self.last_stats: PromptStats | None = None
-        self.totals = {"requests": 0, "cached_tokens": 0, "recomputed_tokens": 0}
-        self.fallbacks: dict[str, int] = {}
-        self._evicted = (0, 0, 0)
+        self.counts = CacheCounts()
         self._kv = probe.kv_quantization(model, config.kv_bits)
         if config.kv_bits and not self._kv:
-            self._count_fallback("kv_quant_unsupported")
+            self.counts.fallback("kv_quant_unsupported")
         template = self.fresh_cache()
         self._unsupported = snapshot.unsupported(template)
         if self._unsupported:
@@ -79,52 +81,31 @@ class Engine:
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
         # Windows as the only snapshotted layers: a checkpoint below the window trims back.
         self._trim_below = snapshot.trimmable_below(template, self._snap_idx)
-        self.inpass = self._verify_inpass()
-        self.checkpoint_bytes: int | None = None  # estimated size of one checkpoint
-        self.interval_choice: probe.IntervalChoice | None = None
-        self.interval = self._choose_interval()
+        self.inpass = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
+                                          config.checkpoint_inpass)
+        self.interval, self.interval_choice = probe.pick_interval(
+            model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
+            budget=config.cache_bytes, chunk=config.prefill_chunk,
+            by_cost=config.checkpoint_interval_policy == "cost" and self.inpass is None)
+        # estimated size of one checkpoint
+        self.checkpoint_bytes = (self.interval_choice.checkpoint_bytes if self.interval_choice
+                                 else None)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
                               self._snap_idx, config)
-        metrics.CACHE_BUDGET.set(config.cache_bytes)
-        self._update_gauges()
+        self.counts.budget(config.cache_bytes)
+        self.counts.gauges(self.store)
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """How often each fallback happened since start, by reason."""
+        return self.counts.fallbacks
 
     # --- setup -------------------------------------------------------------------------------
     def fresh_cache(self) -> list[Any]:
         """An empty live cache of this engine's kind (KV quantized if configured)."""
         cache = make_prompt_cache(self.model)
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
-
-    def _verify_inpass(self) -> tuple[int, ...] | None:
-        """The snapshotted leaves, when checkpoints can be taken inside prefill passes for this
-        model (`tap.verify`), else None: every checkpoint then cuts its pass."""
-        if not self._snap_idx or not self.config.checkpoint_inpass:
-            return None
-        why = tap.verify(self.model, self.fresh_cache, self._snap_idx)
-        if why:
-            log.info("checkpoints cut prefill passes for this model (in-pass capture: %s)", why)
-            return None
-        log.info("checkpoints are taken inside prefill passes (no extra forward passes)")
-        return self._snap_idx
-
-    def _choose_interval(self) -> int:
-        """`checkpoint_interval` if set, else sized to the model (`probe.choose_interval`)."""
-        s = self.config
-        if s.checkpoint_interval is not None:
-            return s.checkpoint_interval
-        if not self._snap_idx or not s.cache_bytes:
-            return auto_interval(0, s.cache_bytes)  # no checkpoints are ever stored
-        self.interval_choice = probe.choose_interval(self.model, self.fresh_cache,
-                                                     self._snap_idx, s.cache_bytes,
-                                                     s.prefill_chunk,
-                                                     s.checkpoint_interval_policy == "cost"
-                                                     and self.inpass is None)
-        self.checkpoint_bytes = self.interval_choice.checkpoint_bytes
-        return self.interval_choice.interval
-
-    def _count_fallback(self, reason: str) -> None:
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        metrics.FALLBACKS.labels(reason).inc()
 
     # --- restore -----------------------------------------------------------------------------
     def _restore(self, prompt: list[int], stats: PromptStats,
@@ -133,7 +114,7 @@ class Engine:
         the tier hit or miss to the metrics unless `count` is False (an export)."""
         t0 = time.perf_counter()
         if self._unsupported:
-            self._count_fallback("unsupported_cache")
+            self.counts.fallback("unsupported_cache")
             stats.fallback = "unsupported_cache"
             return self.fresh_cache(), 0
         match = self.store.lookup(prompt)
@@ -152,7 +133,7 @@ class Engine:
             cache = snapshot.restore(match.entry.payload, snap, match.pos)
         except Exception:
             log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
-            self._count_fallback("restore_error")
+            self.counts.fallback("restore_error")
             stats.fallback = "restore_error"
             return self.fresh_cache(), 0
         stats.restore_s = time.perf_counter() - t1
@@ -188,7 +169,7 @@ class Engine:
                                    snapshot.trimmable(cache), self._end_snapshot)
         if stored:
             self.tiers.committed(entry)
-        self._update_gauges()
+        self.counts.gauges(self.store)
         return len(tokens) if stored else 0
 
     # --- generation --------------------------------------------------------------------------
@@ -226,9 +207,9 @@ class Engine:
             if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
                 log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
                             "checkpoints from now on", run.tap_failure)
-                self._count_fallback("inpass_error")
+                self.counts.fallback("inpass_error")
                 self.inpass = None
-            self._finish_stats(stats, start, run.pos - start)
+            self.counts.request(stats, start, run.pos - start)
             self.tiers.prefilled(stats)
             if logits is not None:
                 yield from run.decode(logits, sampler, logits_processors or [], max_tokens,
@@ -236,25 +217,17 @@ class Engine:
         finally:
             t0 = time.perf_counter()
             self._commit(entry, run)
-            self._update_gauges()
+            self.counts.gauges(self.store)
             stats.commit_s = time.perf_counter() - t0
 
     # --- checkpoints and commit ---------------------------------------------------------------
     def _plan(self, n: int, start: int, boundaries: Sequence[int]) -> tuple[dict[int, bool], int]:
-        """(checkpoint positions of this prompt, where its last forward pass starts).
-
-        The last pass is the only one whose logits are computed, so it is kept short: the last
-        token, as stock mlx-lm's (the passes before it skip the last layer's work past what the
-        cache needs, and lm_head), or from the tail mark a few tokens earlier, which then is a
-        checkpoint without an extra pass. All-KV models take no checkpoints (the entry's KV
-        trims to any prefix): their prefill is cut only by `prefill_chunk`."""
+        """`placement.prefill_plan`. All-KV models take no checkpoints (the entry's KV trims
+        to any prefix): their prefill is cut only by `prefill_chunk`."""
         if not self._snap_idx:
             return {}, n - 1
-        tail = self.config.checkpoint_tail
-        marks = placement_marks(n, start, boundaries, self.interval, tail,
-                                trim_below=self._trim_below)
-        last = tail_mark(n, [b for b in boundaries if 0 < b < n], tail)
-        return marks, last if last is not None and last in marks else n - 1
+        return prefill_plan(n, start, boundaries, self.interval, self.config.checkpoint_tail,
+                            trim_below=self._trim_below)
 
     def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
                  stats: PromptStats, payload: snapshot.Snapshot | None = None) -> None:
@@ -274,7 +247,7 @@ class Engine:
                 stats.checkpoint_bytes += size
         except Exception:
             log.exception("checkpoint at %d failed; continuing without it", pos)
-            self._count_fallback("checkpoint_error")
+            self.counts.fallback("checkpoint_error")
         stats.checkpoint_s += time.perf_counter() - t0
 
     def _capture_restored(self, entry: Entry, cache: list[Any], pos: int) -> None:
@@ -305,18 +278,8 @@ class Engine:
                 self.tiers.committed(entry)
         except Exception:
             log.exception("storing this request's prompt cache failed; the reply is unaffected")
-            self._count_fallback("commit_error")
+            self.counts.fallback("commit_error")
             self.store.discard(entry)
-
-    def _finish_stats(self, stats: PromptStats, cached: int, recomputed: int) -> None:
-        stats.cached_tokens, stats.recomputed_tokens = cached, recomputed
-        self.totals["requests"] += 1
-        self.totals["cached_tokens"] += cached
-        self.totals["recomputed_tokens"] += recomputed
-        metrics.CACHED_TOKENS.inc(cached)
-        metrics.RECOMPUTED_TOKENS.inc(recomputed)
-        metrics.RESTORE_SECONDS.observe(stats.lookup_s + stats.restore_s)
-        metrics.PREFILL_SECONDS.observe(stats.prefill_s)
 
     def _end_snapshot(self, entry: Entry) -> tuple[Any, int, bool] | None:
         if not self._snap_idx:
@@ -324,32 +287,12 @@ class Engine:
         payload, size = snapshot.take(entry.payload, self._snap_idx)
         return payload, size, snapshot.snapshot_trimmable(payload)
 
-    def _update_gauges(self) -> None:
-        s = self.store
-        kv = sum(e.nbytes for e in s.entries)
-        metrics.CACHE_BYTES.labels("kv").set(kv)
-        metrics.CACHE_BYTES.labels("checkpoint").set(s.bytes_used - kv)
-        metrics.CACHE_ENTRIES.labels("entry").set(len(s.entries))
-        metrics.CACHE_ENTRIES.labels("checkpoint").set(sum(len(e.checkpoints) for e in s.entries))
-        now = (s.evicted_entries, s.evicted_checkpoints, s.rejected)
-        for kind, new, old in zip(("entry", "checkpoint", "rejected"), now, self._evicted,
-                                  strict=True):
-            if new > old:
-                metrics.EVICTIONS.labels(kind).inc(new - old)
-        self._evicted = now
-
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""
         info = self.store.info()
         return {
             **info,
-            "hit_tokens_total": self.totals["cached_tokens"],
-            "recomputed_tokens_total": self.totals["recomputed_tokens"],
-            "requests_total": self.totals["requests"],
-            "evictions": {"entries": info["evicted_entries"],
-                          "checkpoints": info["evicted_checkpoints"],
-                          "rejected": info["rejected"]},
-            "fallbacks": dict(self.fallbacks),
+            **self.counts.info(info),
             "disabled_reason": self._unsupported,
             "kv_bits": self._kv[0] if self._kv else None,
             "checkpoint_interval": self.interval,  # effective (the setting may be auto)

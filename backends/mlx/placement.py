@@ -2,7 +2,8 @@
 
 Owns: the longest-common-prefix helper, the checkpoint positions of one prompt
 (`placement_marks`: message boundaries, the prompt end and its tail, in-message interval marks)
-and the automatic in-message interval sized to the checkpoint bytes and the budget.
+with where its last forward pass starts (`prefill_plan`), and the automatic in-message interval
+sized to the checkpoint bytes and the budget.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def placement_marks(n: int, start: int, boundaries: Iterable[int], interval: int
     low = [p for p in marks if p < trim_below]
     marks = [p for p in marks if p >= trim_below or p == low[-1]]
     return {p: p not in fixed for p in marks}
+
+
+def prefill_plan(n: int, start: int, boundaries: Sequence[int], interval: int, tail: int,
+                 *, trim_below: int = 0) -> tuple[dict[int, bool], int]:
+    """(checkpoint positions of this prompt, where its last forward pass starts).
+
+    The last pass is the only one whose logits are computed, so it is kept short: the last
+    token, as stock mlx-lm's (the passes before it skip the last layer's work past what the
+    cache needs, and lm_head), or from the tail mark a few tokens earlier, which then is a
+    checkpoint without an extra pass."""
+    marks = placement_marks(n, start, boundaries, interval, tail, trim_below=trim_below)
+    last = tail_mark(n, [b for b in boundaries if 0 < b < n], tail)
+    return marks, last if last is not None and last in marks else n - 1
 
 
 def placement(n: int, start: int, boundaries: Iterable[int], interval: int, tail: int,

@@ -1,6 +1,7 @@
-"""Start-up probes of a model for the Engine: which KV quantization its attention accepts, how
-big its checkpoints get, what a forward pass costs, and the in-message checkpoint interval
-chosen from those (`IntervalChoice`). Runs once per model load, on the generation thread.
+"""Start-up probes of a model for the Engine: which KV quantization its attention accepts,
+whether checkpoints can be taken inside prefill passes (`tap.verify`), how big its checkpoints
+get, what a forward pass costs, and the in-message checkpoint interval chosen from those
+(`IntervalChoice`). Runs once per model load, on the generation thread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixd.backends.mlx import snapshot
+from prefixd.backends.mlx import snapshot, tap
 from prefixd.backends.mlx.placement import auto_interval, compute_interval
 
 log = logging.getLogger("prefixd.worker.cache")
@@ -103,3 +104,30 @@ def choose_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[
              size / 2**20, cache_bytes / 2**30, by_bytes, choice.pass_ms, choice.token_ms,
              by_compute)
     return choice
+
+
+def inpass_leaves(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...],
+                  enabled: bool) -> tuple[int, ...] | None:
+    """The snapshotted leaves, when checkpoints can be taken inside prefill passes for this
+    model (`tap.verify`), else None: every checkpoint then cuts its pass."""
+    if not snap_idx or not enabled:
+        return None
+    why = tap.verify(model, fresh, snap_idx)
+    if why:
+        log.info("checkpoints cut prefill passes for this model (in-pass capture: %s)", why)
+        return None
+    log.info("checkpoints are taken inside prefill passes (no extra forward passes)")
+    return snap_idx
+
+
+def pick_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...], *,
+                  fixed: int | None, budget: int, chunk: int,
+                  by_cost: bool) -> tuple[int, IntervalChoice | None]:
+    """The in-message checkpoint interval: `fixed` if set, else sized to the model
+    (`choose_interval`); with the choice, when one was probed."""
+    if fixed is not None:
+        return fixed, None
+    if not snap_idx or not budget:
+        return auto_interval(0, budget), None  # no checkpoints are ever stored
+    choice = choose_interval(model, fresh, snap_idx, budget, chunk, by_cost)
+    return choice.interval, choice
