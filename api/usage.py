@@ -11,14 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-MAX_COUNT = 2**40
-
-
-def count(value: object) -> int | None:
-    """A token count as an upstream reported it, if it is one."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT:
-        return value
-    return None
+from prefixd.api.values import count
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,14 +22,19 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import aiohttp
 
+from prefixd.backends import worker_api
 from prefixd.backends.base import (
     BackendBase,
     BackendError,
+    BackendState,
     BackendStatus,
     BackendTimeout,
     BackendUnavailable,
+    Capabilities,
+    Managed,
     UpstreamRequest,
     UpstreamResponse,
+    WorkerLink,
 )
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.health import local_session
@@ -37,16 +42,15 @@ from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
 from prefixd.backends.supervisor import ProcState, Supervisor
-from prefixd.backends.worker_api import Endpoint, WorkerEndpoints
 
 log = logging.getLogger("prefixd.backend")
 
 __all__ = ["ManagedBackend", "ProcState"]
 
 
-class ManagedBackend(WorkerEndpoints, BackendBase):
+class ManagedBackend(BackendBase):
     kind = "mlx"
-    restarts_itself = True    # a request its dead worker never answered may wait for the next
+    capabilities = Capabilities(moves_state=True, restarts_itself=True)
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
                  command: CommandBuilder | None = None, stop_grace_s: float = 20.0,
@@ -146,13 +150,25 @@ class ManagedBackend(WorkerEndpoints, BackendBase):
             self._sup.report_failure()
             raise
 
-    def _endpoint(self) -> Endpoint | None:
+    def worker(self) -> WorkerLink | None:
         base = self._sup.base_url
         if self._sup.state is not ProcState.READY or base is None:
             return None
         if self._session is None:
             self._session = local_session()
-        return self._session, base, self._sup.auth
+        return WorkerLink(self._session, base, self._sup.auth)
+
+    async def tokenize(self, body: dict) -> list[int] | None:
+        return await worker_api.tokenize(self.worker(), body)
+
+    async def metrics_text(self) -> str | None:
+        return await worker_api.metrics_text(self.worker())
+
+    async def cache_info(self) -> dict | None:
+        return await worker_api.cache_info(self.worker())
+
+    def managed(self) -> Managed:
+        return self
 
     @property
     def loaded(self) -> bool:
@@ -191,9 +207,9 @@ class ManagedBackend(WorkerEndpoints, BackendBase):
         alive = w is not None and not w.exited.is_set()
         retry_in = sup.retry_in()                 # a failed backend's next attempt
         return BackendStatus(
-            name=self.name, kind=self.kind, state=sup.state.value,
+            name=self.name, kind=self.kind, state=BackendState(sup.state.value),
             up=sup.state is ProcState.READY and sup.healthy, models=self.models,
-            last_error=sup.last_error,
+            last_error=sup.last_error, generation=sup.restarts,
             detail={"model": self._model, "pid": w.pid if w is not None and alive else None,
                     "url": sup.base_url if alive else None, "restarts": sup.restarts,
                     "consecutive_failures": sup.consecutive,

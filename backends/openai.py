@@ -1,7 +1,8 @@
 """Backend kind `openai`: any OpenAI-compatible upstream (llama-server, mlx_lm.server, vLLM,
 Ollama). Owns its HTTP session and a periodic health probe that sets its up/down state; each
 time the upstream comes up it is asked whether it is a llama-server with slots
-(`backends/llama.py`)."""
+(`backends/llama.py`: `slot_info()`); which slot a conversation runs in is routing's call
+(`proxy/routing/slots.py`)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,20 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import aiohttp
 
 from prefixd.backends.base import (
     BackendBase,
     BackendGone,
+    BackendState,
     BackendStatus,
     UpstreamRequest,
     UpstreamResponse,
 )
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.http import client_session, post_stream
-from prefixd.backends.llama import LlamaSlots
+from prefixd.backends.llama import ServerInfo, SlotState, detect_server, parse_slots
 from prefixd.metrics.proxy import BACKEND_UP
 
 log = logging.getLogger("prefixd.backend")
@@ -52,7 +53,8 @@ class OpenAIBackend(BackendBase):
         self._probe_from = 0               # index into PROBE_PATHS of the path that works
         self._can_tokenize: bool | None = None   # None until /apply-template was tried
         self._tokenize_probe = asyncio.Lock()
-        self._llama: LlamaSlots | None = None     # set while up, if it is a llama-server
+        self._slots: ServerInfo | None = None     # set while up, if it is a llama-server
+        self._generation = 0                      # times it came back after being down
         self._detecting: asyncio.Task[None] | None = None
         key = config.api_key.get_secret_value() if config.api_key else None
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -71,9 +73,6 @@ class OpenAIBackend(BackendBase):
     @asynccontextmanager
     async def forward(self, request: UpstreamRequest) -> AsyncIterator[UpstreamResponse]:
         session = self._ensure_session()
-        if self._llama is not None:    # a slot pin, decided now that it is being sent
-            request = replace(request, body=self._llama.prepare(request.request_id,
-                                                                 request.body))
         try:
             async with post_stream(session, self._base + request.path, request, self.name,
                                    self._auth) as resp:
@@ -133,13 +132,14 @@ class OpenAIBackend(BackendBase):
                     if r.status == 404 and path != PROBE_PATHS[-1]:
                         self._probe_from += 1    # no such endpoint here: use the next one
                         continue
-                    up = r.status < 500
-                    err = None if up else f"health probe {path}: HTTP {r.status}"
+                    up, err = r.status < 500, f"health probe {path}: HTTP {r.status}"
                     break
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             up, err = False, f"health probe: {e or type(e).__name__}"
         came_up = up and self._up is not True
-        self._set_up(up, err)
+        if up and self._up is False:
+            self._generation += 1             # back after being down: its cache is gone
+        self._set_up(up, None if up else err)
         self._last_probe = time.time()
         if came_up:
             self._detecting = asyncio.create_task(self._detect_slots())
@@ -156,22 +156,28 @@ class OpenAIBackend(BackendBase):
             self._last_error = err
         BACKEND_UP.labels(self.name).set(1 if up else 0)
         if not up:
-            self._llama = None                # a restarted server has empty slots
+            self._slots = None                # a restarted server has empty slots
 
-    async def detect_slots(self) -> LlamaSlots | None:
+    async def detect_slots(self) -> ServerInfo | None:
         """Wait for the slot detection of the current up period (probing once if none ran)."""
         if self._detecting is None:
             await self.probe_once()
         if self._detecting is not None:
             await asyncio.shield(self._detecting)
-        return self._llama
+        return self._slots
 
-    def slots(self) -> LlamaSlots | None:
-        return self._llama
+    def slot_info(self) -> ServerInfo | None:
+        return self._slots
+
+    async def fetch_slots(self) -> list[SlotState]:
+        try:
+            return parse_slots(await self._get_json("/slots"))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return []
 
     async def _detect_slots(self) -> None:
         try:
-            self._llama = await LlamaSlots.detect(self.name, self._get_json)
+            self._slots = await detect_server(self.name, self._get_json)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
             log.debug("backend %s: no slot detection (%s)", self.name, e)
 
@@ -190,12 +196,12 @@ class OpenAIBackend(BackendBase):
             await asyncio.sleep(self._config.health_interval_s)
 
     def status(self) -> BackendStatus:
-        state = {None: "unknown", True: "ready", False: "down"}[self._up]
+        state = {None: BackendState.UNKNOWN, True: BackendState.READY,
+                 False: BackendState.DOWN}[self._up]
         return BackendStatus(name=self.name, kind=self.kind, state=state,
                              up=self._up is not False, models=self.models,
-                             last_error=self._last_error,
-                             detail={"url": redact_url(self._base), "last_probe": self._last_probe,
-                                     **(self._llama.status() if self._llama else {})})
+                             last_error=self._last_error, generation=self._generation,
+                             detail={"url": redact_url(self._base), "last_probe": self._last_probe})
 
     async def stop(self) -> None:
         if self._detecting is not None and not self._detecting.done():

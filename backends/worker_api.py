@@ -1,7 +1,7 @@
 """Calls to a prefixd worker's own endpoints (`/tokenize`, `/metrics`, `/v1/cache`, and the
-state export/import that moves a prefix between workers), shared by the managed backend (a
-local worker it runs) and the `prefixd` backend (a remote one). Every call is bounded in time
-and answers None (or a `Moved` outcome) when the worker cannot tell."""
+state export/import that moves a prefix between workers) over a `WorkerLink`, shared by the
+managed backend (a local worker it runs) and the `prefixd` backend (a remote one). Every call
+is bounded in time and answers None (or a `Moved` outcome) when the worker cannot tell."""
 
 from __future__ import annotations
 
@@ -12,38 +12,34 @@ from typing import Any
 
 import aiohttp
 
-# (session, base URL, auth headers) of a worker that can be called now
-Endpoint = tuple[aiohttp.ClientSession, str, dict[str, str]]
+from prefixd.api.values import count
+from prefixd.backends.base import WorkerLink
 
 
-class WorkerEndpoints:
-    """The Backend capabilities a prefixd worker answers itself, for a backend class that
-    defines `_endpoint()` (how it reaches its worker now). Listed before `BackendBase` in the
-    bases, so these replace its defaults."""
+async def worker_call(link: WorkerLink | None, path: str, payload: dict | None = None,
+                      text: bool = False) -> Any:
+    """GET (or POST `payload` to) a worker's `path`: its JSON (or text); None when the worker
+    is not reachable now or cannot tell."""
+    return None if link is None else await call(link.session, link.base + path, link.auth,
+                                                payload, text)
 
-    moves_state = True     # it exports and imports prefix states (`move_state`)
 
-    def _endpoint(self) -> Endpoint | None:
-        raise NotImplementedError
+async def tokenize(link: WorkerLink | None, body: dict) -> list[int] | None:
+    """The worker's exact prompt ids for a chat or completions body (rendered through its
+    chat template, no boundaries), for exact prefix-report offsets; None when it cannot
+    tell now."""
+    return token_ids(await worker_call(link, "/tokenize", tokenize_payload(body)))
 
-    async def _call(self, path: str, payload: dict | None = None, text: bool = False) -> Any:
-        ep = self._endpoint()
-        return None if ep is None else await call(ep[0], ep[1] + path, ep[2], payload, text)
 
-    async def tokenize(self, body: dict) -> list[int] | None:
-        """The worker's exact prompt ids for a chat or completions body (rendered through its
-        chat template, no boundaries), for exact prefix-report offsets; None when it cannot
-        tell now."""
-        return token_ids(await self._call("/tokenize", tokenize_payload(body)))
+async def metrics_text(link: WorkerLink | None) -> str | None:
+    """The worker's own /metrics (its prompt cache), or None when it cannot answer."""
+    return await worker_call(link, "/metrics", text=True)
 
-    async def metrics_text(self) -> str | None:
-        """The worker's own /metrics (its prompt cache), or None when it cannot answer."""
-        return await self._call("/metrics", text=True)
 
-    async def cache_info(self) -> dict | None:
-        """The worker's /v1/cache (its checkpoint store and disk tier), or None."""
-        answer = await self._call("/v1/cache")
-        return answer if isinstance(answer, dict) else None
+async def cache_info(link: WorkerLink | None) -> dict | None:
+    """The worker's /v1/cache (its checkpoint store and disk tier), or None."""
+    answer = await worker_call(link, "/v1/cache")
+    return answer if isinstance(answer, dict) else None
 
 
 def tokenize_payload(body: dict[str, Any]) -> dict[str, Any]:
@@ -86,13 +82,12 @@ class Moved:
     status: int = 0          # the target's refusal (409: another model's state)
 
 
-async def move_state(source: WorkerEndpoints, target: WorkerEndpoints, body: bytes,
+async def move_state(src: WorkerLink | None, dst: WorkerLink | None, body: bytes,
                      timeout_s: float) -> Moved:
     """Copy the longest prefix of `body`'s prompt that `source` restores into `target`'s
     prompt cache, streamed from one worker to the other (never held whole here). The export
     runs on the source's generation thread after its request in progress, so this waits for a
     prefix the source is computing; `timeout_s` bounds the whole move."""
-    src, dst = source._endpoint(), target._endpoint()
     if src is None or dst is None:
         return Moved("error", detail="a worker is not running")
     sent = 0
@@ -105,17 +100,18 @@ async def move_state(source: WorkerEndpoints, target: WorkerEndpoints, body: byt
 
     try:
         async with asyncio.timeout(timeout_s):
-            async with src[0].post(src[1] + "/v1/cache/export", data=body,
-                                   headers={**src[2], "Content-Type": "application/json"}) as r:
+            async with src.session.post(src.base + "/v1/cache/export", data=body,
+                                        headers={**src.auth,
+                                                 "Content-Type": "application/json"}) as r:
                 if r.status == 404:
                     return Moved("not_cached")
                 if r.status != 200:
                     return Moved("error", detail=f"export answered {r.status}")
-                headers = {**dst[2], "Content-Type": "application/octet-stream"}
+                headers = {**dst.auth, "Content-Type": "application/octet-stream"}
                 if r.content_length is not None:
                     headers["Content-Length"] = str(r.content_length)
-                async with dst[0].post(dst[1] + "/v1/cache/import", headers=headers,
-                                       data=counted(r.content.iter_chunked(1 << 20))) as t:
+                async with dst.session.post(dst.base + "/v1/cache/import", headers=headers,
+                                            data=counted(r.content.iter_chunked(1 << 20))) as t:
                     answer = await t.json(content_type=None) if t.status == 200 else None
                     if t.status != 200:
                         return Moved("refused", 0, sent, (await t.text())[:300], t.status)
@@ -123,8 +119,8 @@ async def move_state(source: WorkerEndpoints, target: WorkerEndpoints, body: byt
         return Moved("timeout", 0, sent)
     except (aiohttp.ClientError, OSError, ValueError) as e:
         return Moved("error", 0, sent, str(e) or type(e).__name__)
-    tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+    tokens = count(answer.get("tokens")) if isinstance(answer, dict) else None
+    if tokens is None:
         return Moved("error", 0, sent, "the import answered no token count")
     return Moved("moved" if tokens else "refused", tokens, sent,
                  "" if tokens else "the target's budget did not take it")

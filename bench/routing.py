@@ -18,7 +18,7 @@ in-process prefixd replicas on loopback ports. Setups:
   d    two prefixd replicas in front of b's three servers; a conversation's turns alternate
        between the replicas, which share nothing
 
-Policies (a bench-only hook, `RouteStage.policy`): prefixd (`proxy/route.py` `decide`),
+Policies (a bench-only hook, `Router.policy`): prefixd (`proxy/routing/policy.py` `decide`),
 round-robin, least-loaded, lane-only (`choose`). On c4/c12 (one backend) the rows compare
 prefixd with and without slot pinning instead. Per run: recomputed prompt tokens (sum of
 prompt_tokens - cached_tokens the backends reported) against the single-backend ideal (every
@@ -55,9 +55,22 @@ from llama_process import LlamaServer, builtin_gguf, llama_server_binary  # noqa
 
 from prefixd.backends.registry import build_backends  # noqa: E402
 from prefixd.metrics.proxy import UPSTREAM_RESENDS  # noqa: E402
-from prefixd.proxy.route import Candidate, Decision, choose  # noqa: E402
+from prefixd.proxy.routing.policy import Candidate, Decision  # noqa: E402
 from prefixd.proxy.server import Server, make_proxy  # noqa: E402
 from prefixd.proxy.settings import Settings  # noqa: E402
+
+
+def choose(candidates: list[Candidate], affinity: str | None, slack: int = 2) -> Candidate:
+    """The lane-only policy (a baseline for comparison): the lane's last backend
+    while it is up and within `slack` requests per slot of the least loaded."""
+    up = [c for c in candidates if c.up] or candidates
+    best = min(up, key=lambda c: (c.load / c.max_concurrency, candidates.index(c)))
+    if affinity is not None:
+        for c in up:
+            if c.name == affinity and (c.load - best.load) <= slack * c.max_concurrency:
+                return c
+    return best
+
 
 OUT = ROOT / "bench" / "out"
 WORDS = ["module", "parser", "request", "handler", "cache", "token", "queue", "backend",
@@ -351,8 +364,8 @@ async def start_replicas(urls: list[str], slots: int, replicas: int, policy: str
             if kind != "openai":
                 continue
             await b.detect_slots()          # type: ignore[attr-defined]
-            if not pins:
-                b.slots = lambda: None      # type: ignore[method-assign]
+            if not pins:                    # no slot planner: the server places every request
+                b.slot_info = lambda: None  # type: ignore[method-assign]
         servers.append(server)
     return servers
 
@@ -432,8 +445,8 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
         copied = sum(s.proxy.router.truth[b]["transferred_tokens"] for s in servers
                      for b in s.proxy.backends)
         for s in servers:
-            for b in s.proxy.backends.values():
-                sl = type(b).slots(b)     # the real method, also where the bench turned it off
+            for name in s.proxy.backends:
+                sl = s.proxy.router.planner(name)
                 if sl is not None:
                     slot_pins.update(sl.pins)
     finally:

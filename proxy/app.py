@@ -9,12 +9,13 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
 from prefixd import metrics
 from prefixd.api.errors import ApiError, errors_middleware
+from prefixd.backends.base import BackendState
 from prefixd.metrics.federate import label_worker_metrics
 from prefixd.proxy.pipeline import API_BY_PATH, CLIENT_APIS, Proxy
 from prefixd.proxy.tokens import count_tokens
@@ -81,14 +82,15 @@ def _model_entry(proxy: Proxy, model: str, now: int) -> dict:
     return entry
 
 
-def _model_state(states) -> str:  # type: ignore[no-untyped-def]
+_MODEL_STATES = (("loaded", {BackendState.READY, BackendState.UNKNOWN}),
+                 ("loading", {BackendState.STARTING}),
+                 ("unloaded", {BackendState.STOPPED, BackendState.STOPPING, BackendState.DOWN}))
+
+
+def _model_state(states: Iterable[BackendState]) -> str:
     """loaded / loading / unloaded / failed, from its backends' states."""
-    states = set(states)
-    for label, match in (("loaded", {"ready", "unknown"}), ("loading", {"starting"}),
-                         ("unloaded", {"stopped", "stopping", "down"})):
-        if states & match:
-            return label
-    return "failed"
+    have = set(states)
+    return next((label for label, match in _MODEL_STATES if have & match), "failed")
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -150,7 +152,7 @@ def _disk_summary(disk: object) -> dict | None:
 
 async def _ready(request: web.Request) -> web.Response:
     statuses = _statuses(request.app[PROXY_KEY])
-    ready = [s["name"] for s in statuses if s["state"] == "ready"]
+    ready = [s["name"] for s in statuses if s["state"] == BackendState.READY]
     body = {"ready": bool(ready), "backends": {s["name"]: {"state": s["state"],
                                                            "last_error": s["last_error"]}
                                                for s in statuses}}

@@ -13,15 +13,19 @@ import enum
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from prefixd.api.errors import ApiError, error_body, status_type
 from prefixd.api.schema import Kind, Parsed
-from prefixd.backends.base import Backend, UpstreamResponse
+from prefixd.proxy.attempt import Attempt
+from prefixd.proxy.prefix.report import header
 from prefixd.proxy.prefix.stage import Prepared
 from prefixd.proxy.trace import RequestTrace
+
+if TYPE_CHECKING:
+    from prefixd.proxy.translate.base import StreamTranslator, Translator
 
 log = logging.getLogger("prefixd.request")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -42,7 +46,7 @@ class ClientApi:
     name: str                     # "chat", "completions", "anthropic", "responses"
     path: str
     kind: Kind                    # the internal request: "chat" or "completion"
-    translator: Any = None        # prefixd.proxy.translate Translator, None for OpenAI
+    translator: Translator | None = None     # None for OpenAI's own APIs
 
     def error_body(self, e: ApiError) -> dict[str, Any]:
         type_ = e.type_ or status_type(e.status)
@@ -50,7 +54,7 @@ class ClientApi:
             return self.translator.error_body(e.status, type_, e.message, e.param, e.code)
         return error_body(e.message, type_, param=e.param, code=e.code)
 
-    def sse_error(self, e: ApiError, stream: Any = None) -> bytes:
+    def sse_error(self, e: ApiError, stream: StreamTranslator | None = None) -> bytes:
         body = self.error_body(e)
         if stream is not None:
             return stream.error(body)
@@ -67,27 +71,29 @@ class Exchange:
     parsed: Parsed | None = None        # the internal chat/completions request
     model: str | None = None            # the served model it resolved to
     prepared: Prepared | None = None    # lane, canonicalized body, prefix report
-    backend: Backend | None = None
-    upstream: UpstreamResponse | None = None
+    attempt: Attempt | None = None      # the current (last) try on a backend, and its answer
     response: web.StreamResponse | None = None
     state: ResponseState = ResponseState.NOT_STARTED
-    stream_out: Any = None              # the translator's per-response stream state
-    message: dict[str, Any] | None = None   # the assistant's answer, for the lane
-    usage: dict[str, Any] | None = None
-    transfer: tuple[str, int] | None = None   # (source, tokens): copy that prefix in first
-    transferred: int = 0                      # tokens of prefix state copied in
     failed: bool = False                # an error was delivered: nothing more is sent
 
     @property
     def stream(self) -> bool:
         return bool(self.parsed and self.parsed.req.stream)
 
+    @property
+    def answered(self) -> bool:
+        """A 200 answer went out whole (from the last attempt)."""
+        return self.attempt is not None and self.attempt.completed
+
     def headers(self) -> dict[str, str]:
+        """Prefixd's own response headers; the prefix report as it stands now (routing and
+        a transfer add their predictions to it before the answer starts)."""
         out = {"X-Request-Id": self.trace.request_id}
-        if self.backend is not None:
-            out["X-Prefixd-Backend"] = self.backend.name
-        if self.prepared is not None and self.prepared.header:
-            out["X-Prefixd-Prefix"] = self.prepared.header
+        if self.attempt is not None:
+            out["X-Prefixd-Backend"] = self.attempt.backend.name
+        report = self.prepared.report if self.prepared is not None else None
+        if report is not None:
+            out["X-Prefixd-Prefix"] = header(report)
         return out
 
     async def start(self, status: int, headers: dict[str, str], sse: bool) -> web.StreamResponse:
@@ -112,7 +118,8 @@ class Exchange:
         assert self.response is not None
         try:
             if self.state is ResponseState.SSE:
-                await self.response.write(self.api.sse_error(e, self.stream_out))
+                stream = self.attempt.stream_out if self.attempt is not None else None
+                await self.response.write(self.api.sse_error(e, stream))
                 await self.response.write_eof()
             else:
                 log.warning("request %s: %s after the JSON body started; aborting the "

@@ -1,5 +1,7 @@
-"""The proxy: its backends, their queues, the prefix state, and the stage list every
-client request runs through (`proxy/stages`, built once here from Settings).
+"""The proxy: its backends, their queues, the router, the prefix state, and the stage list
+every client request runs through (`proxy/stages`, built once here from Settings): the
+request's stages, the last of which (route) runs the per-attempt stages once per backend it
+tries.
 
 `Proxy.handle` is the one aiohttp handler of every client API route. It builds the
 `Exchange`, runs the stages, and turns any failure into the one error delivery the
@@ -12,20 +14,19 @@ import asyncio
 import logging
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from prefixd.api.errors import ApiError
 from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
-from prefixd.backends.base import Backend
+from prefixd.backends.base import Backend, Managed
 from prefixd.backends.config import BackendConfig
-from prefixd.backends.managed import ManagedBackend
 from prefixd.proxy.exchange import ClientApi, Exchange
-from prefixd.proxy.index import PrefixIndex
 from prefixd.proxy.pool import LoadStage, ModelPool
 from prefixd.proxy.prefix.stage import PrefixStage
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.route import Balance, models_index
+from prefixd.proxy.routing.router import Router
 from prefixd.proxy.settings import Settings
 from prefixd.proxy.stages import Stage, chain
 from prefixd.proxy.stages.forward import ForwardStage
@@ -58,19 +59,11 @@ class Proxy:
                                             configs[b.name].queue_depth,
                                             configs[b.name].queue_timeout_s)
                        for b in backends}
-        self.index = models_index({b.name: b.models for b in backends})
+        self.router = Router(self.backends, self.queues, settings)
+        self.index = self.router.index           # model -> its backends, in configuration order
         self.prefix = PrefixStage(settings)
-        managed = [b for b in backends if isinstance(b, ManagedBackend)]
+        managed: list[Managed] = [m for b in backends if (m := b.managed()) is not None]
         self.pool = ModelPool.from_settings(managed, self.queues, settings) if managed else None
-        self.router = RouteStage(self.backends, self.queues, self.index,
-                                 Balance(settings.route_balance_slack,
-                                         settings.route_balance_ratio,
-                                         settings.route_min_hit_tokens),
-                                 settings.model_aliases,
-                                 PrefixIndex(settings.route_index_entries,
-                                             settings.route_index_ttl_s),
-                                 settings.route_transfer_min_tokens,
-                                 settings.route_prefix_wait_s)
         self.stages = build_stages(self)
         self._run = chain(self.stages)
         self.inflight: set[Exchange] = set()
@@ -79,7 +72,7 @@ class Proxy:
     def detecting(self) -> bool:
         return self.settings.prefix_detect
 
-    def handler(self, api: ClientApi):  # type: ignore[no-untyped-def]
+    def handler(self, api: ClientApi) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             return await self.handle(request, api)
         return handle
@@ -103,8 +96,8 @@ class Proxy:
                                           " see its log", code="internal_error"))
         finally:
             self.inflight.discard(ex)
-            if ex.trace.usage is None:
-                ex.trace.usage = ex.usage
+            if ex.trace.usage is None and ex.attempt is not None:
+                ex.trace.usage = ex.attempt.usage
             ex.trace.finish(self.settings.log_format)
 
 
@@ -121,24 +114,26 @@ class Proxy:
 
 
 def build_stages(proxy: Proxy) -> list[Stage]:
-    """The pipeline, in order; a feature that is off has no stage here."""
+    """The pipeline, in order; a feature that is off has no stage here. The request's stages
+    run once; route runs the attempt's stages once per backend it tries (failover)."""
     s = proxy.settings
     stages: list[Stage] = [ParseStage(s.max_body_bytes, s.body_timeout_s), TranslateStage(),
                            CanonicalizeStage(proxy.prefix)]
     if s.prefix_detect:
         stages.append(DetectStage(proxy.prefix))
-    stages.append(proxy.router)
+    per_attempt: list[Stage] = []
     if s.prefix_detect:
-        stages.append(MeasureStage(proxy.prefix))
-    stages.append(QueueStage(proxy.queues))
+        per_attempt.append(MeasureStage(proxy.prefix))
+    per_attempt.append(QueueStage(proxy.queues))
     if proxy.pool is not None:
-        stages.append(LoadStage(proxy.pool))
+        per_attempt.append(LoadStage(proxy.pool))
     if s.route_transfer_min_tokens and sum(
-            getattr(b, "moves_state", False) for b in proxy.backends.values()) > 1:
-        stages.append(TransferStage(proxy.router, s.route_transfer_timeout_s))
-    stages += [ForwardStage({n: c.request_timeout_s for n, c in proxy.configs.items()}),
-               RelayStage()]
-    return stages
+            b.capabilities.moves_state for b in proxy.backends.values()) > 1:
+        per_attempt.append(TransferStage(proxy.router, s.route_transfer_timeout_s))
+    per_attempt += [ForwardStage(proxy.router,
+                                 {n: c.request_timeout_s for n, c in proxy.configs.items()}),
+                    RelayStage()]
+    return [*stages, RouteStage(proxy.router, per_attempt)]
 
 
 def _request_id(request: web.Request) -> str:

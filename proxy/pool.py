@@ -14,13 +14,15 @@ its own (and no PREFIXD_CACHE_BYTES) gets a share of the memory budget (`cache_s
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from prefixd.api.errors import ApiError
-from prefixd.backends.base import BackendUnavailable
+from prefixd.backends.base import BackendUnavailable, Managed
 from prefixd.backends.budget import (
     CacheNeed,
     ModelSlot,
@@ -31,7 +33,6 @@ from prefixd.backends.budget import (
     plan_load,
     weights_bytes,
 )
-from prefixd.backends.managed import ManagedBackend
 from prefixd.metrics import proxy as m
 from prefixd.proxy.exchange import SSE_HEADERS, Exchange, ResponseState
 from prefixd.proxy.queue import BackendQueue
@@ -39,6 +40,7 @@ from prefixd.proxy.settings import Settings
 from prefixd.proxy.stages import Next
 
 log = logging.getLogger("prefixd.pool")
+OnWait = Callable[[list[str]], Awaitable[None]]   # told what a load waits for (may be none)
 DEFAULT_SHARE = 0.75      # of physical memory: the rest is the OS, the proxy, the page cache
 
 
@@ -54,14 +56,14 @@ def default_budget() -> int:
 
 
 class ModelPool:
-    def __init__(self, backends: list[ManagedBackend], queues: dict[str, BackendQueue],
+    def __init__(self, backends: list[Managed], queues: dict[str, BackendQueue],
                  budget: int, cache_bytes: int | None, share: bool) -> None:
         """`cache_bytes`: PREFIXD_CACHE_BYTES when it was set (None: each backend without its
         own `cache_bytes` gets a share of `budget`, passed to its workers when `share`, else
         left to the worker to size)."""
         self.backends = {b.name: b for b in backends}
         for b in backends:
-            b.join_pool(lambda name=b.name: self.fits_now(name))
+            b.join_pool(functools.partial(self.fits_now, b.name))
         self.queues = queues
         self.budget = budget
         weights = {b.name: weights_bytes(d) if (d := _model_dir(b.model_spec)) else 0
@@ -84,7 +86,7 @@ class ModelPool:
         self._lock = asyncio.Lock()        # one plan at a time
 
     @classmethod
-    def from_settings(cls, backends: list[ManagedBackend], queues: dict[str, BackendQueue],
+    def from_settings(cls, backends: list[Managed], queues: dict[str, BackendQueue],
                       settings: Settings) -> ModelPool:
         """Shares are passed to the workers when several models share the budget or it was
         set; a lone model under the default budget lets its worker size its cache."""
@@ -176,7 +178,7 @@ class ModelPool:
                 "loaded_bytes": sum(self.footprints[n] for n in loaded)}
 
     # --- loading --------------------------------------------------------------------
-    async def load(self, backend: ManagedBackend, on_wait=None) -> None:  # type: ignore[no-untyped-def]
+    async def load(self, backend: Managed, on_wait: OnWait | None = None) -> None:
         """Make room for `backend` and start its worker; return once it is ready and
         measured (if it holds more than estimated, idle models make room for the excess)."""
         reserved = False
@@ -195,7 +197,7 @@ class ModelPool:
                 await self.backends[victim].unload(f"{backend.name} needs more memory than "
                                                    "estimated", "budget")
 
-    async def admit(self, backend: ManagedBackend, on_wait=None) -> bool:  # type: ignore[no-untyped-def]
+    async def admit(self, backend: Managed, on_wait: OnWait | None = None) -> bool:
         """Return when `backend` may start its worker; unload others first if needed. True
         when this call reserved its room (other plans count it as loaded until the caller
         has started it), False when it was loaded (or reserved) already."""
@@ -249,7 +251,7 @@ class LoadStage:
         self.pool = pool
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        backend = self.pool.backends.get(ex.backend.name) if ex.backend else None
+        backend = self.pool.backends.get(ex.attempt.backend.name) if ex.attempt else None
         if backend is not None and not backend.ready:
             told = False
 

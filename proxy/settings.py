@@ -14,7 +14,7 @@ from pydantic import AfterValidator, Field, SecretStr
 
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.mlx.settings import DEFAULT_MODEL, WorkerSettings
-from prefixd.proxy.route import Balance
+from prefixd.proxy.routing.policy import Balance
 
 __all__ = ["DEFAULT_MODEL", "BackendConfig", "RuleMode", "Settings", "redacted"]
 

@@ -14,6 +14,9 @@ import json
 import time
 from typing import Any
 
+from prefixd.api.usage import Usage
+from prefixd.api.values import count, obj
+
 Message = dict[str, Any]
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 
@@ -23,9 +26,8 @@ class UpstreamProtocolError(Exception):
 
 
 def _index(value: Any, default: int) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1024:
-        return value
-    return default
+    index = count(value, limit=1024)
+    return default if index is None else index
 
 
 def _text(value: Any) -> str:
@@ -61,7 +63,7 @@ class MessageBuilder:
                 {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
             if isinstance(tc.get("id"), str):
                 slot["id"] = tc["id"]
-            fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+            fn = obj(tc.get("function"))
             slot["function"]["name"] += _text(fn.get("name"))
             args = fn.get("arguments")
             slot["function"]["arguments"] += (args if isinstance(args, str) else
@@ -85,21 +87,13 @@ def loads(data: bytes) -> Any:
         return None
 
 
-def worker_trace(obj: dict[str, Any]) -> dict[str, Any] | None:
-    """A prefixd worker's per-turn breakdown (`prefixd` in its final object), if any."""
-    trace = obj.get("prefixd")
-    return trace if isinstance(trace, dict) else None
-
-
-def parse_json_body(data: bytes) -> tuple[Message | None, dict[str, Any] | None]:
+def parse_json_body(data: bytes) -> tuple[Message | None, Usage | None]:
     """(assistant message, usage) of a non-streamed chat or completions answer; a prefixd
-    worker's breakdown rides along inside usage as `prefixd`."""
+    worker's breakdown rides along as `Usage.worker`."""
     obj = loads(data)
     if not isinstance(obj, dict):
         return None, None
-    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
-    if usage is not None and (trace := worker_trace(obj)) is not None:
-        usage = {**usage, "prefixd": trace}
+    usage = Usage.parse(obj.get("usage"), obj.get("prefixd"))
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None, usage
@@ -113,7 +107,7 @@ class SSERecorder:
     def __init__(self, strip_usage: bool, translate: Any = None) -> None:
         self.strip_usage = strip_usage   # prefixd added include_usage; the client did not ask
         self.translate = translate       # a translator's stream state, or None (pass through)
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.first_content_at: float | None = None
         self.done = False                # the upstream's `data: [DONE]` went through
         self.events = 0
@@ -170,9 +164,7 @@ class SSERecorder:
         if not isinstance(obj, dict):
             return b"" if self.translate is not None else event
         if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
-            if (trace := worker_trace(obj)) is not None:
-                self.usage = {**self.usage, "prefixd": trace}
+            self.usage = Usage.parse(obj["usage"], obj.get("prefixd"))
         choices = obj.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):

@@ -1,5 +1,6 @@
-"""`POST /v1/messages/count_tokens` (Anthropic): the prompt's token count, exact where the
-backend that would serve it can tokenize, else an estimate marked `X-Prefixd-Estimate`."""
+"""`POST /v1/messages/count_tokens` (Anthropic): the prompt's token count, exact where a
+backend of the model can tokenize, else an estimate marked `X-Prefixd-Estimate`. Counting is
+not serving: no routing decision is made or counted."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ async def count_tokens(request: web.Request) -> web.Response:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_body")
         body = {"max_tokens": 1, **body}     # count_tokens bodies carry no max_tokens
+        assert api.translator is not None
         chat = translate_request(api.translator, body)
         validate("chat", chat)
         model = proxy.router.model_for(chat.get("model"))
-        backend = proxy.router.pick(model, None)
+        backend = proxy.router.tokenizer_for(model)
         tokens = await backend.tokenize({**chat, "model": model})
     except ApiError as e:
         return web.json_response(api.error_body(e), status=e.status)

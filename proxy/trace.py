@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixd.api.usage import Usage
 from prefixd.metrics import proxy as m
 
 log = logging.getLogger("prefixd.request")
@@ -25,16 +26,14 @@ class RequestTrace:
     error: str | None = None
     queue_wait: float | None = None
     first_token_at: float | None = None
-    usage: dict[str, Any] | None = None
+    usage: Usage | None = None
     upstream_status: int | None = None
     completed: bool = False       # the last byte of the answer was sent
     transfer: str | None = None   # a prefix state moved in first: "<source>:<outcome>:<tokens>"
 
     def tokens(self) -> tuple[int | None, int | None, int | None]:
-        u = self.usage or {}
-        details = u.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return u.get("prompt_tokens"), cached, u.get("completion_tokens")
+        u = self.usage or Usage()
+        return u.prompt, u.cached, u.completion
 
     def fields(self) -> dict[str, Any]:
         prompt, cached, completion = self.tokens()
@@ -57,7 +56,7 @@ class RequestTrace:
         prompt, cached, completion = self.tokens()
         for counter, value in ((m.PROMPT_TOKENS, prompt), (m.CACHED_TOKENS, cached),
                                (m.COMPLETION_TOKENS, completion)):
-            if isinstance(value, int) and value >= 0:
+            if value is not None:
                 counter.labels(backend, model).inc(value)
         level = logging.WARNING if (self.status or 0) >= 500 else logging.INFO
         if log_format == "json":

@@ -13,20 +13,11 @@ import random
 import pytest
 from fake_llama import FakeLlama, Served, lcp, render, tokenize
 
-from prefixd.backends.llama import (
-    LlamaSlots,
-    Pin,
-    ServerInfo,
-    SlotBook,
-    SlotState,
-    SlotView,
-    advice,
-    decide_slot,
-    locate,
-    parse_props,
-    parse_slots,
-    with_field,
-)
+from prefixd.api.usage import Usage
+from prefixd.backends.llama import ServerInfo, SlotState, advice, parse_props, parse_slots
+from prefixd.proxy.bodies import with_field
+from prefixd.proxy.routing.slotbook import Pin, SlotBook, SlotView, decide_slot, locate
+from prefixd.proxy.routing.slots import SlotPlanner
 
 
 def V(total: int = 4, active: int = 2, own: int | None = None, intact: bool = False,
@@ -101,9 +92,15 @@ async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
         return [{"id": slot, "is_processing": False, "id_task": 3, "n_prompt_tokens": 805,
                  "params": {"seed": seed}}]
 
-    ls = LlamaSlots("ls", ServerInfo(2, 4096), fetch)
-    usage = {"prompt_tokens": 800, "completion_tokens": 5,
-             "prompt_tokens_details": {"cached_tokens": 700}}
+    class Server:           # a llama-server's /slots, as the backend reads them
+        name = "ls"
+
+        async def fetch_slots(self) -> list[SlotState]:
+            return parse_slots(await fetch("/slots"))
+
+    ls = SlotPlanner(Server(), ServerInfo(2, 4096))  # type: ignore[arg-type]
+    usage = Usage.parse({"prompt_tokens": 800, "completion_tokens": 5,
+                         "prompt_tokens_details": {"cached_tokens": 700}})
     # a new conversation: the server places it, with a random seed that /slots shows back
     a1 = ls.expect("r1", "A", 0)
     sent = ls.prepare("r1", b'{"messages":[]}')
@@ -293,7 +290,8 @@ async def test_four_sessions_on_four_slots_are_pinned_and_keep_their_cache(
     caplog.set_level(logging.INFO, logger="prefixd.backend")
     proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": f.url,
                                          "models": ["m"], "max_concurrency": 4}])
-    slots = await proxy.proxy.backends["ls"].detect_slots()
+    assert await proxy.proxy.backends["ls"].detect_slots() is not None
+    slots = proxy.proxy.router.planner("ls")
     assert slots is not None and slots.info.total_slots == 4
     lines = [r for r in caplog.records if "llama-server with 4 slot(s)" in r.getMessage()]
     assert len(lines) == 1 and "--cache-ram 0 disables" in lines[0].getMessage()
@@ -302,7 +300,7 @@ async def test_four_sessions_on_four_slots_are_pinned_and_keep_their_cache(
     assert pinned[:4] == [None] * 4 and None not in pinned[4:]   # first turns: the server's
     assert slots.pins == {"server": 4, "holds_prefix": 16}
     assert all(s.prompt - s.cached < 60 for s in f.served[4:]), f.served
-    assert proxy.proxy.backends["ls"].status().detail["slots"] == 4
+    assert proxy.proxy.router.status("ls")["slots"] == 4
 
 
 async def test_four_sessions_reuse_95_percent_of_the_ideal(llama, start_proxy, http):
@@ -351,7 +349,8 @@ async def test_more_conversations_than_slots_leave_placement_to_the_server(
     f = await llama(slots=4, similarity=0.0)
     proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": f.url,
                                          "models": ["m"]}])
-    slots = await proxy.proxy.backends["ls"].detect_slots()
+    assert await proxy.proxy.backends["ls"].detect_slots() is not None
+    slots = proxy.proxy.router.planner("ls")
     assert slots is not None
     ideal = Ideal()
     await play(http, proxy.port, convs=12, turns=4, ideal=ideal)
@@ -368,8 +367,7 @@ async def test_back_to_back_turns_of_one_conversation_stay_in_its_slot(
     f = await llama(slots=2, similarity=0.0)
     proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": f.url,
                                          "models": ["m"]}])
-    slots = await proxy.proxy.backends["ls"].detect_slots()
-    assert slots is not None
+    assert await proxy.proxy.backends["ls"].detect_slots() is not None
     url = f"http://127.0.0.1:{proxy.port}"
     for c in range(3):                                  # three conversations, one turn each
         await ask(http, url, chat(SYSTEM, [f"other {c} " * 10]))
@@ -391,7 +389,8 @@ async def test_similarity_takeover_is_measured_when_the_server_does_not_say(
     caplog.set_level(logging.INFO, logger="prefixd.backend")
     proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": f.url,
                                          "models": ["m"]}])
-    slots = await proxy.proxy.backends["ls"].detect_slots()
+    assert await proxy.proxy.backends["ls"].detect_slots() is not None
+    slots = proxy.proxy.router.planner("ls")
     assert slots is not None and slots.info.similarity is None
     await play(http, proxy.port, convs=3, turns=1)
     assert [s.slot for s in f.served] == [3, 3, 3]
@@ -427,7 +426,8 @@ async def test_real_llama_server_four_slots(start_proxy, http, tmp_path):
     try:
         proxy = await start_proxy(backends=[{"name": "ls", "kind": "openai", "url": server.url,
                                              "models": ["m"], "max_concurrency": 4}])
-        slots = await proxy.proxy.backends["ls"].detect_slots()
+        assert await proxy.proxy.backends["ls"].detect_slots() is not None
+        slots = proxy.proxy.router.planner("ls")
         assert slots is not None and slots.info.total_slots == 4
         url = f"http://127.0.0.1:{proxy.port}"
         cached, prompt = 0, 0

@@ -8,7 +8,7 @@ import pytest
 
 from prefixd.backends.mlx.restorable import MAX_POSITIONS, restorable
 from prefixd.backends.mlx.store import CheckpointStore, Entry
-from prefixd.proxy.index import Boundary, Chain, PrefixIndex, Restorable
+from prefixd.proxy.routing.index import Boundary, Chain, PrefixIndex, Restorable
 
 T = list(range(1000, 1300))        # a request's tokens (prompt + reply as stored)
 

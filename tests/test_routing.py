@@ -14,9 +14,9 @@ import pytest
 from fake_upstream import FakeUpstream
 
 from prefixd.backends.registry import build_backends
-from prefixd.proxy.index import PrefixIndex, boundaries
 from prefixd.proxy.prefix.segments import flatten
-from prefixd.proxy.route import Balance, Candidate, decide, rendezvous, transfer_source
+from prefixd.proxy.routing.index import PrefixIndex, boundaries
+from prefixd.proxy.routing.policy import Balance, Candidate, decide, rendezvous, transfer_source
 from prefixd.proxy.server import make_proxy
 from prefixd.proxy.settings import Settings
 

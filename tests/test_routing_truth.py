@@ -18,8 +18,8 @@ from worker_fixtures import chat, post
 
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.worker import create_app
-from prefixd.proxy.index import boundaries
 from prefixd.proxy.prefix.segments import flatten
+from prefixd.proxy.routing.index import boundaries
 from prefixd.proxy.server import Server
 from prefixd.proxy.settings import Settings
 

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from worker_process import running_worker
 
-from prefixd.proxy.index import boundaries
 from prefixd.proxy.prefix.segments import flatten
-from prefixd.proxy.route import rendezvous
+from prefixd.proxy.routing.index import boundaries
+from prefixd.proxy.routing.policy import rendezvous
 
 SYSTEM = "You are a careful agent working in a large repository. Keep every rule. " * 12
 KEY = "k3y"

@@ -1,5 +1,6 @@
-"""forward: start the backend if needed, send it the final request bytes, and keep the
-upstream response open while relay reads it (leaving early closes the upstream request)."""
+"""forward: start the backend if needed, send it the final request bytes (with a slot pin
+where the router's slot planner has one), and keep the upstream response open while relay
+reads it (leaving early closes the upstream request)."""
 
 from __future__ import annotations
 
@@ -14,27 +15,31 @@ from prefixd.backends.base import (
     BackendUnavailable,
     UpstreamRequest,
 )
+from prefixd.proxy.bodies import with_field
 from prefixd.proxy.exchange import Exchange
+from prefixd.proxy.routing.router import Router
 from prefixd.proxy.stages import Next
 
 
 class ForwardStage:
     name = "forward"
 
-    def __init__(self, request_timeouts: dict[str, float]) -> None:
+    def __init__(self, router: Router, request_timeouts: dict[str, float]) -> None:
+        self.router = router
         self.request_timeouts = request_timeouts
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        assert ex.backend is not None and ex.parsed is not None
-        backend = ex.backend
+        assert ex.attempt is not None and ex.parsed is not None
+        attempt = ex.attempt
+        backend = attempt.backend
         try:
             await backend.ensure_ready()
             path = CHAT_PATH if ex.api.kind == "chat" else COMPLETIONS_PATH
-            up_req = UpstreamRequest(path=path, body=forward_body(ex), stream=ex.stream,
-                                     request_id=ex.trace.request_id,
+            up_req = UpstreamRequest(path=path, body=self.router.pin(attempt, forward_body(ex)),
+                                     stream=ex.stream, request_id=ex.trace.request_id,
                                      timeout_s=self.request_timeouts[backend.name])
             async with backend.forward(up_req) as up:
-                ex.upstream = up
+                attempt.upstream = up
                 await call_next(ex)
         except BackendUnavailable as e:
             raise ApiError(503, str(e), code="backend_unavailable") from None
@@ -64,15 +69,10 @@ def forward_body(ex: Exchange) -> bytes:
 
 
 def with_stream_usage(raw: bytes, body: dict) -> bytes:
-    """The same request asking the upstream for stream usage, other bytes untouched.
-
-    The key is spliced in after the opening brace so the rest of the client's bytes (and any
-    prefix-cache-relevant ordering) are forwarded exactly as sent. The body is UTF-8 JSON
-    (the parse stage refuses anything else), so the first `{` byte is the object's."""
+    """The same request asking the upstream for stream usage, other bytes untouched (the key
+    spliced in first, so the client's bytes and their order are forwarded as sent)."""
     if "stream_options" in body:
         opts = dict(body["stream_options"] or {})
         opts["include_usage"] = True
         return json.dumps({**body, "stream_options": opts}, ensure_ascii=False).encode()
-    start = raw.index(b"{") + 1
-    sep = b"," if body else b""
-    return raw[:start] + b'"stream_options":{"include_usage":true}' + sep + raw[start:]
+    return with_field(raw, "stream_options", {"include_usage": True})

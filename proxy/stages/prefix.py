@@ -31,12 +31,13 @@ class DetectStage:
         if ex.prepared is not None:
             self.prefix.detect(ex.prepared)
         await call_next(ex)
-        if ex.prepared is not None and ex.trace.completed and ex.trace.status == 200:
-            self.prefix.record_response(ex.prepared, ex.message, ex.usage)
+        if ex.prepared is not None and ex.attempt is not None and ex.attempt.completed:
+            u = ex.attempt.usage    # TEMP until record_response takes a Usage
+            self.prefix.record_response(ex.prepared, ex.attempt.message, None if u is None else {**u.as_dict(), **({"prefixd": dict(u.worker)} if u.worker is not None else {})})  # type: ignore[arg-type]
 
 
 class MeasureStage:
-    """Exact token offsets for a mutated turn, from the chosen backend's tokenizer, before
+    """Exact token offsets for a mutated turn, from the attempt's backend's tokenizer, before
     the request takes a queue slot (a backend that cannot tokenize now is skipped)."""
 
     name = "measure"
@@ -45,6 +46,6 @@ class MeasureStage:
         self.prefix = prefix
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        if ex.prepared is not None and ex.backend is not None:
-            await self.prefix.measure(ex.prepared, ex.backend.tokenize)
+        if ex.prepared is not None and ex.attempt is not None:
+            await self.prefix.measure(ex.prepared, ex.attempt.backend.tokenize)
         await call_next(ex)

@@ -17,11 +17,12 @@ class QueueStage:
         self.queues = queues
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        assert ex.backend is not None
-        queue = self.queues[ex.backend.name]
+        assert ex.attempt is not None
+        attempt = ex.attempt
+        queue = self.queues[attempt.backend.name]
         on_position = None
         if ex.stream and queue.would_wait() and not queue.full():
-            # started already when an earlier backend's queue held it (then failed over)
+            # started already when an earlier attempt's queue held it (then failed over)
             resp = ex.response if ex.state is ResponseState.SSE else \
                 await ex.start(200, SSE_HEADERS, sse=True)
             assert resp is not None
@@ -30,7 +31,7 @@ class QueueStage:
                 await resp.write(f": queued position={pos}\n\n".encode())
         try:
             async with queue.slot(on_position) as waited:
-                ex.trace.queue_wait = waited
+                attempt.queue_wait = waited
                 await call_next(ex)
         except QueueFull:
             raise ApiError(429, f"backend {queue.name!r} queue is full ({queue.depth} "

@@ -1,16 +1,18 @@
 """relay: answer the client from the upstream response — SSE event by event, or the JSON
 body as it arrives — through the client API's translator when it has one; note time to
-first token, the assistant message and usage for the later stages and the trace.
+first token, and the attempt's answer: the assistant message and the upstream's `usage`,
+parsed here once (`prefixd.api.usage.Usage`) for routing, the prefix report and the trace.
 
 A stream's events before its first generated content (a role-only chunk) are held back until
 that content: an upstream that dies before it (a worker killed during its prefill) has sent
-the client nothing of the answer, so the route stage sends the request to another backend
+the client nothing of the answer, so the route stage makes another attempt on another backend
 (`BackendGone`) and the client gets one whole answer."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 
 from prefixd.api.errors import ApiError
 from prefixd.backends.base import BackendError, BackendGone, BackendTimeout
@@ -26,8 +28,9 @@ class RelayStage:
     name = "relay"
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        up = ex.upstream
-        assert up is not None and ex.parsed is not None
+        assert ex.attempt is not None and ex.parsed is not None
+        up = ex.attempt.upstream
+        assert up is not None
         ex.trace.upstream_status = up.status
         is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
         try:
@@ -45,7 +48,8 @@ class RelayStage:
     async def _error(self, ex: Exchange) -> None:
         """An upstream's own error: passed through as it is to an OpenAI client that has
         no response yet; otherwise in the client API's error shape."""
-        up = ex.upstream
+        assert ex.attempt is not None
+        up = ex.attempt.upstream
         assert up is not None
         body = await _read(up.chunks, MAX_ERROR_BODY)
         if ex.state is not ResponseState.NOT_STARTED or ex.api.translator is not None:
@@ -56,8 +60,10 @@ class RelayStage:
         await _end(ex)
 
     async def _sse(self, ex: Exchange) -> None:
-        up = ex.upstream
-        assert up is not None and ex.parsed is not None
+        attempt = ex.attempt
+        assert attempt is not None and ex.parsed is not None
+        up = attempt.upstream
+        assert up is not None
         if ex.state is ResponseState.NOT_STARTED:
             headers = (SSE_HEADERS if ex.api.translator is not None
                        else _headers(up.headers, up.headers.get("Content-Type", "")))
@@ -68,7 +74,7 @@ class RelayStage:
         assert resp is not None
         ex.trace.status = 200
         rec = SSERecorder(strip_usage=ex.stream and not ex.parsed.req.wants_usage,
-                          translate=ex.stream_out)
+                          translate=attempt.stream_out)
         held = bytearray()     # what precedes the answer (a role-only chunk): held back
 
         def answering() -> bool:
@@ -87,25 +93,25 @@ class RelayStage:
                     # at once, say), this request completed, with its usage.
                     ex.trace.completed = True
                     ex.trace.first_token_at = rec.first_content_at
-                    ex.usage = ex.trace.usage = rec.usage
+                    attempt.usage = ex.trace.usage = rec.usage
         except BackendError as e:
             if answering() or isinstance(e, BackendTimeout):
                 raise
-            # Nothing of the answer reached the client: another backend may give it whole.
-            if ex.api.translator is not None:
-                ex.stream_out = ex.api.translator.stream()
+            # Nothing of the answer reached the client: another attempt may give it whole.
             raise BackendGone(f"{e} (before any of the answer was sent)") from e
         tail = bytes(held) + rec.flush()
-        if ex.stream_out is not None:
-            tail += ex.stream_out.finish()
+        if attempt.stream_out is not None:
+            tail += attempt.stream_out.finish()
         if tail:
             await resp.write(tail)
         ex.trace.first_token_at = rec.first_content_at
-        ex.message, ex.usage = rec.builder.message(), rec.usage
+        attempt.message, attempt.usage = rec.builder.message(), rec.usage
         await _end(ex)
 
     async def _json(self, ex: Exchange) -> None:
-        up = ex.upstream
+        attempt = ex.attempt
+        assert attempt is not None
+        up = attempt.upstream
         assert up is not None
         if ex.state is ResponseState.SSE:        # a queued stream, but the upstream did not
             body = await _read(up.chunks, MAX_ERROR_BODY)
@@ -119,7 +125,7 @@ class RelayStage:
                 raise ApiError(502, "the upstream's answer is not a JSON object",
                                code="upstream_error")
             ex.trace.first_token_at = time.monotonic()
-            ex.message, ex.usage = parse_json_body(body)
+            attempt.message, attempt.usage = parse_json_body(body)
             out = json.dumps(ex.api.translator.response(obj), ensure_ascii=False).encode()
             resp = await ex.start(200, {"Content-Type": "application/json"}, sse=False)
             ex.trace.status = 200
@@ -134,14 +140,16 @@ class RelayStage:
                 ex.trace.first_token_at = time.monotonic()
             parts.append(chunk)
             await resp.write(chunk)
-        ex.message, ex.usage = parse_json_body(b"".join(parts))
+        attempt.message, attempt.usage = parse_json_body(b"".join(parts))
         await _end(ex)
 
 
 async def _end(ex: Exchange) -> None:
-    assert ex.response is not None
+    """The last byte of the answer is sent: a 200 answer completes its attempt."""
+    assert ex.response is not None and ex.attempt is not None
     await ex.response.write_eof()
     ex.trace.completed = True
+    ex.attempt.completed = ex.trace.status == 200
 
 
 def _headers(upstream: dict[str, str], content_type: str) -> dict[str, str]:
@@ -150,7 +158,7 @@ def _headers(upstream: dict[str, str], content_type: str) -> dict[str, str]:
     return out
 
 
-async def _read(chunks, limit: int | None) -> bytes:  # type: ignore[no-untyped-def]
+async def _read(chunks: AsyncIterator[bytes], limit: int | None) -> bytes:
     parts, size = [], 0
     async for chunk in chunks:
         parts.append(chunk)

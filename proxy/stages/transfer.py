@@ -1,5 +1,5 @@
 """transfer: before a prefixd worker serves a request, copy in the prefix state another worker
-of the same model holds or is computing (planned by the route stage as `ex.transfer`), so the
+of the same model holds or is computing (planned by the router as the attempt's `transfer`), so the
 prefix is computed once across workers instead of once per worker. Runs once the request has
 its slot (the target is idle), before it is sent; the export waits behind the source's
 request in progress, bounded by `PREFIXD_ROUTE_TRANSFER_TIMEOUT_S`. Any failure only costs the
@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import time
 
-from prefixd.backends.base import Backend, BackendError, BackendUnavailable
+from prefixd.backends.base import BackendError, BackendUnavailable
 from prefixd.backends.worker_api import move_state
 from prefixd.metrics import proxy as m
+from prefixd.proxy.attempt import Attempt
 from prefixd.proxy.exchange import Exchange
-from prefixd.proxy.prefix.report import header
+from prefixd.proxy.routing.router import Router
 from prefixd.proxy.stages import Next
 from prefixd.proxy.stages.forward import forward_body
-from prefixd.proxy.stages.route import RouteStage
 
 log = logging.getLogger("prefixd.route")
 
@@ -25,22 +25,23 @@ log = logging.getLogger("prefixd.route")
 class TransferStage:
     name = "transfer"
 
-    def __init__(self, router: RouteStage, timeout_s: float) -> None:
+    def __init__(self, router: Router, timeout_s: float) -> None:
         self.router, self.timeout_s = router, timeout_s
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        plan, ex.transfer = ex.transfer, None
-        if plan is not None and ex.backend is not None:
-            await self._move(ex, ex.backend, *plan)
+        assert ex.attempt is not None
+        if ex.attempt.transfer is not None:
+            await self._move(ex, ex.attempt, *ex.attempt.transfer)
         await call_next(ex)
 
-    async def _move(self, ex: Exchange, target: Backend, source: str, expected: int) -> None:
+    async def _move(self, ex: Exchange, attempt: Attempt, source: str, expected: int) -> None:
+        target = attempt.backend
         try:
             await target.ensure_ready()
         except (BackendUnavailable, BackendError):
             return                       # the forward stage reports it
         t0 = time.monotonic()
-        moved = await move_state(self.router.backends[source], target,  # type: ignore[arg-type]
+        moved = await move_state(self.router.backends[source].worker(), target.worker(),
                                  forward_body(ex), self.timeout_s)
         m.TRANSFERS.labels(source, target.name, moved.outcome).inc()
         m.TRANSFER_SECONDS.labels(target.name).observe(time.monotonic() - t0)
@@ -54,8 +55,7 @@ class TransferStage:
                      f": {moved.detail}" if moved.detail else "", expected)
             return
         m.TRANSFER_TOKENS.labels(target.name).inc(moved.tokens)
-        ex.transferred = moved.tokens
+        attempt.transferred = moved.tokens
         report = ex.prepared.report if ex.prepared is not None else None
         if report is not None and moved.tokens > (report.predicted_cached_tokens or 0):
             report.predicted_cached_tokens = moved.tokens
-            ex.prepared.header = header(report)  # type: ignore[union-attr]

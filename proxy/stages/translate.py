@@ -11,6 +11,7 @@ from prefixd.api.errors import ApiError
 from prefixd.api.schema import Parsed, validate
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.stages import Next
+from prefixd.proxy.translate.base import TranslateError, Translator
 
 
 class TranslateStage:
@@ -25,15 +26,11 @@ class TranslateStage:
             body = translate_request(api.translator, ex.client_body)
             ex.parsed = Parsed(api.kind, json.dumps(body, ensure_ascii=False).encode(), body,
                                validate(api.kind, body))
-            if ex.parsed.req.stream:
-                ex.stream_out = api.translator.stream()
         await call_next(ex)
 
 
-def translate_request(translator: object, body: dict) -> dict:
-    from prefixd.proxy.translate.base import TranslateError
-
+def translate_request(translator: Translator, body: dict) -> dict:
     try:
-        return translator.request(body)  # type: ignore[attr-defined]
+        return translator.request(body)
     except TranslateError as e:
         raise ApiError(400, e.message, param=e.param, code="invalid_request") from None

@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from prefixd.api.usage import Usage
 from prefixd.proxy.translate.base import new_id, sse
-from prefixd.proxy.translate.chat import Block, Event, Usage, read_completion
+from prefixd.proxy.translate.chat import Block, Event, read_completion
 from prefixd.proxy.translate.stream import BlockStream
 
 
 def usage(u: Usage | None) -> dict[str, int]:
     u = u or Usage()
-    return {"input_tokens": max(u.prompt - u.cached, 0), "output_tokens": u.completion,
-            "cache_read_input_tokens": u.cached, "cache_creation_input_tokens": 0}
+    prompt, cached = u.prompt or 0, u.cached or 0
+    return {"input_tokens": max(prompt - cached, 0), "output_tokens": u.completion or 0,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def stop_reason(finish: str | None, blocks: list[Block], stop_sequence: str | None) -> str:
@@ -90,8 +92,9 @@ class AnthropicStream(BlockStream):
         if self._started:
             return b""
         self._started = True
-        start = {"id": self._id, "type": "message", "role": "assistant", "model": self._seq.model,
-                 "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None)}
+        start: dict[str, Any] = {
+            "id": self._id, "type": "message", "role": "assistant", "model": self._seq.model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None)}
         return (sse("message_start", {"type": "message_start", "message": start})
                 + sse("ping", {"type": "ping"}))
 

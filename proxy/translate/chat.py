@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from prefixd.api.usage import Usage
+from prefixd.api.values import integer, obj
+
 Kind = Literal["thinking", "text", "tool"]
 
 
@@ -34,26 +37,6 @@ class Block:
 # what a stream translator is told: ("start", block, ""), ("delta", block, text),
 # ("stop", block, "")
 Event = tuple[Literal["start", "delta", "stop"], Block, str]
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt: int = 0
-    completion: int = 0
-    cached: int = 0
-
-
-def read_usage(usage: Any) -> Usage | None:
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
-                 _count(cached))
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -82,10 +65,10 @@ def read_delta(delta: dict) -> tuple[list[tuple[Kind, str]], list[ToolPiece]]:
     for pos, tc in enumerate(calls if isinstance(calls, list) else []):
         if not isinstance(tc, dict):
             continue
-        index = tc.get("index", pos)
-        if not isinstance(index, int) or isinstance(index, bool):
+        index = integer(tc.get("index", pos))
+        if index is None:
             continue
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        fn = obj(tc.get("function"))
         piece = ToolPiece(index, _str(tc.get("id")), _str(fn.get("name")),
                           _str(fn.get("arguments")))
         if piece.call_id or piece.name or piece.arguments:
@@ -134,7 +117,7 @@ def read_completion(chat: Any) -> Completion:
     created = chat.get("created")
     return Completion(_str(chat.get("model")), _str(chat.get("id")),
                       created if isinstance(created, int) else 0, seq.blocks,
-                      seq.finish_reason, stop_string(choice), read_usage(chat.get("usage"))
+                      seq.finish_reason, stop_string(choice), Usage.parse(chat.get("usage"))
                       or Usage())
 
 
@@ -155,7 +138,7 @@ class BlockSequencer:
         if not isinstance(chunk, dict):
             return []
         self.model = self.model or _str(chunk.get("model"))
-        self.usage = read_usage(chunk.get("usage")) or self.usage
+        self.usage = Usage.parse(chunk.get("usage")) or self.usage
         choice = first_choice(chunk)
         if choice is None:
             return []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixd.api.values import arr
 from prefixd.proxy.translate.base import (
     StreamTranslator,
     TranslateError,
@@ -126,7 +127,7 @@ def _tools(tools: list) -> list[dict]:
         if tool.get("type") == "function":
             out.append(_function(tool, where))
         elif tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
-            members = tool.get("tools") if isinstance(tool.get("tools"), list) else []
+            members = arr(tool.get("tools"))
             prefix = tool["name"] + NAMESPACE_SEP
             out += [_function(m, f"{where}.tools[{j}]", prefix) for j, m in enumerate(members)
                     if isinstance(m, dict) and m.get("type") == "function"]
@@ -151,7 +152,7 @@ def _content(content: Any, where: str) -> str | list[dict]:
         return content
     if not isinstance(content, list):
         raise TranslateError(f"'{where}' must be a string or a list of content parts", where)
-    parts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
@@ -195,7 +196,7 @@ def _input(items: Any) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": _call_id(item, where),
                         "content": _output(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            parts = arr(item.get("content"))
             reasoning += [p["text"] for p in parts if isinstance(p, dict)
                           and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)]
             continue

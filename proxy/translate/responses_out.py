@@ -17,8 +17,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from prefixd.api.usage import Usage
+from prefixd.api.values import obj
 from prefixd.proxy.translate.base import new_id, sse
-from prefixd.proxy.translate.chat import Block, Event, Usage, read_completion
+from prefixd.proxy.translate.chat import Block, Event, read_completion
 from prefixd.proxy.translate.stream import BlockStream
 
 NAMESPACE_SEP = "."
@@ -29,10 +31,11 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 def usage(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
-    return {"input_tokens": u.prompt,
-            "input_tokens_details": {"cached_tokens": u.cached, "cache_write_tokens": 0},
-            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u.prompt + u.completion}
+    prompt, completion = u.prompt or 0, u.completion or 0
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": u.cached or 0, "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
 
 
 def _part(block: Block, full: bool) -> dict[str, Any]:
@@ -99,7 +102,7 @@ class ResponsesStream(BlockStream):
         return self._event(kind, response=final)
 
     def _fail(self, body: dict) -> bytes:
-        err = body.get("error") if isinstance(body.get("error"), dict) else {}
+        err = obj(body.get("error"))
         message = err.get("message") if isinstance(err.get("message"), str) else "upstream error"
         code = err.get("code") if err.get("code") == "context_length_exceeded" else (
             "rate_limit_exceeded" if err.get("type") == "rate_limit_error" else "server_error")

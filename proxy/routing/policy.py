@@ -134,18 +134,6 @@ def transfer_source(target: str, have: dict[str, int], min_tokens: int) -> tuple
     return best
 
 
-def choose(candidates: list[Candidate], affinity: str | None, slack: int = 2) -> Candidate:
-    """The lane-only policy (kept for comparison in benchmarks): the lane's last backend
-    while it is up and within `slack` requests per slot of the least loaded."""
-    up = [c for c in candidates if c.up] or candidates
-    best = min(up, key=lambda c: (c.load / c.max_concurrency, candidates.index(c)))
-    if affinity is not None:
-        for c in up:
-            if c.name == affinity and (c.load - best.load) <= slack * c.max_concurrency:
-                return c
-    return best
-
-
 class AffinityMap:
     """lane -> backend that served it last; bounded, least recently used forgotten first."""
 

@@ -1,10 +1,11 @@
 """What each backend is computing now, as far as this proxy knows: the requests it sent there
 (past their queue slot) and their prefix chains, each with an event set when it ends.
 
-Two readers: the transfer plan (a prefixd worker computing a prefix is a source to copy it
-from once it is done) and the prefix wait (a request for a llama-server that is computing a
-long prefix it shares waits for it, then reuses it through the server's RAM prompt cache,
-instead of computing it again in another slot). Pure bookkeeping; the route stage owns one.
+Keyed by attempt (`proxy/attempt.py`). Two readers: the transfer plan (a prefixd worker
+computing a prefix is a source to copy it from once it is done) and the prefix wait (a
+request for a llama-server that is computing a long prefix it shares waits for it, then
+reuses it through the server's RAM prompt cache, instead of computing it again in another
+slot). Pure bookkeeping; the router owns one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import collections
 from typing import Any
 
-from prefixd.proxy.index import Chain
+from prefixd.proxy.routing.index import Chain
 
 
 def shared(a: Chain, b: Chain) -> int:
@@ -28,7 +29,7 @@ def shared(a: Chain, b: Chain) -> int:
 
 class InFlight:
     def __init__(self) -> None:
-        # backend -> request (an Exchange) -> (its chain, set when it ends there)
+        # backend -> attempt -> (its chain, set when it ends there)
         self._by_backend: dict[str, dict[Any, tuple[Chain, asyncio.Event]]] = \
             collections.defaultdict(dict)
 
@@ -46,11 +47,11 @@ class InFlight:
 
     def computing(self, backend: str, chain: Chain) -> tuple[int, asyncio.Event | None]:
         """(estimated tokens of `chain`'s prefix that a request sent to `backend` shares with
-        it, the most of any; that request's end event): only requests past their queue slot
-        (`trace.queue_wait` set), since one still waiting in the proxy runs later."""
+        it, the most of any; that request's end event): only attempts past their queue slot
+        (`admitted`), since one still waiting in the proxy runs later."""
         best, event = 0, None
         for request, (other, done) in self._by_backend.get(backend, {}).items():
-            if request.trace.queue_wait is None:
+            if not request.admitted:
                 continue
             tokens = shared(chain, other)
             if tokens > best:

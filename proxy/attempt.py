@@ -1,0 +1,37 @@
+"""One try at serving a request on one backend. Failover is an explicit loop over attempts
+(`proxy/stages/route.py`): each gets a fresh `Attempt`, so nothing of an earlier try needs
+resetting, and the stages that run per attempt (measure, queue, load, transfer, forward,
+relay) read and write only it and the request's response state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prefixd.api.usage import Usage
+from prefixd.backends.base import Backend, UpstreamResponse
+
+if TYPE_CHECKING:
+    from prefixd.proxy.routing.policy import Decision
+    from prefixd.proxy.routing.slots import Placement
+    from prefixd.proxy.translate.base import StreamTranslator
+
+
+@dataclass(eq=False)       # identity-hashed: routing keeps the attempts in flight
+class Attempt:
+    decision: Decision
+    backend: Backend
+    stream_out: StreamTranslator | None = None   # the client API's stream state, if any
+    transfer: tuple[str, int] | None = None      # (source, tokens): copy that prefix in first
+    transferred: int = 0                         # tokens of prefix state copied in
+    placement: Placement | None = None           # a llama-server's slot plan
+    queue_wait: float | None = None              # seconds waited for its queue slot, once held
+    upstream: UpstreamResponse | None = None
+    message: dict[str, Any] | None = None        # the assistant's answer, for the lane
+    usage: Usage | None = None                   # what the backend reported
+    completed: bool = False                      # a 200 answer went out whole
+
+    @property
+    def admitted(self) -> bool:
+        """It holds its queue slot: the backend is (about to be) computing it."""
+        return self.queue_wait is not None

@@ -1,0 +1,135 @@
+"""One llama-server's slots as routing sees them (`SlotPlanner`): a request is announced when
+its attempt starts (`expect`), pinned or marked when it is sent (`prepare`, inside its queue
+slot, so the book already knows where every earlier request ran), and learned from after a
+good answer (`learn`); `done` always. The router owns one planner per server, made when the
+backend reports slots (`Backend.slot_info()`) and dropped when it restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prefixd.api.usage import Usage
+from prefixd.backends.base import Backend
+from prefixd.backends.llama import ServerInfo
+from prefixd.metrics.proxy import SLOT_PINS
+from prefixd.proxy.bodies import with_field
+from prefixd.proxy.routing.slotbook import Pin, SlotBook, decide_slot, locate
+
+log = logging.getLogger("prefixd.backend")   # the server's own behaviour
+
+
+@dataclass
+class Placement:
+    """One request of a conversation on this server, from routing to its answer."""
+
+    request_id: str
+    lane: str
+    predicted: int               # cached tokens the prefix index expects on this server
+    pin: Pin | None = None       # decided when the request is sent
+    marker: int | None = None    # the seed it was sent with, to find it in /slots
+    learned: bool = False        # where it ran is known
+
+
+class SlotPlanner:
+    """One llama-server's slots: its book, the pins decided, what was measured."""
+
+    def __init__(self, backend: Backend, info: ServerInfo) -> None:
+        self.name, self.info, self._backend = backend.name, info, backend
+        self._occupied_read = False              # what the slots held when it was made
+        self.book = SlotBook(info.total_slots)
+        self.pins: dict[str, int] = {}
+        self._pending: dict[str, Placement] = {}
+        self._unplaced = 0                       # sent unpinned, not located yet
+        self.takeover_seen = False               # measured: it selects slots by similarity
+
+    async def occupy(self) -> None:
+        """Once: slots holding prompts the book knows nothing of (it just came up, or other
+        clients use it) are nobody's to pin to."""
+        if not self._occupied_read:
+            self._occupied_read = True
+            self.book.occupied(await self._backend.fetch_slots())
+
+    def expect(self, request_id: str, lane: str, predicted: int) -> Placement:
+        p = Placement(request_id, lane, predicted)
+        self._pending[request_id] = p
+        return p
+
+    def prepare(self, request_id: str, body: bytes) -> bytes:
+        """The bytes to send for an expected request: with `id_slot` where a pin helps."""
+        p = self._pending.get(request_id)
+        if p is None or p.pin is not None:
+            return body
+        now = time.monotonic()
+        if b'"id_slot"' in body:         # the client chose: where it runs is learned after
+            p.pin = Pin(None, "client")
+        else:
+            p.pin = decide_slot(self.book.view(p.lane, now, settled=not self._unplaced))
+        self.book.seen(p.lane, now)
+        self.pins[p.pin.reason] = self.pins.get(p.pin.reason, 0) + 1
+        SLOT_PINS.labels(self.name, p.pin.reason).inc()
+        if p.pin.slot is not None:
+            self.book.placed(p.lane, p.pin.slot, now)
+            return with_field(body, "id_slot", p.pin.slot)
+        self._unplaced += 1
+        if self.info.total_slots > 1 and p.pin.reason != "client" and b'"seed"' not in body:
+            # The server shows each slot's last seed: a random one (what it would draw
+            # itself for a request without one) tells which slot this request ran in.
+            p.marker = random.randrange(1, 1 << 31)
+            return with_field(body, "seed", p.marker)
+        return body
+
+    async def learn(self, p: Placement, usage: Usage | None) -> None:
+        """After a good answer: a pin's hit or miss; where an unpinned request ran."""
+        if p.pin is None:
+            return
+        usage = usage or Usage()
+        prompt, cached, completion = usage.prompt, usage.cached, usage.completion
+        if self.book.outcome(p.pin, cached, p.predicted):
+            log.warning("backend %s: llama-server slots do not keep a conversation between "
+                        "its turns (idle slots cleared: --kv-unified with --cache-idle-slots?); "
+                        "prefixd leaves slot placement to the server", self.name)
+        if p.pin.slot is not None:
+            p.learned = True
+            return
+        try:
+            slot = locate(await self._backend.fetch_slots(), prompt, cached, completion,
+                          p.marker)
+        except Exception:
+            slot = None
+        if slot is not None:
+            self._check_takeover(p.lane, slot)
+            self.book.placed(p.lane, slot, time.monotonic())
+            p.learned = True
+
+    def _check_takeover(self, lane: str, slot: int) -> None:
+        """Measure what /props does not say: the server put a request into another
+        conversation's slot while a slot was empty. Its least-recently-used pick takes empty
+        slots first, so it chose by prompt similarity (-sps > 0)."""
+        book, held = self.book, self.book.holder[slot]
+        if (self.info.similarity is None and not self.takeover_seen and book.certain
+                and held is not None and held != lane and None in book.holder):
+            self.takeover_seen = True
+            log.warning("backend %s: llama-server put a conversation into another one's slot "
+                        "while a slot was empty, so it picks slots by prompt similarity "
+                        "(-sps > 0), which discards the other conversation's cache: restart it "
+                        "with -sps 0", self.name)
+
+    def done(self, p: Placement) -> None:
+        """The request ended (answered, failed or abandoned)."""
+        self._pending.pop(p.request_id, None)
+        if p.pin is None or p.pin.slot is not None:
+            return
+        self._unplaced -= 1
+        if not p.learned:
+            self.book.lost(p.lane)
+
+    def status(self) -> dict[str, Any]:
+        return {"slots": self.info.total_slots, "slot_similarity": self.info.similarity,
+                "cache_ram_mib": self.info.cache_ram_mib, "slot_pins": dict(self.pins),
+                "slot_takeover_seen": self.takeover_seen,
+                "slot_pins_trusted": self.book.trusted}
