@@ -1,21 +1,12 @@
-"""The lifecycle of one managed worker: a state machine and the ONE task that drives it.
+"""The lifecycle of one managed worker: its state machine and the ONE task that drives it.
 
-Owns: `ProcState`, the `ALLOWED` transitions, `_set_state()` (checks the table, logs, sets
-the state/up gauges, wakes waiters) and the supervisor task that alone starts the child
+Owns: the face the Backend (`managed`) calls (it reads the state, reports requests and
+failures, asks for retries and unloads) and the supervisor task, which alone starts the child
 (with a fresh secret token each time), waits for its /health with a deadline, health-checks
-it, unloads it when idle, stops it, and applies the restart policy:
-
-- a worker that was ready and then died or stopped answering is restarted, after a capped
-  exponential backoff (reset once it stays ready for `stable_s`); it is not a failed start;
-- a start that never became ready is a failed start, retried with the same backoff;
-  `max_restarts` failed starts in a row make the backend `failed`;
-- a worker that exits with `EXIT_LOAD_FAILED` while starting (bad model, bad settings) makes
-  it `failed` at once, with the worker's last stderr lines as the reason;
-- `failed` is not final: one new start every `retry_failed_s`, or sooner when a request asks
-  for it (`request_retry`) and the last attempt began at least `retry_min_s` ago.
-
-Every wait ends at a deadline or when the child exits. The Backend face (`managed`) only
-reads the state, reports requests and failures, and asks for retries.
+it, unloads it, stops it, and restarts it or marks it failed as `lifecycle.RestartPolicy`
+decides. The states, their transitions and the one setter are `states.py`; the decisions
+(backoff, giving up, retries, idle unloads) are `lifecycle.py`; the child process is
+`process.py`. Every wait ends at a deadline or when the child exits.
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ import aiohttp
 
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.health import await_healthy, local_session, probe
+from prefixd.backends.lifecycle import Idle, RestartPolicy, Usage
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import (
     EXIT_LOAD_FAILED,
@@ -38,38 +30,24 @@ from prefixd.backends.process import (
     wait_event,
     worker_env,
 )
-from prefixd.backends.states import ALLOWED, HEALTH_MISSES, HEALTH_PATH, ProcState, S
-from prefixd.metrics.proxy import (
-    BACKEND_RESTARTS,
-    BACKEND_STATE,
-    BACKEND_UP,
-    MODEL_LOAD_SECONDS,
-    MODEL_LOADS,
-    MODEL_UNLOADS,
-)
+from prefixd.backends.states import HEALTH_MISSES, HEALTH_PATH, ProcState, S, StateMachine
+from prefixd.metrics.proxy import BACKEND_RESTARTS, MODEL_LOAD_SECONDS, MODEL_LOADS, MODEL_UNLOADS
 
 log = logging.getLogger("prefixd.backend")
+__all__ = ["ProcState", "Supervisor"]     # ProcState: where `managed` imports it from
 
 
-class _Idle:
-    """The watch loop's verdict when the worker should be unloaded (idle, or asked to);
-    `reason` labels the unload metric: ttl, or what the model pool said (budget, group)."""
+class Supervisor(StateMachine):
+    """One managed worker's state machine, its task, and the face its Backend calls."""
 
-    def __init__(self, why: str, reason: str) -> None:
-        self.why = why
-        self.reason = reason
-
-
-class Supervisor:
     def __init__(self, config: BackendConfig, settings: WorkerSettings, command: CommandBuilder, *,
                  grace_s: float, backoff_s: tuple[float, float], stable_s: float,
                  retry_min_s: float) -> None:
-        self.name = config.name
+        super().__init__(config.name)
         self._cfg, self._settings, self._command = config, settings, command
-        self._grace, self._backoff, self._stable_s = grace_s, backoff_s, stable_s
-        self._retry_min_s = retry_min_s
-        self.state = S.STOPPED
-        self.changed = asyncio.Event()         # replaced on every change: wait on the current
+        self._grace = grace_s
+        self.policy = RestartPolicy(config, backoff_s, stable_s, retry_min_s)
+        self.usage = Usage()
         self._poke = asyncio.Event()           # wakes the task (watching, or failed and waiting)
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -77,50 +55,32 @@ class Supervisor:
         self.base_url: str | None = None
         self.last_error: str | None = None
         self.start_failures = 0                # monotonic: lets waiters see a failed attempt
-        self.consecutive = 0                   # failed starts in a row
-        self.restarts = 0
         self.token: str | None = None          # the running worker's secret; never published
-        self.retry_at: float | None = None     # loop time of a failed backend's next attempt
         # Under a model pool a scheduled retry starts the worker only if it fits beside what
         # is loaded, without unloading anything (a request goes through the pool instead).
         self.may_start: Callable[[], bool] = lambda: True
-        self._retry_wanted = False             # a request asked a failed backend to retry
-        self._last_attempt = float("-inf")     # loop time the latest start began
-        self.healthy = False
         self.suspect = False                   # a request failed: verify before handing out
-        self.active = 0
-        self._last_used = 0.0
-        self._unload_why: tuple[str, str] | None = None   # asked for (memory budget): why, reason
         self.cache_bytes = config.cache_bytes  # the worker's cache budget (the pool may set it)
         self._set_gauges()
-
-    # --- the state machine -----------------------------------------------------------
-    def _set_state(self, new: ProcState, why: str = "") -> None:
-        old = self.state
-        if new is old:
-            return
-        if new not in ALLOWED[old]:
-            raise RuntimeError(f"backend {self.name}: illegal transition {old} -> {new}")
-        self.state = new
-        self.healthy = new is S.READY
-        log.log(logging.WARNING if new is S.FAILED else logging.INFO, "backend %s: %s -> %s%s",
-                self.name, old, new, f" ({why})" if why else "")
-        self._set_gauges()
-        self._notify()
-
-    def _set_gauges(self) -> None:
-        for s in ProcState:
-            BACKEND_STATE.labels(self.name, s.value).set(1 if s is self.state else 0)
-        BACKEND_UP.labels(self.name).set(1 if self.healthy else 0)
-
-    def _notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
     # --- what the Backend face calls ----------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        return self.policy.restarts
+
+    @property
+    def consecutive(self) -> int:
+        """Failed starts in a row."""
+        return self.policy.consecutive
+
+    @property
+    def active(self) -> int:
+        """Requests in flight."""
+        return self.usage.active
+
     @property
     def auth(self) -> dict[str, str]:
         """The header every request to the current worker carries."""
@@ -144,36 +104,37 @@ class Supervisor:
         less than `retry_min_s` ago. True when a start is due (the caller waits for it)."""
         if self.state is not S.FAILED:
             return True
-        if not self._retry_wanted:
-            if self._now() - self._last_attempt < self._retry_min_s:
+        if not self.policy.retry_wanted:
+            if self.policy.too_soon(self._now()):
                 return False
-            self._retry_wanted = True
+            self.policy.retry_wanted = True
             self._poke.set()
         self.start()
         return True
 
     def retry_in(self) -> float | None:
         """Seconds until a failed backend's next scheduled start; None when none is."""
-        if self.state is not S.FAILED or self.retry_at is None:
+        retry_at = self.policy.retry_at
+        if self.state is not S.FAILED or retry_at is None:
             return None
-        return max(0.0, self.retry_at - self._now())
+        return max(0.0, retry_at - self._now())
 
     def request_unload(self, why: str, reason: str) -> None:
         """Stop the worker once no request is in flight (it can start again on demand)."""
-        self._unload_why = (why, reason)
+        self.usage.unload = (why, reason)
         self._poke.set()
 
     def request_started(self) -> None:
-        self.active += 1
-        self._last_used = self._now()
+        self.usage.active += 1
+        self.usage.last_used = self._now()
 
     def request_ended(self) -> None:
-        self.active -= 1
-        self._last_used = self._now()
+        self.usage.active -= 1
+        self.usage.last_used = self._now()
         self._poke.set()        # the idle clock restarts now
 
     def touch(self) -> None:
-        self._last_used = self._now()
+        self.usage.last_used = self._now()
 
     def report_failure(self) -> None:
         """A request to the worker failed: have it checked before the next one is sent."""
@@ -200,7 +161,7 @@ class Supervisor:
         except Exception as e:   # a bug here must not leave waiters hanging
             log.exception("backend %s: supervisor error", self.name)
             # No task is left to retry on schedule; a request's retry starts a new one.
-            self.retry_at = None
+            self.policy.retry_at = None
             if self.state is S.FAILED:
                 self.last_error = f"supervisor error: {e!r}"
             else:
@@ -215,81 +176,75 @@ class Supervisor:
 
     async def _lifecycle(self) -> None:
         """Start, watch, restart, fail and retry until idle-unloaded (or cancelled)."""
-        setbacks = 0      # crashes soon after ready and failed starts in a row: the backoff
-        first = True
+        p = self.policy
+        p.setbacks, first = 0, True
         while True:
             if self.state is S.FAILED:
                 await self._until_retry()
-            elif setbacks:
-                delay = min(self._backoff[0] * 2 ** (setbacks - 1), self._backoff[1])
+            elif p.setbacks:
+                delay = p.backoff()
                 log.info("backend %s: restarting in %.2fs", self.name, delay)
                 if not await self._backoff_unless_unloaded(delay):
                     return
             if not first:
-                self.restarts += 1
+                p.restarts += 1
                 BACKEND_RESTARTS.labels(self.name).inc()
             first, retrying = False, self.state is S.FAILED
             error, load_failed = await self._start()
             if error is None:                           # ready: watch it until it ends
-                self.consecutive, ready_at = 0, self._now()
+                p.consecutive, ready_at = 0, self._now()
                 verdict = await self._watch()
-                MODEL_UNLOADS.labels(self.name, verdict.reason if isinstance(verdict, _Idle)
+                MODEL_UNLOADS.labels(self.name, verdict.reason if isinstance(verdict, Idle)
                                      else "failure").inc()
-                if isinstance(verdict, _Idle):
+                if isinstance(verdict, Idle):
                     await self._reap(verdict.why)
                     return
-                setbacks = 1 if self._now() - ready_at >= self._stable_s else setbacks + 1
+                p.ran(self._now() - ready_at)
                 self.last_error = verdict
                 await self._reap(verdict)
                 continue
-            self.consecutive += 1
-            setbacks += 1
-            if load_failed:
-                self._fail(f"{error} (cannot load its model or settings: not restarted "
-                           "like a crash)")
-            elif retrying:
-                self._fail(error)
-            elif self.consecutive > self._cfg.max_restarts:
-                self._fail(f"{error} (gave up after {self.consecutive} attempts)")
+            failed = p.start_failed(error, load_failed, retrying)
+            if failed is not None:
+                self._fail(failed)
 
     async def _backoff_unless_unloaded(self, delay: float) -> bool:
         """Wait `delay` before a restart; False (no restart) once an unload is asked for: the
         memory budget gave the crashed model's room to another one."""
         end = self._now() + delay
-        while self._unload_why is None and end > self._now():
+        while self.usage.unload is None and end > self._now():
             self._poke.clear()
             await wait_event(self._poke, end - self._now())
-        if self._unload_why is None:
+        if self.usage.unload is None:
             return True
-        log.info("backend %s: not restarted (%s)", self.name, self._unload_why[0])
-        self._unload_why = None
+        log.info("backend %s: not restarted (%s)", self.name, self.usage.unload[0])
+        self.usage.unload = None
         return False
 
     def _fail(self, why: str, scheduled: bool = True) -> None:
         """Enter FAILED (from STOPPED), with the next scheduled retry already known."""
         self.last_error = why
-        self._unload_why = None                # nothing loaded to unload
+        self.usage.unload = None               # nothing loaded to unload
         if scheduled:
-            self.retry_at = self._now() + self._cfg.retry_failed_s
+            self.policy.schedule_retry(self._now())
         self._set_state(S.FAILED, why + (f"; retrying in {self._cfg.retry_failed_s:g}s"
                                          if scheduled else ""))
 
     async def _until_retry(self) -> None:
         """While failed: wait for the scheduled retry or a request asking for one."""
-        if self.retry_at is None:
-            self.retry_at = self._now() + self._cfg.retry_failed_s
+        p = self.policy
+        due = p.retry_at if p.retry_at is not None else p.schedule_retry(self._now())
         while True:
             self._poke.clear()
-            if self._retry_wanted:
+            if p.retry_wanted:
                 break
-            if self._now() >= self.retry_at:
+            if self._now() >= due:
                 if self.may_start():
                     break
-                self.retry_at = self._now() + self._cfg.retry_failed_s   # no room now
-            await wait_event(self._poke, self.retry_at - self._now())
+                due = p.schedule_retry(self._now())    # no room now
+            await wait_event(self._poke, due - self._now())
         log.info("backend %s: trying again after failing (%s)", self.name,
-                 "a request asked" if self._retry_wanted else "scheduled")
-        self._retry_wanted, self.retry_at = False, None
+                 "a request asked" if p.retry_wanted else "scheduled")
+        p.retry_wanted, p.retry_at = False, None
 
     async def _start(self) -> tuple[str | None, bool]:
         """Spawn a worker and wait until it answers: (None, False) when ready, else (why not,
@@ -297,7 +252,7 @@ class Supervisor:
         port = free_port()
         self.suspect = False
         self.worker = None
-        self._last_attempt = self._now()
+        self.policy.last_attempt = self._now()
         self.token = secrets.token_urlsafe(32)
         self._set_state(S.STARTING, f"port {port}")
         try:
@@ -309,12 +264,13 @@ class Supervisor:
             error: str | None = f"cannot start the worker: {e}"
         else:
             self.base_url = f"http://127.0.0.1:{port}"
-            error = await self._await_healthy(self.worker)
+            error = await await_healthy(self.worker, self._probe, self._cfg.startup_timeout_s,
+                                        self._now)
         MODEL_LOADS.labels(self.name, "failed" if error else "ready").inc()
         if error is None:
-            MODEL_LOAD_SECONDS.labels(self.name).observe(self._now() - self._last_attempt)
+            MODEL_LOAD_SECONDS.labels(self.name).observe(self._now() - self.policy.last_attempt)
             self._set_state(S.READY, f"pid {self.worker.pid}" if self.worker else "")
-            self._last_used = self._now()
+            self.usage.last_used = self._now()
             return None, False
         load_failed = self.worker is not None and self.worker.returncode == EXIT_LOAD_FAILED
         # Set before the transition wakes the waiters, so they report this attempt.
@@ -323,10 +279,7 @@ class Supervisor:
         await self._reap(error)
         return error, load_failed
 
-    async def _await_healthy(self, worker: WorkerProcess) -> str | None:
-        return await await_healthy(worker, self._probe, self._cfg.startup_timeout_s, self._now)
-
-    async def _watch(self) -> str | _Idle:
+    async def _watch(self) -> str | Idle:
         """While ready: until the child exits, stops answering, or has been idle too long."""
         worker = self.worker
         assert worker is not None
@@ -345,12 +298,9 @@ class Supervisor:
                     return worker.describe_exit()
                 return "worker stopped answering after a failed request"
             now = self._now()
-            if self._unload_why is not None and not self.active:
-                (why, reason), self._unload_why = self._unload_why, None
-                return _Idle(why, reason)
-            idle_at = self._last_used + idle_s if idle_s is not None and not self.active else None
-            if idle_at is not None and now >= idle_at:
-                return _Idle(f"idle for {idle_s:g}s", "ttl")
+            verdict, idle_at = self.usage.idle(now, idle_s)
+            if verdict is not None:
+                return verdict
             if now >= next_probe:
                 ok = await self._probe(5.0)
                 misses = 0 if ok else misses + 1
