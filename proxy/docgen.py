@@ -25,7 +25,7 @@ BSTART, BEND = "<!-- backend-fields:start -->", "<!-- backend-fields:end -->"
 
 def _default(info: FieldInfo) -> Any:
     if info.default_factory is not None:
-        return info.default_factory()  # type: ignore[call-arg]
+        return info.default_factory()  # type: ignore[call-arg]  # settings' factories take no data
     return info.default
 
 

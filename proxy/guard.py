@@ -15,7 +15,7 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -61,13 +61,19 @@ class GuardedHandler(RequestHandler):
     _started = False
     _deadline: asyncio.TimerHandle | None = None
 
+    @property
+    def _server(self) -> GuardedServer:
+        # the handler's server is always ours (GuardedRunner made it); aiohttp types it as
+        # Server | None
+        return cast(GuardedServer, self._manager)
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        manager = self._manager
-        guard: Guard = manager.guard  # type: ignore[union-attr]
-        if len(manager.connections) > guard.max_connections:  # type: ignore[union-attr]
+        server = self._server
+        guard = server.guard
+        if len(server.connections) > guard.max_connections:
             _limited.warning("max_connections", "refusing a connection: %d open "
-                             "(PREFIXD_MAX_CONNECTIONS=%d)", len(manager.connections),  # type: ignore[union-attr]
+                             "(PREFIXD_MAX_CONNECTIONS=%d)", len(server.connections),
                              guard.max_connections)
             transport.close()
             return
@@ -82,7 +88,7 @@ class GuardedHandler(RequestHandler):
     def _first_headers_due(self) -> None:
         if not self._started and self.transport is not None:
             _limited.warning("header_timeout", "closing a connection that sent no complete "
-                             "request headers in %gs", self._manager.guard.header_timeout_s)  # type: ignore[union-attr]
+                             "request headers in %gs", self._server.guard.header_timeout_s)
             self.transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -125,7 +131,7 @@ class GuardedRunner(web.AppRunner):
         # The same server, handing out GuardedHandlers (aiohttp has no factory hook for the
         # connection protocol); it tells each handler when its first request started.
         server.__class__ = GuardedServer
-        server.guard = self.guard  # type: ignore[attr-defined]
+        cast(GuardedServer, server).guard = self.guard
         make_request = server.request_factory
 
         def request_factory(message: Any, payload: Any, protocol: Any, writer: Any,

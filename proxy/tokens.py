@@ -10,7 +10,8 @@ from aiohttp import web
 
 from prefixd.api.errors import ApiError
 from prefixd.api.schema import decode_json, validate
-from prefixd.proxy.stages.translate import translate_request
+from prefixd.proxy.translate.anthropic import count_tokens_request
+from prefixd.proxy.translate.base import TranslateError
 
 CHARS_PER_TOKEN = 4
 
@@ -25,9 +26,10 @@ async def count_tokens(request: web.Request) -> web.Response:
         body = decode_json(await request.read())
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_body")
-        body = {"max_tokens": 1, **body}     # count_tokens bodies carry no max_tokens
-        assert api.translator is not None
-        chat = translate_request(api.translator, body)
+        try:
+            chat = count_tokens_request(body)    # no max_tokens, never a stream
+        except TranslateError as e:
+            raise ApiError(400, e.message, param=e.param, code="invalid_request") from None
         validate("chat", chat)
         model = proxy.router.model_for(chat.get("model"))
         backend = proxy.router.tokenizer_for(model)

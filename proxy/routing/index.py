@@ -14,7 +14,7 @@ recurrent state at its checkpoints, not anywhere) says which ones after each req
 largest restorable position at or below it, or not at all. Without that digest (llama-server,
 vLLM, any OpenAI upstream) or when any prefix restores, every boundary is taken as restorable.
 
-Pure data, no I/O: the route stage owns one `PrefixIndex` and feeds it.
+Pure data, no I/O: the router owns one `PrefixIndex` and feeds it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ from __future__ import annotations
 import hashlib
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from prefixd.api.values import count
 from prefixd.proxy.prefix.segments import Segment
+
+MAX_DIGEST = 1024         # positions read of a worker's restorable digest (a worker sends 64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,23 @@ class Restorable:
 
     positions: tuple[int, ...]
     prefix_to: int = 0
+
+    @classmethod
+    def from_digest(cls, worker: Mapping[str, Any] | None) -> Restorable | None:
+        """A prefixd worker's digest (`usage.prefixd.restorable`: `positions`, `prefix_to`,
+        `any_prefix`); None when there is none, it is malformed, or any prefix restores (then
+        every boundary counts, as for any other backend)."""
+        digest = worker.get("restorable") if worker is not None else None
+        if not isinstance(digest, dict) or digest.get("any_prefix") is True:
+            return None
+        positions = digest.get("positions")
+        if not isinstance(positions, list) or len(positions) > MAX_DIGEST:
+            return None
+        counts = [count(p) for p in positions]
+        prefix_to = count(digest.get("prefix_to", 0))
+        if prefix_to is None or any(c is None for c in counts):
+            return None
+        return cls(tuple(sorted(c for c in counts if c)), prefix_to)
 
     def at(self, tokens: int, slack: int) -> int:
         """The tokens restorable for a boundary estimated at `tokens`: all of them up to

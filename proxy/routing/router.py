@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from prefixd.api.errors import ApiError
 from prefixd.api.usage import Usage
-from prefixd.api.values import count
 from prefixd.backends.base import Backend, BackendUnavailable
 from prefixd.metrics import proxy as m
 from prefixd.proxy.attempt import Attempt
@@ -49,7 +48,6 @@ MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
 TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions",     # per backend, for /status
          "transferred_tokens")
 WAIT_MIN_TOKENS = 256     # a shared prefix worth waiting for when transfers are off
-MAX_DIGEST = 1024         # positions read of a backend's restorable digest (a worker sends 64)
 
 
 @dataclass(frozen=True)
@@ -259,7 +257,7 @@ class Router:
         if usage.prompt and chain.bounds[-1].tokens > 0:
             self._scale[view.model] = usage.prompt / chain.bounds[-1].tokens
         self.prefixes.record(decision.name, chain, now, usage.prompt or None,
-                             restorable(usage), MISPREDICT_SLACK)
+                             Restorable.from_digest(usage.worker), MISPREDICT_SLACK)
         if view.lane:
             self.prefixes.note(decision.name, view.lane,
                                usage.prompt or chain.bounds[-1].tokens, now)
@@ -290,19 +288,3 @@ class Router:
                           **{k: self.truth[name][k] for k in TRUTH}},
                 **(planner.status() if planner is not None else {})}
 
-
-def restorable(usage: Usage) -> Restorable | None:
-    """A prefixd worker's digest of the prefixes it can restore (`prefixd.restorable`:
-    `positions`, `prefix_to`, `any_prefix`); None when there is none, it is malformed, or any
-    prefix restores (then every boundary counts, as for any other backend)."""
-    digest = usage.worker.get("restorable") if usage.worker is not None else None
-    if not isinstance(digest, dict) or digest.get("any_prefix") is True:
-        return None
-    positions = digest.get("positions")
-    if not isinstance(positions, list) or len(positions) > MAX_DIGEST:
-        return None
-    counts = [count(p) for p in positions]
-    prefix_to = count(digest.get("prefix_to", 0))
-    if prefix_to is None or any(c is None for c in counts):
-        return None
-    return Restorable(tuple(sorted(c for c in counts if c)), prefix_to)

@@ -33,7 +33,8 @@ class DetectStage:
         await call_next(ex)
         if ex.prepared is not None and ex.attempt is not None and ex.attempt.completed:
             u = ex.attempt.usage    # TEMP until record_response takes a Usage
-            self.prefix.record_response(ex.prepared, ex.attempt.message, None if u is None else {**u.as_dict(), **({"prefixd": dict(u.worker)} if u.worker is not None else {})})  # type: ignore[arg-type]
+            raw = None if u is None else {**u.as_dict(), "prefixd": u.worker}
+            self.prefix.record_response(ex.prepared, ex.attempt.message, raw)
 
 
 class MeasureStage:

@@ -6,17 +6,13 @@ Owns: request validation and translation (client body -> chat body), answer tran
 (chat.completion -> client object; chat chunks -> the client's SSE events) and the error
 shapes of each API. Pure: no I/O, no aiohttp, no event loop; the pipeline wires it in.
 Must not touch: the prefix stage, routing, forwarding (they see only the chat body).
-Contract: `base.Translator` / `base.StreamTranslator`; one class per API in `TRANSLATORS`.
+Contract: `base.Translator` / `base.StreamTranslator`; one class per API, wired to its route
+in `proxy/pipeline.py` (`CLIENT_APIS`).
 """
 
 from prefixd.proxy.translate.anthropic import AnthropicTranslator, count_tokens_request
 from prefixd.proxy.translate.base import StreamTranslator, TranslateError, Translator
 from prefixd.proxy.translate.responses import ResponsesTranslator
 
-TRANSLATORS: dict[str, type[Translator]] = {
-    AnthropicTranslator.api: AnthropicTranslator,
-    ResponsesTranslator.api: ResponsesTranslator,
-}
-
-__all__ = ["TRANSLATORS", "AnthropicTranslator", "ResponsesTranslator", "StreamTranslator",
+__all__ = ["AnthropicTranslator", "ResponsesTranslator", "StreamTranslator",
            "TranslateError", "Translator", "count_tokens_request"]
