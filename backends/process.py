@@ -4,7 +4,8 @@ Owns: the worker command line and environment (built in one place each), spawnin
 child in its own process group, relaying its stdout/stderr line by line into the log
 (logger `prefixd.worker`, tagged with the backend name) while keeping the last stderr
 lines for error messages, and a stop that cannot hang (SIGTERM to the group, grace
-period, SIGKILL, always reaped). Knows nothing about states or restarts: `supervisor` does.
+period, SIGKILL, always reaped). Knows nothing about states or restarts: `supervisor`
+(with `states` and `lifecycle`) does.
 The worker's exit codes and its token variable are the worker's contract
 (`backends/mlx/__main__.py`, `backends/mlx/worker.py`), restated here so the proxy side
 never imports mlx.
