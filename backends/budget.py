@@ -97,7 +97,9 @@ def measured_footprint(info: dict | None) -> int | None:
     (the larger of the process's resident set and MLX's live + cached buffers, which on Apple
     silicon need not all show in the resident set) plus the room its prompt cache may still
     grow by (`bytes_budget - bytes_used`). None when the worker does not report its memory."""
-    memory = info.get("memory") if isinstance(info, dict) else None
+    if not isinstance(info, dict):
+        return None
+    memory = info.get("memory")
     if not isinstance(memory, dict):
         return None
     rss = _int(memory.get("rss_bytes"))

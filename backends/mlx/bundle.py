@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -91,7 +91,7 @@ def _digest(tensors: dict[str, np.ndarray]) -> str:
     for name in sorted(tensors):
         a = tensors[name]
         h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
-        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+        h.update(np.ascontiguousarray(a).data.cast("B"))
     return h.hexdigest()
 
 
@@ -120,7 +120,7 @@ def parse(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, mx.array], l
     for name, dt in (meta.get("dtypes") or {}).items():
         if dt == "bfloat16" and name in arrays:
             arrays[name] = arrays[name].view(mx.bfloat16)
-    return meta, arrays, tokens.tolist()
+    return meta, arrays, cast(list[int], tokens.tolist())  # 1-D: a list (mlx's stub: any form)
 
 
 def _meta(data: bytes) -> Any:

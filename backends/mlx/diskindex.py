@@ -115,11 +115,11 @@ def _open(tier: DiskTier, path: Path, kind: str) -> tuple[dict, np.ndarray] | st
         desc, f = diskfmt.describe(path)
         with f:
             why = tier.desc_ok(desc, kind)
-            tokens = f.get_tensor("tokens") if why is None else None
+            if why is not None:
+                return why
+            tokens = f.get_tensor("tokens")
     except Exception:            # FormatError, a missing tensor, an unreadable file
         return "corrupt"
-    if why is not None:
-        return why
     if desc.get("id") != path.stem:
         return "corrupt"
     return desc, chain.as_tokens(tokens)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 # llama.cpp tensor name (after `blk.N.`) -> mlx-lm llama module path (after `model.layers.N.`)
 _BLOCK_NAMES = {
@@ -54,7 +54,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """
     import mlx.core as mx
 
-    tensors, meta = mx.load(str(gguf_path), return_metadata=True)
+    # with return_metadata: (arrays, metadata); mlx's stub gives every form `load` returns
+    tensors, meta = cast(tuple[dict[str, mx.array], dict[str, Any]],
+                         mx.load(str(gguf_path), return_metadata=True))
     if _meta_str(meta, "general.architecture") != "llama":
         raise GGUFError(f"{gguf_path.name}: only llama-architecture GGUF files are supported, "
                         f"this one is {_meta_str(meta, 'general.architecture')!r}")

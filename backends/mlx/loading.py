@@ -115,6 +115,6 @@ def warm_up(model: Any, cache: list[Any], tokenizer: Any) -> None:
         for sampler in (make_sampler(0.0), make_sampler(0.7, 0.95, 0.05, top_k=20)):
             token = sampler(lp)
         mx.eval(model(token[None], cache=cache))
-        tokenizer.decode([int(token.item())])
+        tokenizer.decode([int(token)])
     except Exception:  # a warm-up that fails costs nothing but the warm-up
         log.warning("worker: warm-up pass failed", exc_info=True)

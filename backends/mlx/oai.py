@@ -249,7 +249,8 @@ class ChatOutput:
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
         if content:
             content = self._gate.feed(content)
-        held, calls = self._gate.held + self._gate.flush(), []
+        held = self._gate.held + self._gate.flush()
+        calls: list[dict[str, Any]] = []
         if held and self._tools is not None:
             held, calls = extract_tool_calls(held, self._tools, self._specs)
         return reasoning, content + held, calls

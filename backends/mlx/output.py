@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.logprobs import TokenLogprob
@@ -56,8 +56,10 @@ class LogprobTap:
         if k:
             ids = mx.argpartition(-row, k - 1)[:k]
             ids = ids[mx.argsort(-row[ids])]
-            top = tuple((self._text(i), v) for i, v in zip(ids.tolist(), row[ids].tolist(),
-                                                            strict=True))
+            # 1-D arrays: lists (mlx's stub gives `tolist` every form an array may take)
+            pairs = zip(cast(list[int], ids.tolist()), cast(list[float], row[ids].tolist()),
+                        strict=True)
+            top = tuple((self._text(i), v) for i, v in pairs)
         return TokenLogprob(self._text(token), float(row[token].item()), top)
 
     def _text(self, token: int) -> str:

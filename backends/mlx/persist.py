@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -70,7 +70,9 @@ def load_record(tier: DiskTier, rec: Record, pos: int, template: list[Any]) -> t
     if paths is None:
         raise LoadError("evicted from disk")
     try:
-        arrays, meta = mx.load(str(paths[-1]), return_metadata=True)
+        # with return_metadata: (arrays, metadata); mlx's stub gives every form `load` returns
+        arrays, meta = cast(tuple[dict[str, mx.array], dict[str, Any]],
+                            mx.load(str(paths[-1]), return_metadata=True))
         desc = json.loads(meta[diskfmt.META])
         dtypes = desc.get("dtypes", {})
         blocks = [diskfmt.load(p, dtypes) for p in paths[:-1]]

@@ -63,7 +63,7 @@ class Run:
         snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
         if recorder is not None and recorder.failed:
             self.tap_failure = self.tap_failure or recorder.failed
-        snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if snaps else ()))
+        snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if recorder and snaps else ()))
         self.broken = False
         return (last if last is not None else out), snaps
 
@@ -108,7 +108,7 @@ class Run:
                 history = mx.array(self.prompt + self.fed)
                 for proc in processors:
                     logits = proc(history, logits)
-            token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)).item())
+            token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)))
             if i == 0:
                 stats.first_token_s = time.perf_counter() - t0
             self.pending = token

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-KINDS: dict[type, str] = {
+KINDS: dict[type[Any], str] = {
     KVCache: "kv",
     QuantizedKVCache: "kv",
     RotatingKVCache: "window",

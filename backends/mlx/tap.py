@@ -179,7 +179,7 @@ def _hook_recurrence(orig: Callable, spec: _Spec) -> Callable:
             return orig(*args, **kwargs)
         return tap.split(orig, spec, args, kwargs)
 
-    hooked.__prefixd_original__ = orig  # type: ignore[attr-defined]
+    hooked.__prefixd_original__ = orig  # type: ignore[attr-defined]  # marks a hook: install() once
     return hooked
 
 
@@ -194,7 +194,7 @@ def _conv_call(orig: Callable) -> Callable:
             tap.convs.append((x, k))
         return orig(self, x)
 
-    hooked.__prefixd_original__ = orig  # type: ignore[attr-defined]
+    hooked.__prefixd_original__ = orig  # type: ignore[attr-defined]  # marks a hook: install() once
     return hooked
 
 
@@ -206,7 +206,8 @@ def install() -> None:
     modules imported later get the hook too) and `nn.Conv1d`. Idempotent."""
     with _install_lock:
         if not hasattr(nn.Conv1d.__call__, "__prefixd_original__"):
-            nn.Conv1d.__call__ = _conv_call(nn.Conv1d.__call__)
+            # the in-pass tap patches the library (proven equal to unpatched passes: verify())
+            nn.Conv1d.__call__ = _conv_call(nn.Conv1d.__call__)  # type: ignore[method-assign]
         for name, mod in list(sys.modules.items()):
             if not name.startswith("mlx_lm.models.") or mod is None:
                 continue
@@ -253,8 +254,8 @@ def _differs(a: Any, b: Any) -> str | None:
         if a.shape != b.shape:
             return f"shape {a.shape} != {b.shape}"
         a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
-        scale = mx.abs(b32).max().item() + 1e-6
-        err = mx.abs(a32 - b32).max().item()
+        scale = float(mx.abs(b32).max()) + 1e-6
+        err = float(mx.abs(a32 - b32).max())
         return None if err <= 0.02 * scale else f"max difference {err:.3g} (scale {scale:.3g})"
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         if len(a) != len(b):

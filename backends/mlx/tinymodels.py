@@ -140,7 +140,7 @@ def build_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB) -> nn.Mo
 
 def _lm_head(model: nn.Module) -> nn.Module:
     # qwen3_5 wraps its text model in `language_model`; the rest hold lm_head at the top.
-    holder = getattr(model, "language_model", model)
+    holder: Any = getattr(model, "language_model", model)   # modules' children are dynamic
     return holder.lm_head
 
 

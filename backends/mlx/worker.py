@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.api.schema import Kind, decode_json, parse_body
@@ -44,7 +45,7 @@ def create_app(generator: Generator, model_name: str, settings: WorkerSettings,
                token: str | None = None) -> web.Application:
     """The worker app around a `Generator` (loaded now or later: /health says which). With a
     `token`, every route but /health requires `Authorization: Bearer <token>`."""
-    middlewares = [errors_middleware] + ([_auth(token)] if token else [])
+    middlewares: list[Middleware] = [errors_middleware] + ([_auth(token)] if token else [])
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GENERATOR] = generator
     app[MODEL_NAME] = model_name
@@ -63,7 +64,7 @@ def create_app(generator: Generator, model_name: str, settings: WorkerSettings,
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _auth(token: str) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
