@@ -41,12 +41,10 @@ from prefixd.backends.health import local_session
 from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.process import CommandBuilder, worker_command
-from prefixd.backends.supervisor import ProcState, Supervisor
+from prefixd.backends.states import ProcState
+from prefixd.backends.supervisor import Supervisor
 
 log = logging.getLogger("prefixd.backend")
-
-__all__ = ["ManagedBackend", "ProcState"]
-
 
 class ManagedBackend(BackendBase):
     kind = "mlx"

@@ -24,7 +24,8 @@ from chat_chunks import client_request
 from fake_upstream import FakeUpstream
 from proxy_fixtures import StartProxy
 
-from prefixd.backends.managed import ManagedBackend, ProcState
+from prefixd.backends.managed import ManagedBackend
+from prefixd.backends.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 

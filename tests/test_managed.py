@@ -21,8 +21,9 @@ import pytest
 from fake_worker import fake_command, gone
 
 from prefixd.backends.base import Backend, BackendError, BackendUnavailable, UpstreamRequest
-from prefixd.backends.managed import ManagedBackend, ProcState
+from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.process import TOKEN_ENV, worker_command, worker_env
+from prefixd.backends.states import ProcState
 from prefixd.metrics import REGISTRY
 from prefixd.proxy.settings import BackendConfig, Settings
 

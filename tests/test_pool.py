@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy_fixtures import read_until
 
 from prefixd.backends.budget import PROCESS_OVERHEAD, CacheNeed, cache_shares
-from prefixd.backends.managed import ManagedBackend, ProcState
+from prefixd.backends.managed import ManagedBackend
+from prefixd.backends.states import ProcState
 from prefixd.metrics import proxy as m
 from prefixd.metrics import render
 from prefixd.proxy.server import Server, StartupError, make_proxy, serve
