@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -48,7 +49,8 @@ async def _turn(http: aiohttp.ClientSession, base: str, model: str, messages: li
                 ) -> tuple[dict, float, str]:
     body = {"model": model, "messages": messages, "tools": TOOLS, "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": 24, "temperature": 0}
-    t0, ttft, text, usage = time.monotonic(), None, [], {}
+    usage: dict[str, Any] = {}
+    t0, ttft, text = time.monotonic(), None, []
     async with http.post(base + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.content:
@@ -67,7 +69,8 @@ async def _turn(http: aiohttp.ClientSession, base: str, model: str, messages: li
 
 
 async def _conversation(base: str, model: str) -> list[tuple[int, int, int, float]]:
-    rows, messages = [], [{"role": "system", "content": SYSTEM}]
+    rows = []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         for i, turn in enumerate(_turns(), 1):
             if turn["role"] == "tool_result":   # the model "called" read_file; answer it
@@ -118,7 +121,7 @@ async def _run(args: argparse.Namespace) -> int:
     if not (tiny / "config.json").exists():
         subprocess.run([sys.executable, "-m", "prefixd.proxy.cli", "tiny-model", "qwen3_next",
                         str(tiny)], check=True, stdout=subprocess.DEVNULL)
-    backends = [{"name": "tiny-hybrid", "kind": "mlx", "model": str(tiny),
+    backends: list[dict[str, Any]] = [{"name": "tiny-hybrid", "kind": "mlx", "model": str(tiny),
                  "models": ["tiny-qwen3-next"]}]
     if not args.no_default:
         backends.append({"name": "default", "kind": "mlx", "model": "smollm2-135m-instruct"})

@@ -15,37 +15,23 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from prefixd.proxy.prefix import canonicalize as C
-from prefixd.proxy.prefix import patterns as P
+from prefixd.proxy.prefix import rules
 from prefixd.proxy.prefix.detect import REUSING as _REUSING
-from prefixd.proxy.prefix.stage import RULE_SETTINGS
 from prefixd.proxy.settings import Settings
 
 REUSING = frozenset(v.value for v in _REUSING)
 
 
-def _fixes() -> dict[str, str]:
-    """cause -> the canonicalization rule that keeps the prefix (docs/MUTATIONS.md, Causes).
-    The status page has a copy (proxy/ui/static/render.js); tests/test_ui.py keeps them equal."""
-    fixes = {"anthropic_billing_header": C.STRIP, "tools_reordered": C.TOOLS,
-             "schema_key_order": C.TOOLS, "whitespace_only": C.WS, "schema_whitespace": C.WS}
-    fixes |= dict.fromkeys(P.DATE_LABELS, C.DATE)
-    fixes |= dict.fromkeys(P.TIME_LABELS, C.TIME)
-    fixes |= dict.fromkeys((*P.ENV_LABELS, "env_block"), C.ENV)
-    return fixes
-
-
-FIXES = _fixes()
-
-
 def setting(rule: str) -> str:
     """`relocate_clock_time` -> `PREFIXD_CANON_RELOCATE_CLOCK_TIME`."""
-    return "PREFIXD_" + RULE_SETTINGS.get(rule, f"canon_{rule}").upper()
+    r = rules.by_name(rule)
+    return r.env if r is not None else f"PREFIXD_CANON_{rule.upper()}"
 
 
 def describe(rule: str) -> str:
-    field = Settings.model_fields.get(RULE_SETTINGS.get(rule, ""))
-    return (field.description or "") if field is not None else ""
+    """What the rule does (its setting's description)."""
+    r = rules.by_name(rule)
+    return r.doc if r is not None else ""
 
 
 class ExplainError(Exception):
@@ -196,12 +182,13 @@ def _fix_lines(r: dict, s: Style) -> list[str]:
         out.append(f"  {'fix':<8}{s.bold(setting(w['rule']) + '=on')}  would keep "
                    f"{_tok(w.get('saved_tokens'))} more tok (measured in dry run)")
     sent = r.get("sent_verdict") or r.get("verdict")
-    rules = [] if sent in REUSING or sent == "NEW" else list(dict.fromkeys(
-        FIXES[c] for c in r.get("causes") or [] if c in FIXES and FIXES[c] not in done))
-    for rule in rules:
+    fixes = rules.fixes()
+    suggested = [] if sent in REUSING or sent == "NEW" else list(dict.fromkeys(
+        fixes[c] for c in r.get("causes") or [] if c in fixes and fixes[c] not in done))
+    for rule in suggested:
         out.append(f"  {'fix':<8}{s.bold(setting(rule) + '=on')}  {s.dim(describe(rule))}")
     hint = r.get("hint")
-    fix_shown = bool(rules or r.get("would_fix"))
+    fix_shown = bool(suggested or r.get("would_fix"))
     if hint and not (fix_shown and hint.startswith("canon_")):   # not the fix line again
         out.append(f"  {'hint':<8}{hint}")
     return out

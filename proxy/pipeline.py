@@ -24,7 +24,7 @@ from prefixd.backends.base import Backend, Managed
 from prefixd.backends.config import BackendConfig
 from prefixd.proxy.exchange import ClientApi, Exchange
 from prefixd.proxy.pool import LoadStage, ModelPool
-from prefixd.proxy.prefix.stage import PrefixStage
+from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.queue import BackendQueue
 from prefixd.proxy.routing.router import Router
 from prefixd.proxy.settings import Settings
@@ -61,7 +61,7 @@ class Proxy:
                        for b in backends}
         self.router = Router(self.backends, self.queues, settings)
         self.index = self.router.index           # model -> its backends, in configuration order
-        self.prefix = PrefixStage(settings)
+        self.prefix = PrefixTracker(settings)
         managed: list[Managed] = [m for b in backends if (m := b.managed()) is not None]
         self.pool = ModelPool.from_settings(managed, self.queues, settings) if managed else None
         self.stages = build_stages(self)

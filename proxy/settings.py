@@ -8,17 +8,16 @@ env file configures its workers too.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import AfterValidator, Field, SecretStr
+from pydantic import AfterValidator, Field, SecretStr, create_model
 
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.mlx.settings import DEFAULT_MODEL, WorkerSettings
+from prefixd.proxy.prefix.rules import RULES, RuleMode
 from prefixd.proxy.routing.policy import Balance
 
 __all__ = ["DEFAULT_MODEL", "BackendConfig", "RuleMode", "Settings", "redacted"]
-
-RuleMode = Literal["on", "off", "dry_run"]
 
 
 def _unique_names(backends: list[BackendConfig]) -> list[BackendConfig]:
@@ -29,7 +28,7 @@ def _unique_names(backends: list[BackendConfig]) -> list[BackendConfig]:
     return backends
 
 
-class Settings(WorkerSettings):
+class DeclaredSettings(WorkerSettings):
     """prefixd configuration (env prefix `PREFIXD_`; env file `--env-file` or ./prefixd.env)."""
 
     # --- server -----------------------------------------------------------------------
@@ -116,24 +115,21 @@ class Settings(WorkerSettings):
     lane_max: int = Field(256, ge=1, description="Most lanes kept (least recently used go).")
     lane_max_bytes: int = Field(64 * 1024 * 1024, ge=1024,
                                 description="Most bytes of lane state kept in memory.")
-    canon_strip_billing_header: RuleMode = Field(
-        "on", description="R1: strip the `x-anthropic-billing-header:` line from system prompts.")
-    canon_pin_tool_order: RuleMode = Field(
-        "on", description="R2/R3: send tools in the lane's first-seen order and key order.")
-    canon_pin_whitespace: RuleMode = Field(
-        "on", description="R5: whitespace-only changes in system/tools keep first-seen bytes.")
-    canon_freeze_date: RuleMode = Field(
-        "off", description="R6: keep the lane's first date in the system prompt; restate a "
-        "new date in the newest user message.")
-    canon_relocate_clock_time: RuleMode = Field(
-        "off", description="R7: keep the time of day out of the system prompt; state the "
-        "exact time in the newest user message.")
-    canon_pin_env_block: RuleMode = Field(
-        "off", description="R8 (risky): pin <env>-style blocks; restate changes in the "
-        "newest user message.")
-    canon_keep_trailing_reminder: RuleMode = Field(
-        "off", description="R12: re-append a reminder the client dropped from an older user "
-        "message (Aider's edit-format rules) so its turns append.")
+    # canon_<rule>: one field per canonicalization rule, generated below from its entry in
+    # proxy/prefix/rules.py (name, default, description), after the fields above.
+
+    def rule_modes(self) -> dict[str, RuleMode]:
+        """Each canonicalization rule's mode (its `canon_<rule>` field), by rule name."""
+        return {r.name: getattr(self, r.setting) for r in RULES}
+
+
+if TYPE_CHECKING:       # the type checker reads the fields declared above; nothing reads the
+    Settings = DeclaredSettings          # generated ones but `rule_modes` (by name)
+else:
+    Settings = create_model(
+        "Settings", __base__=DeclaredSettings, __module__=__name__,
+        __doc__=DeclaredSettings.__doc__,
+        **{r.setting: (RuleMode, Field(r.default, description=r.doc)) for r in RULES})
 
 
 def redacted(settings: Settings) -> dict:

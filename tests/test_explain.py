@@ -14,7 +14,8 @@ import pytest
 from ui_helpers import backends, play
 
 from prefixd.proxy import cli
-from prefixd.proxy.explain import FIXES, Style, report_lines, setting, target
+from prefixd.proxy.explain import Style, report_lines, setting, target
+from prefixd.proxy.prefix.rules import RULES, fixes
 from prefixd.proxy.settings import Settings
 
 
@@ -139,5 +140,13 @@ def test_dry_run_rules_and_canonicalized_verdicts_render():
     assert not any("RELOCATE" in line for line in lines)   # already fixed: no advice
     assert not any(line.startswith("  hint") for line in lines)   # the fix line says it
     assert setting("strip_billing_header") == "PREFIXD_CANON_STRIP_BILLING_HEADER"
-    assert set(FIXES.values()) <= {"strip_billing_header", "pin_tool_order", "pin_whitespace",
-                                   "freeze_date", "relocate_clock_time", "pin_env_block"}
+    assert set(fixes().values()) == {r.name for r in RULES}      # every rule is suggested
+    assert "todays_date_line" not in fixes()      # an anchor: its date or time label suggests
+
+
+def test_a_dropped_reminder_suggests_its_rule():
+    report = {"turn": 3, "verdict": "MUTATED", "causes": ["trailing_reminder_dropped"],
+              "hint": "canon_keep_trailing_reminder=on"}
+    lines = report_lines(report, Style(color=False))
+    assert lines[-1].startswith("  fix     PREFIXD_CANON_KEEP_TRAILING_REMINDER=on  R12: ")
+    assert not any(line.startswith("  hint") for line in lines)

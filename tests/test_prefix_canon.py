@@ -9,13 +9,17 @@ import re
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_prefix_cases import messages_api, prepare
 
 from prefixd.proxy.prefix import canonicalize as C
 from prefixd.proxy.prefix.patterns import VOLATILE, client_family, span_labels
-from prefixd.proxy.prefix.stage import RULE_SETTINGS, PrefixStage
+from prefixd.proxy.prefix.rules import RULES
+from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.settings import Settings
 
-ALL = frozenset(C.RULES)
+NAMES = [r.name for r in RULES]
+ALL = frozenset(NAMES)
+DATE, TIME, ENV = "freeze_date", "relocate_clock_time", "pin_env_block"
 
 # --- strategies: bodies that look like agent requests, with the volatile bits that move -------
 dates = st.sampled_from(["Tue Sep 16 2025", "Wed Sep 17 2025", "2026-01-02",
@@ -77,7 +81,7 @@ def committed(first: dict, enabled: frozenset[str]) -> C.CanonState:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(bodies(), bodies(), st.sets(st.sampled_from(C.RULES)))
+@given(bodies(), bodies(), st.sets(st.sampled_from(NAMES)))
 def test_canonicalize_is_deterministic_and_idempotent(first: dict, second: dict,
                                                       rules: set[str]) -> None:
     enabled = frozenset(rules)
@@ -94,12 +98,11 @@ def test_canonicalize_is_deterministic_and_idempotent(first: dict, second: dict,
 @settings(max_examples=40, deadline=None)
 @given(st.lists(bodies(), min_size=1, max_size=4))
 def test_every_rule_off_forwards_the_clients_bytes(seq: list[dict]) -> None:
-    off = {name: "off" for name in RULE_SETTINGS.values()}
-    stage = PrefixStage(Settings(_env_file=None, **off), clock=lambda: 0.0)
+    off = {r.setting: "off" for r in RULES}
+    stage = PrefixTracker(Settings(_env_file=None, **off), clock=lambda: 0.0)
     for body in seq:
         before = json.dumps(body)
-        p = stage.prepare(body, {"X-Session-Id": "p"}, model="m", path="/v1/chat/completions",
-                          backend_kind="local")
+        p = prepare(stage, body, {"X-Session-Id": "p"})
         assert not p.changed and p.body is body and json.dumps(body) == before
         stage.record_response(p, {"role": "assistant", "content": "ok"}, None)
 
@@ -107,11 +110,10 @@ def test_every_rule_off_forwards_the_clients_bytes(seq: list[dict]) -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.lists(bodies(), min_size=1, max_size=4))
 def test_dry_run_never_changes_the_forwarded_body(seq: list[dict]) -> None:
-    dry = {name: "dry_run" for name in RULE_SETTINGS.values()}
-    stage = PrefixStage(Settings(_env_file=None, **dry), clock=lambda: 0.0)
+    dry = {r.setting: "dry_run" for r in RULES}
+    stage = PrefixTracker(Settings(_env_file=None, **dry), clock=lambda: 0.0)
     for body in seq:
-        p = stage.prepare(body, {"X-Session-Id": "p"}, model="m", path="/v1/chat/completions",
-                          backend_kind="local")
+        p = prepare(stage, body, {"X-Session-Id": "p"})
         assert not p.changed and p.body is body
 
 
@@ -122,7 +124,7 @@ def _oc(date: str, clock: str, user: str) -> dict:
 
 
 def test_rules_are_lazy_and_sticky() -> None:
-    enabled = frozenset({C.DATE, C.TIME})
+    enabled = frozenset({DATE, TIME})
     state = C.CanonState()
     first = _oc("Tue Sep 16 2025", "23:59:58", "a")
     r1 = C.canonicalize(first, state, enabled)
@@ -130,13 +132,13 @@ def test_rules_are_lazy_and_sticky() -> None:
     C.commit(state, first, r1)
     r2 = C.canonicalize(_oc("Wed Sep 17 2025", "00:00:03", "b"), state, enabled)
     assert r2.body["messages"][0] == first["messages"][0]      # pinned to first-seen bytes
-    assert set(r2.applied) == {C.DATE, C.TIME}
+    assert set(r2.applied) == {DATE, TIME}
     tail = r2.body["messages"][1]["content"]
     assert "Wed Sep 17 2025" in tail and "00:00:03" in tail and tail.count("supersedes") == 2
 
 
 def test_no_pin_without_a_fresh_user_turn() -> None:
-    enabled = frozenset({C.TIME})
+    enabled = frozenset({TIME})
     state = committed(_oc("Tue Sep 16 2025", "10:00:00", "a"), enabled)
     body = _oc("Tue Sep 16 2025", "10:00:09", "a")
     body["messages"].append({"role": "assistant", "content": "prefill"})
@@ -149,22 +151,24 @@ def test_env_block_pin_is_opt_in() -> None:
     body2 = json.loads(json.dumps(body1).replace("Rules.", "Rules.").replace("Agent.", "Agent."))
     body2["messages"][0]["content"] = body2["messages"][0]["content"].replace(
         "</env>", "  Working directory: /home/u/other\n</env>")
-    for enabled, changed in ((frozenset({C.DATE, C.TIME}), False), (frozenset({C.ENV}), False)):
+    for enabled, changed in ((frozenset({DATE, TIME}), False), (frozenset({ENV}), False)):
         state = committed(body1, enabled)
         assert C.canonicalize(body2, state, enabled).changed is changed   # an added line
     body3 = _oc("Tue Sep 16 2025", "10:00:00", "a")
     body3["messages"][0]["content"] = body3["messages"][0]["content"].replace("Time:", "Shell:")
-    state = committed(body1, frozenset({C.ENV}))
-    r = C.canonicalize(body3, state, frozenset({C.ENV}))
-    assert r.applied == [C.ENV] and "Shell: 10:00:00" in r.body["messages"][1]["content"]
+    state = committed(body1, frozenset({ENV}))
+    r = C.canonicalize(body3, state, frozenset({ENV}))
+    assert r.applied == [ENV] and "Shell: 10:00:00" in r.body["messages"][1]["content"]
 
 
-def test_billing_header_kept_for_anthropic_upstream() -> None:
-    body = {"model": "m", "system": "x-anthropic-billing-header: cch=1;\nYou are Claude.",
-            "messages": [{"role": "user", "content": "hi"}]}
-    state = C.CanonState()
-    assert C.canonicalize(body, state, ALL).body["system"] == "You are Claude."
-    assert not C.canonicalize(body, state, ALL, backend_kind="anthropic").changed
+def test_billing_header_stripped_from_a_messages_api_system_prompt() -> None:
+    body = messages_api({"model": "m", "max_tokens": 10, "messages": [{"role": "user",
+                         "content": "hi"}], "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+        {"type": "text", "text": "You are Claude."}]})
+    r = C.canonicalize(body, C.CanonState(), ALL)
+    assert r.applied == ["strip_billing_header"]
+    assert r.body["messages"][0] == {"role": "system", "content": "You are Claude."}
 
 
 # --- the catalogue (Appendix A samples and negatives) -----------------------------------------
@@ -207,13 +211,12 @@ def test_span_labels_only_name_values_that_changed() -> None:
 def test_stage_sequences_are_deterministic_and_settled(seq: list[dict]) -> None:
     """Two stages fed the same requests forward the same bytes; and what a stage forwarded
     (with its recorded insertions) is a fixed point of the rules."""
-    on = {name: "on" for name in RULE_SETTINGS.values()}
-    stages = [PrefixStage(Settings(_env_file=None, **on), clock=lambda: 0.0) for _ in range(2)]
+    on = {r.setting: "on" for r in RULES}
+    stages = [PrefixTracker(Settings(_env_file=None, **on), clock=lambda: 0.0) for _ in range(2)]
     for body in seq:
         out = []
         for stage in stages:
-            p = stage.prepare(body, {"X-Session-Id": "d"}, model="m",
-                              path="/v1/chat/completions", backend_kind="local")
+            p = prepare(stage, body, {"X-Session-Id": "d"})
             stage.record_response(p, {"role": "assistant", "content": "ok"}, None)
             out.append(json.dumps(p.body))
         assert out[0] == out[1]

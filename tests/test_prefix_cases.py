@@ -1,12 +1,16 @@
-"""The ten request sequences of docs/MUTATIONS.md §8, played through the real PrefixStage:
-what the report says, and what canonicalization forwards."""
+"""The ten request sequences of docs/MUTATIONS.md §8, played through the real PrefixTracker
+as the pipeline's prefix stages call it: what the report says, and what canonicalization
+forwards."""
 
 from __future__ import annotations
 
 import json
 
-from prefixd.proxy.prefix.stage import PrefixStage, Prepared
+from prefixd.api.usage import Usage
+from prefixd.proxy.prefix.report import header
+from prefixd.proxy.prefix.tracker import PrefixTracker, Prepared
 from prefixd.proxy.settings import Settings
+from prefixd.proxy.translate import AnthropicTranslator
 
 OFF = {"canon_strip_billing_header": "off", "canon_pin_tool_order": "off",
        "canon_pin_whitespace": "off"}
@@ -20,16 +24,30 @@ class Clock:
         return self.t
 
 
-def make_stage(**kw: object) -> PrefixStage:
-    return PrefixStage(Settings(_env_file=None, prefix_excerpts=True, **kw), clock=Clock())
+def make_stage(**kw: object) -> PrefixTracker:
+    return PrefixTracker(Settings(_env_file=None, prefix_excerpts=True, **kw), clock=Clock())
 
 
-def play(st: PrefixStage, body: dict, headers: dict | None = None, reply: dict | None = None,
-         usage: dict | None = None) -> Prepared:
-    p = st.prepare(body, headers or {}, model=str(body.get("model")),
-                   path="/v1/chat/completions", backend_kind="local")
+def prepare(st: PrefixTracker, body: dict, headers: dict | None = None) -> Prepared:
+    """What the pipeline's canonicalize and detect stages do with a request's body."""
+    p = st.canonicalize(body, headers or {})
+    if st.settings.prefix_detect:
+        st.detect(p)
+    return p
+
+
+def play(st: PrefixTracker, body: dict, headers: dict | None = None, reply: dict | None = None,
+         usage: Usage | None = None) -> Prepared:
+    """One request and its answer."""
+    p = prepare(st, body, headers)
     st.record_response(p, reply or {"role": "assistant", "content": "ok"}, usage)
     return p
+
+
+def messages_api(body: dict) -> dict:
+    """The chat body the proxy's translate stage makes of an Anthropic Messages body: what
+    the prefix stages see of a /v1/messages request."""
+    return AnthropicTranslator().request(body)
 
 
 def chat(system: str, history: list[dict], user: str, **extra: object) -> dict:
@@ -60,13 +78,15 @@ CC_SYSTEM = "You are Claude Code, Anthropic's official CLI for Claude.\n" + "Be 
 
 
 def cc_body(cch: str, messages: list[dict]) -> dict:
-    return {"model": "m", "max_tokens": 100, "messages": messages,
-            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.0d9;"
-                        f" cc_entrypoint=cli; cch={cch};"},
-                       {"type": "text", "text": CC_SYSTEM, "cache_control": {"type": "ephemeral"}}]}
+    """Claude Code's /v1/messages body, as the prefix stages see it (translated)."""
+    return messages_api({
+        "model": "m", "max_tokens": 100, "messages": messages,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.0d9;"
+                    f" cc_entrypoint=cli; cch={cch};"},
+                   {"type": "text", "text": CC_SYSTEM, "cache_control": {"type": "ephemeral"}}]})
 
 
-def cc_turns(st: PrefixStage) -> tuple[Prepared, Prepared]:
+def cc_turns(st: PrefixTracker) -> tuple[Prepared, Prepared]:
     first = [{"role": "user", "content": [{"type": "text", "text": "list the files"}]}]
     p1 = play(st, cc_body("fa690", first), CC_HEADERS, ok("Here they are."))
     echo = {"role": "assistant", "content": [{"type": "text", "text": "Here they are."}]}
@@ -81,15 +101,17 @@ def test_1_billing_header_reported_when_rule_off() -> None:
     r = p2.report
     assert (r.verdict, r.region, r.path) == ("MUTATED", "system", "system[0]")
     assert r.causes == ["anthropic_billing_header"]
-    assert r.reusable_tokens < 20 < r.lost_tokens
+    assert r.char_offset == len("x-anthropic-billing-header: cc_version=2.1.37.0d9; "
+                                "cc_entrypoint=cli; cch=")        # the first changed byte
+    assert r.reusable_tokens < 25 < r.lost_tokens
     assert "cch=fa690" in r.spans[0].old_excerpt and "cch=0aaa9" in r.spans[0].new_excerpt
-    assert p2.header.startswith("verdict=MUTATED;cause=anthropic_billing_header;sent=MUTATED;"
-                                "reused=")
+    assert header(r).startswith("verdict=MUTATED;cause=anthropic_billing_header;sent=MUTATED;"
+                       "reused=")
     # the rule that is off says what it would keep, computed by running it on a copy
     [fix] = r.would_fix
     assert fix["rule"] == "strip_billing_header" and fix["mode"] == "off"
     assert 0.9 * r.lost_tokens < fix["saved_tokens"] <= r.lost_tokens
-    assert "would_fix=strip_billing_header" in p2.header
+    assert "would_fix=strip_billing_header" in header(r)
     assert r.hint == "canon_strip_billing_header=on"
     assert not p2.changed
 
@@ -97,13 +119,13 @@ def test_1_billing_header_reported_when_rule_off() -> None:
 def test_1_billing_header_stripped_by_default() -> None:
     p1, p2 = cc_turns(make_stage())
     assert p1.changed and "billing" not in fwd_text(p1)
-    assert p1.body["system"][0]["text"] == CC_SYSTEM        # the emptied block is dropped
+    assert p1.body["messages"][0]["content"] == CC_SYSTEM   # the header line is gone
     r = p2.report
     # the report shows what the client did, and what prefixd did about it
     assert r.verdict == "MUTATED" and r.causes == ["anthropic_billing_header"]
     assert r.fixed == ["strip_billing_header"] and r.sent_verdict == "APPEND"
-    assert p2.header.startswith("verdict=MUTATED;cause=anthropic_billing_header;"
-                                "fixed=strip_billing_header;sent=APPEND;reused=")
+    assert header(r).startswith("verdict=MUTATED;cause=anthropic_billing_header;"
+                       "fixed=strip_billing_header;sent=APPEND;reused=")
     assert r.reusable_tokens == r.prev_prompt_tokens > 0
     assert r.saved_tokens > 0.9 * r.reusable_tokens
 
@@ -118,7 +140,7 @@ def oc_system(date: str) -> str:
             f"  Platform: linux\n  Today's date: {date}\n</env>\n" + "More rules. " * 30)
 
 
-def oc_turns(st: PrefixStage) -> list[Prepared]:
+def oc_turns(st: PrefixTracker) -> list[Prepared]:
     hist = pairs(20)
     out = [play(st, chat(oc_system("Tue Sep 16 2025"), hist, "fix the bug"), OC_HEADERS, ok("a"))]
     hist += [{"role": "user", "content": "fix the bug"}, {"role": "assistant", "content": "a"}]
@@ -297,9 +319,9 @@ def test_8_reasoning_dropped_on_echo() -> None:
 def test_8_template_drops_reasoning_unexplained_miss() -> None:
     st = make_stage()
     resp = {"role": "assistant", "content": "42", "reasoning_content": "hmm " * 30}
-    play(st, chat("sys " * 200, [], "q"), {}, resp, {"prompt_tokens": 300})
+    play(st, chat("sys " * 200, [], "q"), {}, resp, Usage(prompt=300))
     p = play(st, chat("sys " * 200, [{"role": "user", "content": "q"}, resp], "why?"),
-             usage={"prompt_tokens": 360, "prompt_tokens_details": {"cached_tokens": 12}})
+             usage=Usage(prompt=360, cached=12))
     r = p.report
     assert r.verdict == "APPEND" and r.backend_cached_tokens == 12
     assert r.miss == "unexplained" and r.suspects[0] == "template"
@@ -309,9 +331,9 @@ def test_8_a_prefixd_workers_own_reason_explains_the_miss() -> None:
     """A prefixd worker says why it restored less (`prefixd.cache.miss`): the report carries
     that reason instead of guessing suspects."""
     st = make_stage()
-    play(st, chat("sys " * 200, [], "q"), {}, ok("42"), {"prompt_tokens": 300})
-    usage = {"prompt_tokens": 360, "prompt_tokens_details": {"cached_tokens": 0},
-             "prefixd": {"cache": {"tier": None, "known_tokens": 300, "miss": "evicted"}}}
+    play(st, chat("sys " * 200, [], "q"), {}, ok("42"), Usage(prompt=300))
+    usage = Usage.parse({"prompt_tokens": 360, "prompt_tokens_details": {"cached_tokens": 0}},
+                        {"cache": {"tier": None, "known_tokens": 300, "miss": "evicted"}})
     p = play(st, chat("sys " * 200, [{"role": "user", "content": "q"}, ok("42")], "why?"),
              usage=usage)
     r = p.report
@@ -343,7 +365,7 @@ async def test_9_tool_output_pruned_exact_lost_tokens() -> None:
     pruned[24]["content"] = "[Old tool result content cleared]"    # the 12th tool result
     after = [*hist, {"role": "user", "content": "continue"}, ok("done")]
     body2 = chat("sys", pruned + after[len(hist):], "next")
-    p = st.prepare(body2, {}, model="m", path="/v1/chat/completions", backend_kind="local")
+    p = prepare(st, body2)
     r = p.report
     assert r.verdict == "TRUNCATED" and r.causes == ["tool_output_pruned"]
     assert r.path == "messages[25]"
@@ -354,7 +376,7 @@ async def test_9_tool_output_pruned_exact_lost_tokens() -> None:
     lcp = next(i for i, (a, b) in enumerate(zip(prev, cur, strict=False)) if a != b)
     assert r.token_offset_exact and r.reusable_tokens == lcp
     assert r.lost_tokens == len(prev) - lcp and est > 0
-    assert "reused=" + str(lcp) in p.header
+    assert "reused=" + str(lcp) in header(p.report)
 
 
 def test_9_compacted_history() -> None:
@@ -389,7 +411,7 @@ def test_10_open_webui_two_spans_and_partial_would_fix() -> None:
     assert [w["rule"] for w in r.would_fix] == ["relocate_clock_time"]
     saved = r.would_fix[0]["saved_tokens"]
     assert 0 < saved < r.lost_tokens          # only the part up to the retrieved context
-    assert "would_fix=relocate_clock_time" in p.header
+    assert "would_fix=relocate_clock_time" in header(p.report)
 
 
 # --- stretch cases ----------------------------------------------------------------------------
@@ -415,7 +437,7 @@ def test_identical_resend_and_whitespace_pin() -> None:
 
 
 def test_debug_endpoints_hide_text_unless_excerpts() -> None:
-    st = PrefixStage(Settings(_env_file=None, **OFF), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None, **OFF), clock=Clock())
     cc_body_turns = cc_turns(st)
     hist = st.debug_lane(cc_body_turns[1].lane)
     assert [h["verdict"] for h in hist] == ["NEW", "MUTATED"]

@@ -1,13 +1,13 @@
 """Precise causes for three mutations a black-box review found reported generically: a
 `<system-reminder>` sent as its own content part that moves to the newest message, an older
 tool call whose arguments were re-serialized, and a refreshed Aider repo map. Each is played
-as a real client request sequence through PrefixStage."""
+as a real client request sequence through PrefixTracker."""
 
 from __future__ import annotations
 
 import json
 
-from test_prefix_cases import chat, make_stage, ok, pairs, play
+from test_prefix_cases import chat, make_stage, messages_api, ok, pairs, play
 
 # --- 1. A reminder part moves from an older user message to the newest one ------------------
 CC_HEADERS = {"User-Agent": "claude-cli/2.1.37 (external, cli)",
@@ -139,7 +139,9 @@ def test_older_tool_call_args_reserialized() -> None:
     assert r.path == "messages[2].tool_calls[0]"
 
 
-def test_anthropic_tool_use_input_key_order_reserialized() -> None:
+def test_messages_api_tool_use_input_key_order_reserialized() -> None:
+    """Claude Code resends a tool_use with its input's keys in another order: after the
+    translation to chat form, the same arguments in other bytes."""
     st = make_stage()
     hdr = {"X-Claude-Code-Session-Id": "2f6a1c9e-0d4b-4e8a-9f3c-7b5d1e2a4c6f"}
 
@@ -152,12 +154,16 @@ def test_anthropic_tool_use_input_key_order_reserialized() -> None:
                                          "content": "print('hi')\n" * 30}]}
     msgs = [{"role": "user", "content": "read main.py"},
             use({"file_path": "/home/me/main.py", "limit": 200}), res]
-    play(st, {"model": "m", "system": "You are Claude Code.", "messages": msgs}, hdr, ok("ok"))
+    def body(messages: list[dict]) -> dict:
+        return messages_api({"model": "m", "max_tokens": 100, "system": "You are Claude Code.",
+                             "messages": messages})
+
+    play(st, body(msgs), hdr, ok("ok"))
     msgs = [msgs[0], use({"limit": 200, "file_path": "/home/me/main.py"}), res, ok("ok"),
             {"role": "user", "content": "thanks"}]
-    r = play(st, {"model": "m", "system": "You are Claude Code.", "messages": msgs}, hdr).report
+    r = play(st, body(msgs), hdr).report
     assert r.verdict == "MUTATED" and r.causes == ["tool_args_reserialized"]
-    assert r.path == "messages[1].content[1]"
+    assert r.path == "messages[2].tool_calls[0]"
 
 
 def test_older_tool_call_with_other_args_is_not_reserialized() -> None:

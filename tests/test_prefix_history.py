@@ -1,7 +1,8 @@
 """What the client did to its own history, told apart from a user's edit: template parameters
 that leave the prompt alone, history compaction (a summary takes the place of old messages)
 and tool-output pruning (an old output replaced by a placeholder). Each is played as a real
-client's request sequence through PrefixStage."""
+client's request sequence through PrefixTracker (a /v1/messages client's in the chat form the
+proxy translates it to)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import json
 
 from aider_fixtures import HEADERS as AIDER_HEADERS
 from aider_fixtures import AiderSession
-from test_prefix_cases import chat, make_stage, ok, pairs, play
+from test_prefix_cases import chat, make_stage, messages_api, ok, pairs, play
+
+from prefixd.proxy.prefix.report import header
+
+
+def claude_code(messages: list[dict]) -> dict:
+    """A Claude Code /v1/messages body, as the prefix stages see it."""
+    return messages_api({"model": "m", "max_tokens": 100, "system": "You are Claude Code.",
+                         "messages": messages})
 
 
 # --- template parameters ----------------------------------------------------------------------
@@ -23,8 +32,8 @@ def test_params_only_change_follows_the_prompt() -> None:
     r = p.report
     assert r.verdict == "APPEND" and r.causes == ["params_changed"]
     assert r.reusable_tokens == r.prev_prompt_tokens > 0 and r.lost_tokens == 0
-    assert p.header.startswith("verdict=APPEND;cause=params_changed;sent=APPEND;reused=")
-    assert "at=" not in p.header
+    assert header(r).startswith("verdict=APPEND;cause=params_changed;sent=APPEND;reused=")
+    assert "at=" not in header(r)
 
 
 def test_params_added_on_a_resend_is_identical() -> None:
@@ -105,12 +114,12 @@ def test_claude_code_compaction_of_a_short_session() -> None:
     hdr = {"X-Claude-Code-Session-Id": "0b6a6c1e-2f9d-4c55-8b1e-3d2a4f5e6a7b"}
     first = [{"role": "user", "content": "find the flaky test"}, ok("It is test_io." * 30),
              {"role": "user", "content": "fix it"}]
-    play(st, {"model": "m", "system": "You are Claude Code.", "messages": first}, hdr, ok("Done."))
+    play(st, claude_code(first), hdr, ok("Done."))
     summary = ("This session is being continued from a previous conversation that ran out of "
                "context. The conversation is summarized below:\nWe fixed test_io.")
     msgs = [{"role": "user", "content": summary}, ok("Understood."),
             {"role": "user", "content": "now run the suite"}]
-    r = play(st, {"model": "m", "system": "You are Claude Code.", "messages": msgs}, hdr).report
+    r = play(st, claude_code(msgs), hdr).report
     assert r.verdict == "TRUNCATED" and r.causes == ["history_compacted"]
 
 
@@ -135,7 +144,7 @@ def test_newest_message_asking_for_a_summary_is_still_a_branch() -> None:
 
 
 # --- tool-output pruning ----------------------------------------------------------------------
-def test_short_anthropic_tool_result_pruned_to_a_placeholder() -> None:
+def test_short_messages_api_tool_result_pruned_to_a_placeholder() -> None:
     st = make_stage()
     hdr = {"X-Claude-Code-Session-Id": "5e2c1a0b-7d3f-4e8a-9b6c-1f2e3d4c5b6a"}
 
@@ -147,12 +156,12 @@ def test_short_anthropic_tool_result_pruned_to_a_placeholder() -> None:
         {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"command": "ls"}}]}
     listing = "README.md\npyproject.toml\nsrc/\ntests/\n" * 3
     msgs = [{"role": "user", "content": "what is here?"}, use, result(listing)]
-    play(st, {"model": "m", "system": "You are Claude Code.", "messages": msgs}, hdr, ok("Files."))
+    play(st, claude_code(msgs), hdr, ok("Files."))
     msgs = [msgs[0], use, result("(output pruned)"), ok("Files."),
             {"role": "user", "content": "and now?"}]
-    r = play(st, {"model": "m", "system": "You are Claude Code.", "messages": msgs}, hdr).report
+    r = play(st, claude_code(msgs), hdr).report
     assert r.verdict == "TRUNCATED" and r.causes == ["tool_output_pruned"]
-    assert r.path == "messages[2].content[0]"
+    assert r.path == "messages[3]"        # the tool message the tool_result block became
 
 
 def test_short_tool_message_pruned_keeps_its_message() -> None:

@@ -7,10 +7,12 @@ import logging
 
 import pytest
 from prometheus_client import generate_latest
+from test_prefix_cases import messages_api, prepare
 
+from prefixd.api.usage import Usage
 from prefixd.metrics import REGISTRY
 from prefixd.proxy.prefix.lanes import LaneStore, session_id
-from prefixd.proxy.prefix.stage import PrefixStage
+from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.settings import Settings
 
 
@@ -27,8 +29,8 @@ def body(system: str, first: str = "hi", **extra: object) -> dict:
                                        {"role": "user", "content": first}], **extra}
 
 
-def lane_of(st: PrefixStage, b: dict, headers: dict | None = None) -> str:
-    p = st.prepare(b, headers or {}, model="m", path="/v1/chat/completions", backend_kind="local")
+def lane_of(st: PrefixTracker, b: dict, headers: dict | None = None) -> str:
+    p = prepare(st, b, headers)
     st.record_response(p, {"role": "assistant", "content": "ok"}, None)
     return p.lane
 
@@ -51,7 +53,7 @@ def test_session_id_priority(headers: dict, extra: dict, want: tuple | None) -> 
 
 
 def test_fingerprint_ignores_volatile_lines_and_separates_clients() -> None:
-    st = PrefixStage(Settings(_env_file=None), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
     a = lane_of(st, body("Agent.\nToday's date: 2025-01-01 10:00:00\n" + "Rules. " * 20))
     b = lane_of(st, body("Agent.\nToday's date: 2025-01-02 11:00:00\n" + "Rules. " * 20))
     c = lane_of(st, body("Agent.\n" + "Rules. " * 20), {"User-Agent": "aider/0.8"})
@@ -61,24 +63,23 @@ def test_fingerprint_ignores_volatile_lines_and_separates_clients() -> None:
 
 def test_idle_lanes_expire() -> None:
     clock = Clock()
-    st = PrefixStage(Settings(_env_file=None, lane_idle_s=60), clock=clock)
+    st = PrefixTracker(Settings(_env_file=None, lane_idle_s=60), clock=clock)
     lane_of(st, body("s"), {"X-Session-Id": "one"})
     clock.t = 30
     lane_of(st, body("s"), {"X-Session-Id": "two"})
     clock.t = 70
     lane_of(st, body("s"), {"X-Session-Id": "three"})
     assert [x["lane"] for x in st.debug_lanes()] == ["s:two", "s:three"]
-    p = st.prepare(body("s"), {"X-Session-Id": "one"}, model="m", path="/v1/chat/completions",
-                   backend_kind="local")
+    p = prepare(st, body("s"), {"X-Session-Id": "one"})
     assert p.report.verdict == "NEW"      # forgotten, so compared with nothing
 
 
 def test_lane_count_and_bytes_are_capped() -> None:
-    st = PrefixStage(Settings(_env_file=None, lane_max=3), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None, lane_max=3), clock=Clock())
     for i in range(5):
         lane_of(st, body("s"), {"X-Session-Id": f"l{i}"})
     assert [x["lane"] for x in st.debug_lanes()] == ["s:l2", "s:l3", "s:l4"]
-    st = PrefixStage(Settings(_env_file=None, lane_max_bytes=60_000), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None, lane_max_bytes=60_000), clock=Clock())
     for i in range(6):
         lane_of(st, body("x" * 10_000), {"X-Session-Id": f"b{i}"})
     assert st.store.nbytes <= 60_000 and len(st.store) < 6
@@ -86,7 +87,7 @@ def test_lane_count_and_bytes_are_capped() -> None:
 
 
 def test_history_is_bounded() -> None:
-    st = PrefixStage(Settings(_env_file=None, prefix_history=3), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None, prefix_history=3), clock=Clock())
     for _ in range(5):
         lane = lane_of(st, body("s"), {"X-Session-Id": "h"})
     assert [h["turn"] for h in st.debug_lane(lane)] == [3, 4, 5]
@@ -100,7 +101,7 @@ def test_store_never_drops_the_lane_in_use() -> None:
 
 
 def test_log_line_and_metrics(caplog: pytest.LogCaptureFixture) -> None:
-    st = PrefixStage(Settings(_env_file=None), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
     hdr = {"User-Agent": "goose/1.0", "X-Session-Id": "g"}
     lane_of(st, body("Time 10:00:00\n" + "r " * 100), hdr)
     with caplog.at_level(logging.INFO, logger="prefixd.prefix"):
@@ -117,12 +118,11 @@ def test_log_line_and_metrics(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_completions_prompt_and_unreadable_bodies() -> None:
-    st = PrefixStage(Settings(_env_file=None), clock=Clock())
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
 
     def send(b: dict) -> object:
-        p = st.prepare(b, {"X-Session-Id": "c"}, model="m", path="/v1/completions",
-                       backend_kind="local")
-        st.record_response(p, None, {"prompt_tokens": 10})
+        p = prepare(st, b, {"X-Session-Id": "c"})
+        st.record_response(p, None, Usage(prompt=10))
         return p
 
     assert send({"model": "m", "prompt": "Once upon a time"}).report.verdict == "NEW"
@@ -135,9 +135,10 @@ def test_completions_prompt_and_unreadable_bodies() -> None:
 
 
 def test_detection_off_still_canonicalizes() -> None:
-    st = PrefixStage(Settings(_env_file=None, prefix_detect=False), clock=Clock())
-    b = {"model": "m", "system": "x-anthropic-billing-header: cch=1;\nYou are Claude.",
-         "messages": [{"role": "user", "content": "hi"}]}
-    p = st.prepare(b, {}, model="m", path="/v1/chat/completions", backend_kind="local")
-    assert p.report is None and p.header is None
-    assert p.changed and p.body["system"] == "You are Claude."
+    st = PrefixTracker(Settings(_env_file=None, prefix_detect=False), clock=Clock())
+    b = messages_api({"model": "m", "max_tokens": 10, "messages": [{"role": "user",
+                      "content": "hi"}], "system": "x-anthropic-billing-header: cch=1;\n"
+                      "You are Claude."})
+    p = prepare(st, b)          # the pipeline leaves the detect stage out
+    assert p.report is None
+    assert p.changed and p.body["messages"][0]["content"] == "You are Claude."

@@ -1,6 +1,6 @@
 """Insertions that must not pile up: a pinned value is restated only when it changed since
 its last restatement, earlier restatements and kept reminders are replayed byte for byte,
-and every cause with a rule names it (RULE_FOR_CAUSE)."""
+and every cause with a rule names it (rules.for_cause)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_prefix_cases import prepare
 
 from prefixd.proxy.prefix import canonicalize as C
-from prefixd.proxy.prefix.patterns import CAUSES, HINTS, RULE_FOR_CAUSE
-from prefixd.proxy.prefix.stage import RULE_SETTINGS, PrefixStage
+from prefixd.proxy.prefix import rules as R
+from prefixd.proxy.prefix.patterns import CAUSES
+from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.settings import Settings
 
 HDR = {"X-Session-Id": "restate"}
 
 
-def stage(**modes: str) -> PrefixStage:
-    return PrefixStage(Settings(_env_file=None, **modes), clock=lambda: 0.0)
+def stage(**modes: str) -> PrefixTracker:
+    return PrefixTracker(Settings(_env_file=None, **modes), clock=lambda: 0.0)
 
 
 def system(date: str, clock: str) -> str:
@@ -27,14 +29,14 @@ def system(date: str, clock: str) -> str:
             + "Rules. " * 40)
 
 
-def turns(st: PrefixStage, values: list[tuple[str, str]]) -> list:
+def turns(st: PrefixTracker, values: list[tuple[str, str]]) -> list:
     """One request per (date, time); each appends a user turn to the history."""
     hist: list[dict] = []
     out = []
     for i, (date, clock) in enumerate(values):
         body = {"model": "m", "messages": [{"role": "system", "content": system(date, clock)},
                                            *hist, {"role": "user", "content": f"step {i}"}]}
-        p = st.prepare(body, HDR, model="m", path="/v1/chat/completions", backend_kind="local")
+        p = prepare(st, body, HDR)
         st.record_response(p, {"role": "assistant", "content": f"done {i}"}, None)
         out.append(p)
         hist += [{"role": "user", "content": f"step {i}"},
@@ -78,9 +80,9 @@ def told(block: str) -> dict[str, str]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(values, st.sets(st.sampled_from([C.DATE, C.TIME, C.ENV])))
+@given(values, st.sets(st.sampled_from(["freeze_date", "relocate_clock_time", "pin_env_block"])))
 def test_restatements_follow_changes_and_history_stays_a_prefix(seq: list, rules: set) -> None:
-    modes = {RULE_SETTINGS[r]: "on" for r in rules}
+    modes = {f"canon_{r}": "on" for r in rules}
     ps = turns(stage(**modes), seq)
     base = ps[0].body["messages"][0]
     first = {"Today's date": seq[0][0], "Time": seq[0][1]}
@@ -124,7 +126,7 @@ def reminder_sessions(draw: st.DrawFn) -> list[tuple[dict, str]]:
 @given(reminder_sessions())
 def test_kept_reminders_append_are_idempotent_and_off_is_identity(turns: list) -> None:
     on, off = stage(canon_keep_trailing_reminder="on"), stage(canon_keep_trailing_reminder="off")
-    state, keep = C.CanonState(), frozenset({C.KEEP})
+    state, keep = C.CanonState(), frozenset({"keep_trailing_reminder"})
     prev = None
     for body, answer in turns:
         before = json.dumps(body)
@@ -134,8 +136,7 @@ def test_kept_reminders_append_are_idempotent_and_off_is_identity(turns: list) -
         assert json.dumps(res.body) == json.dumps(twin.body)                # deterministic
         assert json.dumps(again.body) == json.dumps(res.body)               # idempotent
         C.commit(state, body, res)
-        p = on.prepare(body, HDR, model="m", path="/v1/chat/completions", backend_kind="local")
-        q = off.prepare(body, HDR, model="m", path="/v1/chat/completions", backend_kind="local")
+        p, q = prepare(on, body, HDR), prepare(off, body, HDR)
         assert json.dumps(body) == before and q.body is body and not q.changed
         assert json.dumps(p.body) == json.dumps(res.body)
         if prev is not None:
@@ -147,14 +148,18 @@ def test_kept_reminders_append_are_idempotent_and_off_is_identity(turns: list) -
         prev = p
 
 
-# --- RULE_FOR_CAUSE ---------------------------------------------------------------------------
+# --- causes -> rules --------------------------------------------------------------------------
 def test_every_rule_has_causes_and_every_cause_names_a_real_rule() -> None:
-    assert set(RULE_FOR_CAUSE) <= CAUSES
-    assert set(RULE_FOR_CAUSE.values()) == set(C.RULES)
-    assert set(RULE_SETTINGS) == set(C.RULES)
-    for cause, rule in RULE_FOR_CAUSE.items():
-        assert HINTS[cause].startswith(f"canon_{rule}=")
-    assert RULE_FOR_CAUSE["trailing_reminder_dropped"] == "keep_trailing_reminder"
-    assert RULE_FOR_CAUSE["clock_time"] == "relocate_clock_time"
-    assert "history_before_files" not in RULE_FOR_CAUSE
+    fixed = [c for r in R.RULES for c in r.causes]
+    assert len(fixed) == len(set(fixed)) and set(fixed) <= CAUSES    # one rule per cause
+    for rule in R.RULES:
+        assert rule.causes
+        for cause in rule.causes:
+            assert R.for_cause(cause) is rule and R.hint(cause) == rule.hint
+            assert R.hint(cause).startswith(f"canon_{rule.name}=")
+    assert R.for_cause("trailing_reminder_dropped").name == "keep_trailing_reminder"
+    assert R.for_cause("clock_time").name == "relocate_clock_time"
+    assert R.hint("env_block") == "canon_pin_env_block=dry_run"          # risky: try it first
+    assert R.for_cause("history_before_files") is None
+    assert R.hint("history_before_files").startswith("Aider moves its history")
     assert "history_compacted" in CAUSES and "compacted" not in CAUSES

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from yarl import URL
 
-from prefixd.proxy.explain import FIXES
+from prefixd.proxy.prefix.rules import RULES, page_data
 from prefixd.proxy.ui import STATIC
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,11 +68,19 @@ async def test_without_a_key_everything_is_open(upstream, start_proxy, http):
             assert r.status == 200, path
 
 
-def test_the_page_and_explain_suggest_the_same_fixes():
-    js = (STATIC / "render.js").read_text()
-    table = re.search(r"const FIXES = (\{.*?\});", js, re.S)
-    assert table, "FIXES table not found in render.js"
-    assert json.loads(table.group(1)) == FIXES
+async def test_the_page_reads_the_rules_from_the_server(upstream, start_proxy, http):
+    """The page keeps no copy of the rules: it suggests fixes from /ui/rules.json, which the
+    rule registry makes (public like the page: it holds no traffic)."""
+    proxy = await start_proxy(upstream.url, api_key="sekret")
+    async with http.get(f"http://127.0.0.1:{proxy.port}/ui/rules.json") as r:
+        assert r.status == 200 and r.content_type == "application/json"
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
+        assert await r.json() == json.loads(json.dumps(page_data()))
+    js = (STATIC / "app.js").read_text() + (STATIC / "render.js").read_text()
+    assert '"/ui/rules.json"' in js
+    for rule in RULES:
+        assert rule.name not in js and rule.env not in js, rule.name
+        assert not any(f'"{cause}"' in js for cause in rule.causes), rule.name
 
 
 def test_every_static_file_ships_in_the_package():

@@ -1,42 +1,38 @@
-"""Canonicalization rules (docs/MUTATIONS.md §7.4): opt-in rewrites that keep a lane's prompt
-prefix byte-stable while the model is still told every live value.
+"""Canonicalization (docs/MUTATIONS.md §7.4): opt-in rewrites that keep a lane's prompt prefix
+byte-stable while the model is still told every live value. The rules are the entries of
+`rules.RULES`; this module runs the steps of those that are on, and names none of them:
+re-append what the client dropped from older messages, rewrite system texts, pin system
+texts (whole, then line by line), pin tools, then replay and add restatements.
 
 Principles, enforced here: lazy (a rule acts only once its value changed within the lane;
-the first request only sets the baseline, apart from the always-safe billing-header strip);
-sticky (pin to the lane's first-seen bytes, never to "now"); semantics kept (a pinned value
-is restated in the newest user/tool message with "supersedes" wording, never as a second
-system message); replayable (each insertion is recorded with the fingerprint of the message
-it went into and re-applied byte-identically when that message is history); deterministic
-and idempotent. A pinned value is restated only when it changed since its last
-restatement. `keep_trailing_reminder` re-appends a reminder the client dropped from an older
-message (Aider). Insertions and their replay live in `insertions`. Pure: `canonicalize` reads
-`CanonState`, `commit` is the only writer.
+the first request only sets the baseline, apart from a rewrite such as the billing-header
+strip); sticky (pin to the lane's first-seen bytes, never to "now"); semantics kept (a
+pinned value is restated in the newest user/tool message with "supersedes" wording, never as
+a second system message, and only when it changed since its last restatement); replayable
+(insertions, in `insertions`, are re-applied byte-identically when their message is
+history); deterministic and idempotent. Pure: `canonicalize` reads `CanonState`, `commit` is
+the only writer.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixd.proxy.prefix import insertions as I
 from prefixd.proxy.prefix import patterns as P
+from prefixd.proxy.prefix import rules as R
+from prefixd.proxy.prefix.rules import Rule
 from prefixd.proxy.prefix.segments import (
     Segment,
-    canonical,
-    collapse_ws,
     dumps,
     replace_texts,
     system_segments,
     tool_name,
     without_cache_control,
 )
-
-STRIP, TOOLS, WS = "strip_billing_header", "pin_tool_order", "pin_whitespace"
-DATE, TIME, ENV = "freeze_date", "relocate_clock_time", "pin_env_block"
-KEEP = "keep_trailing_reminder"
-RULES = (STRIP, TOOLS, WS, DATE, TIME, ENV, KEEP)
-_PIN_LABELS = {DATE: P.DATE_LABELS, TIME: P.TIME_LABELS}
 
 
 @dataclass(slots=True)
@@ -70,70 +66,72 @@ class CanonResult:
         return bool(self.applied)
 
 
-def strip_billing(text: str) -> str:
-    return P.VOLATILE["anthropic_billing_header"].sub("", text)
-
-
-def canonicalize(body: dict, state: CanonState, enabled: frozenset[str], *,
-                 shadow: bool = False, backend_kind: str = "local") -> CanonResult:
-    """The body to forward under the `enabled` rules; `body` itself is never mutated."""
+def canonicalize(body: dict, state: CanonState, enabled: Collection[str], *,
+                 shadow: bool = False) -> CanonResult:
+    """The body to forward under the `enabled` rules (names of `rules.RULES`); `body` itself
+    is never mutated."""
     res = CanonResult(body)
+    on = R.enabled(enabled)
     book = state.shadow if shadow else state.live
-    strip = STRIP in enabled and backend_kind != "anthropic"
     segs = system_segments(body)
     target = _target(body)
-    out = _keep_reminders(res, body, book, state.tail if KEEP in enabled else None,
-                          "\n".join(s.text for s in segs))
+    out = _reappend(res, body, book, state.tail, "\n".join(s.text for s in segs), on)
+    rewrites = [r for r in on if r.rewrite is not None]
     edits: dict[Any, str] = {}
     for s in segs:
         if s.region != "system" or s.loc is None:
             continue
-        text = strip_billing(s.text) if strip else s.text
-        if text != s.text:
-            _note(res, STRIP)
+        text = _rewrite(s.text, rewrites, res)
         base = (state.system or {}).get(s.path)
-        if base is not None and (base := strip_billing(base) if strip else base) != text:
-            text = _pin_system(res, s.path, base, text, enabled, book.said,
+        if base is not None and (base := _rewrite(base, rewrites)) != text:
+            text = _pin_system(res, s.path, base, text, on, book.said,
                                pin_values=target is not None)
         if text != s.text:
             edits[s.loc] = text
     out = replace_texts(out, edits) if edits else out
-    if strip:
+    if rewrites:
         out = _drop_emptied_parts(out, [loc for loc, text in edits.items() if not text.strip()])
-    out = _pin_tools(res, out, state, enabled)
+    out = _pin_tools(res, out, state, on)
     out = _inject(res, out, book.blocks, target)
     res.body = out if res.applied else body
     return res
 
 
-def _keep_reminders(res: CanonResult, body: dict, book: I.Book, tail: tuple[int, dict] | None,
-                    system: str) -> dict:
-    """Older messages with the trailing reminders the client dropped from them put back:
-    the ones kept on earlier requests, and the one dropped since the last request (`tail`,
-    given only when the rule is enabled)."""
+def _rewrite(text: str, rewrites: list[Rule], res: CanonResult | None = None) -> str:
+    for r in rewrites:
+        assert r.rewrite is not None
+        new = r.rewrite(text)
+        if new != text and res is not None:
+            _note(res, r.name)
+        text = new
+    return text
+
+
+def _reappend(res: CanonResult, body: dict, book: I.Book, tail: tuple[int, dict] | None,
+              system: str, on: list[Rule]) -> dict:
+    """Text the client dropped from older messages put back by the rules that do that."""
     messages = body.get("messages")
-    if not isinstance(messages, list) or not (book.kept or tail):
+    if not isinstance(messages, list):
         return body
-    edited = I.replay(messages, book.kept, I.append_text)
-    fresh = I.dropped(messages, tail, system)
-    if fresh is not None and fresh[0] not in edited:
-        k, suffix = fresh
-        res.kept = (I.fingerprint(k, messages[k]), suffix)
-        edited[k] = I.append_text(messages[k], suffix)
-    if not edited:
-        return body
-    _note(res, KEEP)
-    return {**body, "messages": [edited.get(k, m) for k, m in enumerate(messages)]}
+    for r in on:
+        if r.reappend is None or not (book.kept or tail):
+            continue
+        edited, record = r.reappend(messages, book.kept, tail, system)
+        if record is not None:
+            res.kept = record
+        if edited:
+            _note(res, r.name)
+            messages = [edited.get(k, m) for k, m in enumerate(messages)]
+            body = {**body, "messages": messages}
+    return body
 
 
 def _drop_emptied_parts(body: dict, emptied: list[Any]) -> dict:
-    """Remove the text blocks/parts the billing strip left empty (a part that is only the
-    header line), keeping at least one part per message."""
+    """Remove the text parts a rewrite left empty (a part that is only the billing header
+    line), keeping at least one part per message."""
     out = body
     for loc in sorted(emptied, reverse=True):      # later parts first: indices stay valid
-        if loc[0] == "system" and len(loc) == 3 and isinstance(out.get("system"), list):
-            out = {**out, "system": [b for j, b in enumerate(out["system"]) if j != loc[1]]}
-        elif loc[0] == "messages" and len(loc) == 5:
+        if loc[0] == "messages" and len(loc) == 5:
             messages = list(out["messages"])
             msg = messages[loc[1]]
             if isinstance(msg.get("content"), list) and len(msg["content"]) > 1:
@@ -160,14 +158,16 @@ def _target(body: dict) -> int | None:
     return None
 
 
-def _pin_system(res: CanonResult, path: str, base: str, text: str, enabled: frozenset[str],
+def _pin_system(res: CanonResult, path: str, base: str, text: str, on: list[Rule],
                 said: dict[str, str], pin_values: bool) -> str:
-    """`text` with whitespace-only or value-only changes pinned back to `base`. A pinned
-    line's live value is restated unless it is what the last restatement (`said`) said."""
-    if WS in enabled and base.split() == text.split():
-        _note(res, WS)
+    """`text` pinned back to `base` as a whole (whitespace-only changes) or line by line
+    (value-only changes). A pinned line's live value is restated unless it is what the last
+    restatement (`said`) said."""
+    same = next((r for r in on if r.same_text is not None and r.same_text(base, text)), None)
+    if same is not None:
+        _note(res, same.name)
         return base
-    if not pin_values or not enabled & {DATE, TIME, ENV}:
+    if not pin_values or not any(r.values or r.pins_line is not None for r in on):
         return text
     lb, ln = base.splitlines(keepends=True), text.splitlines(keepends=True)
     out = list(ln)
@@ -177,11 +177,11 @@ def _pin_system(res: CanonResult, path: str, base: str, text: str, enabled: froz
         if tag != "replace" or i2 - i1 != j2 - j1:
             continue
         for bi, nj in zip(range(i1, i2), range(j1, j2), strict=True):
-            rules = pin_rules(lb[bi], ln[nj], enabled, in_env=nj in env_lines)
+            rules = pin_rules(lb[bi], ln[nj], on, in_env=nj in env_lines)
             if rules:
                 out[nj] = lb[bi]
                 for r in rules:
-                    _note(res, r)
+                    _note(res, r.name)
                 key, live = f"{path}|{lb[bi].strip()}", ln[nj].strip()
                 if said.get(key) != live:
                     res.restated.append(live)
@@ -189,17 +189,17 @@ def _pin_system(res: CanonResult, path: str, base: str, text: str, enabled: froz
     return "".join(out)
 
 
-def pin_rules(old: str, new: str, enabled: frozenset[str], in_env: bool = False) -> list[str]:
-    """The enabled rules that together explain the change from line `old` to `new`."""
-    labels = tuple(lab for r in (DATE, TIME) if r in enabled for lab in _PIN_LABELS[r])
+def pin_rules(old: str, new: str, on: list[Rule], in_env: bool = False) -> list[Rule]:
+    """The rules that are on and together explain the change from line `old` to `new`: the
+    value rules whose values are all that changed (each credited if its values changed), or
+    else the first rule that pins such a line whatever changed in it."""
+    valued = [r for r in on if r.values]
+    labels = tuple(label for r in valued for label in r.values)
     if labels and P.mask(old, labels) == P.mask(new, labels):
-        return [r for r in (TIME, DATE) if r in enabled
-                and P.mask(old, _PIN_LABELS[r]) != old
-                and any(x.findall(old) != x.findall(new)
-                        for x in (P.VOLATILE[lab] for lab in _PIN_LABELS[r]))]
-    if ENV in enabled and (in_env or any(P.VOLATILE[lab].search(old) for lab in P.ENV_LABELS)):
-        return [ENV]
-    return []
+        return sorted((r for r in valued if P.mask(old, r.values) != old
+                       and any(P.VOLATILE[label].findall(old) != P.VOLATILE[label].findall(new)
+                               for label in r.values)), key=R.credit_order)
+    return [r for r in on if r.pins_line is not None and r.pins_line(old, in_env)][:1]
 
 
 def _env_line_set(lines: list[str]) -> set[int]:
@@ -214,34 +214,35 @@ def _env_line_set(lines: list[str]) -> set[int]:
     return out
 
 
-def _pin_tools(res: CanonResult, body: dict, state: CanonState,
-               enabled: frozenset[str]) -> dict:
+def _pin_tools(res: CanonResult, body: dict, state: CanonState, on: list[Rule]) -> dict:
     tools = body.get("tools")
     if not isinstance(tools, list):
         return body
     base = state.tools or []
     by_name = {tool_name(t): (i, t) for i, t in enumerate(base)}
     res.new_tools = [t for t in tools if tool_name(t) not in by_name]
-    if state.tools is None or not enabled & {TOOLS, WS}:
+    same_tool = [r for r in on if r.same_tool is not None]
+    ordering = [r for r in on if r.orders_tools]
+    if state.tools is None or not (same_tool or ordering):
         return body
     chosen = []
     for t in tools:
         _, b = by_name.get(tool_name(t), (None, None))
         if b is not None and dumps(b) != dumps(t):
             x, y = without_cache_control(b), without_cache_control(t)
-            if TOOLS in enabled and canonical(x) == canonical(y):
-                _note(res, TOOLS)
-                t = b
-            elif WS in enabled and canonical(collapse_ws(x)) == canonical(collapse_ws(y)):
-                _note(res, WS)
+            same = next((r for r in same_tool if r.same_tool is not None and r.same_tool(x, y)),
+                        None)
+            if same is not None:
+                _note(res, same.name)
                 t = b
         chosen.append(t)
-    if TOOLS in enabled:
+    if ordering:
         order = {id(t): by_name.get(tool_name(t), (len(base) + k, None))[0]
                  for k, t in enumerate(chosen)}
         ordered = sorted(chosen, key=lambda t: order[id(t)])
         if [id(t) for t in ordered] != [id(t) for t in chosen]:
-            _note(res, TOOLS)
+            for r in ordering:
+                _note(res, r.name)
         chosen = ordered
     if [id(t) for t in chosen] == [id(t) for t in tools]:
         return body
@@ -279,9 +280,12 @@ def commit(state: CanonState, body: dict, res: CanonResult, *, shadow: bool = Fa
         else:
             state.tools.extend(res.new_tools)
         messages = body.get("messages")
-        last = messages[-1] if isinstance(messages, list) and messages else None
-        state.tail = ((len(messages) - 1, last) if isinstance(last, dict)
-                      and last.get("role") == "user" and I.last_text(last) is not None else None)
+        state.tail = None
+        if isinstance(messages, list) and messages:
+            last = messages[-1]
+            if isinstance(last, dict) and last.get("role") == "user" \
+                    and I.last_text(last) is not None:
+                state.tail = (len(messages) - 1, last)
     book = state.shadow if shadow else state.live
     if res.injection is not None:
         book.record(book.blocks, *res.injection)

@@ -263,7 +263,7 @@ def _echo(d: Diff, prev: list[Segment], added: list[Segment], resp: dict) -> Non
         return
     content = "".join(s.text for s in segs if s.kind == "text")
     echoed_reasoning = "".join(s.text for s in segs if s.kind == "reasoning")
-    got = resp.get("content") if isinstance(resp.get("content"), str) else ""
+    got = answer if isinstance(answer := resp.get("content"), str) else ""
     reasoning = resp.get("reasoning_content") or resp.get("reasoning") or ""
     think = P.THINK.search(got)
     if think:

@@ -66,7 +66,7 @@ def pruned(a: Segment, b: Segment) -> bool:
     """An old tool output replaced by a placeholder, its message kept."""
     if any(mk in b.text and mk not in a.text for mk in P.CLEARED_MARKERS):
         return True
-    tool_output = a.kind == "tool_result" or (a.role == "tool" and a.kind == "text")
+    tool_output = a.role == "tool" and a.kind == "text"
     if not tool_output or b.role != a.role or len(b.text) >= len(a.text):
         return False
     if len(a.text) >= 200 and len(b.text) * 4 < len(a.text):

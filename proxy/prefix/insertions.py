@@ -68,7 +68,8 @@ def append_block(message: dict, text: str) -> dict:
     content = message.get("content")
     if isinstance(content, str):
         return {**message, "content": content + text}
-    return {**message, "content": [*content, {"type": "text", "text": text.lstrip("\n")}]}
+    parts = list(content or ())        # a user or tool turn: string content, or a list of parts
+    return {**message, "content": [*parts, {"type": "text", "text": text.lstrip("\n")}]}
 
 
 def ends_with_block(message: dict, text: str) -> bool:
@@ -116,3 +117,18 @@ def dropped(messages: list, tail: tuple[int, dict] | None, system: str) -> tuple
     if suffix is None or append_text(messages[k], suffix) != old:
         return None
     return k, suffix
+
+
+def restore_reminders(messages: list, kept: dict[str, str], tail: tuple[int, dict] | None,
+                      system: str) -> tuple[dict[int, dict], tuple[str, str] | None]:
+    """`keep_trailing_reminder`: older messages with the trailing reminders the client dropped
+    from them put back, the ones put back on earlier requests (`kept`, replayed) and the one
+    dropped since the last request (`tail`, the client's newest user message then): index ->
+    message, and (fingerprint, reminder) to record for the new one."""
+    edited = replay(messages, kept, append_text)
+    fresh = dropped(messages, tail, system)
+    if fresh is None or fresh[0] in edited:
+        return edited, None
+    k, suffix = fresh
+    edited[k] = append_text(messages[k], suffix)
+    return edited, (fingerprint(k, messages[k]), suffix)

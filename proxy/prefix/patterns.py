@@ -67,6 +67,10 @@ LABEL_ORDER = ("anthropic_billing_header", "iso_datetime", "iso_date", "js_todat
                "token_counter", "cwd_line", "abs_path", "git_status_block", "porcelain_line",
                "os_platform", "recent_files", "system_reminder")
 
+# A line that a date or time changed in: it anchors the value labels beside it, and on its
+# own it is too broad to be a cause.
+ANCHOR_LABELS = ("todays_date_line",)
+
 # What each value-pinning canonicalization rule may pin (docs/MUTATIONS.md §7.4 R6-R8).
 DATE_LABELS = ("iso_date", "js_todatestring", "long_date", "dmy_short")
 TIME_LABELS = ("iso_datetime", "clock_time", "us_locale_datetime", "epoch")
@@ -109,23 +113,9 @@ FILES_BLOCK = re.compile(
 REMINDER_MIN = 16      # chars: shorter trailing blocks are edits, not reminders
 THINK = re.compile(r"(?s)<think>.*?</think>\s*")
 
-# The canonicalization rule (a name of canonicalize.RULES) that keeps the prefix when a cause
-# changes, for hints and for `would_fix` of rules that are off. Causes without a rule are
-# real changes or client behaviour the proxy must not undo.
-RULE_FOR_CAUSE: dict[str, str] = {
-    "anthropic_billing_header": "strip_billing_header",
-    "tools_reordered": "pin_tool_order", "schema_key_order": "pin_tool_order",
-    "whitespace_only": "pin_whitespace", "schema_whitespace": "pin_whitespace",
-    **dict.fromkeys((*DATE_LABELS, "todays_date_line"), "freeze_date"),
-    **dict.fromkeys(TIME_LABELS, "relocate_clock_time"),
-    **dict.fromkeys(("env_block", *ENV_LABELS), "pin_env_block"),
-    "trailing_reminder_dropped": "keep_trailing_reminder",
-}
-_RISKY_RULES = ("pin_env_block",)      # hint at dry_run first
-
-HINTS = {
-    **{c: f"canon_{r}={'dry_run' if r in _RISKY_RULES else 'on'}"
-       for c, r in RULE_FOR_CAUSE.items()},
+# Hints for causes no canonicalization rule fixes (a rule's own hint names its setting:
+# rules.hint).
+CLIENT_HINTS = {
     "system_reminder_moved": "client issue anomalyco/opencode#23595",
     "reasoning_dropped": "the client strips reasoning from history; R10 restore_reasoning "
                          "(future) or a template that drops it",
@@ -174,10 +164,7 @@ def span_labels(old: str, new: str) -> list[str]:
         a, b = rx.findall(old), rx.findall(new)
         if (a or b) and a != b:
             found.append(name)
-    # A date/time line anchors the date labels; on its own it is too broad to be a cause.
-    if found == ["todays_date_line"]:
-        return []
-    return found
+    return found if any(label not in ANCHOR_LABELS for label in found) else []
 
 
 def mask(text: str, labels: tuple[str, ...]) -> str:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prefixd.proxy.prefix.detect import REUSING, Verdict
-from prefixd.proxy.prefix.patterns import HINTS
+from prefixd.proxy.prefix.rules import hint
 
 _EXCERPT = 120
 
@@ -97,7 +97,8 @@ def span_report(path: str, offset: int, old: str, new: str, causes: list[str],
 
 
 def hint_for(causes: list[str]) -> str | None:
-    return next((HINTS[c] for c in causes if c in HINTS), None)
+    """The hint of the first cause that has one (`rules.hint`)."""
+    return next((h for c in causes if (h := hint(c)) is not None), None)
 
 
 def header(r: PrefixReport) -> str:

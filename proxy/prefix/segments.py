@@ -1,7 +1,8 @@
 """Flatten a request body into segments in render order: model, template parameters, tools,
 system, messages (each message: a meta segment for role/name/ids, then reasoning, content
-parts, tool calls). Both OpenAI-shaped and Anthropic-shaped bodies are understood;
-`/v1/completions` bodies become one `prompt` segment.
+parts, tool calls). Bodies are OpenAI chat or completions bodies: the proxy translates the
+other client APIs (Anthropic Messages, Responses) into chat form before the prefix stages
+see them. A `/v1/completions` body becomes one `prompt` segment.
 
 Owns: the path names reports show (`system[0]`, `tools[3]`, `messages[52].content[1]`) and
 `loc`, the key path of a text inside the body, so rules can write a text back
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 # Template-affecting parameters: they change the rendered prompt as surely as the text does.
 PARAM_KEYS = ("chat_template_kwargs", "reasoning_effort", "enable_thinking", "tool_choice",
@@ -26,7 +27,7 @@ Loc = tuple[str | int, ...]
 class Segment:
     path: str          # as reports show it
     region: str        # model | params | tools | system | messages
-    kind: str          # model, params, tool, text, meta, reasoning, tool_call, tool_result, prompt
+    kind: str          # model, params, tool, text, meta, reasoning, tool_call, prompt
     text: str
     role: str = ""
     msg: int | None = None      # index in body["messages"]
@@ -82,7 +83,6 @@ def flatten(body: dict) -> list[Segment]:
         return segs
     for i, tool in enumerate(body.get("tools") or []):
         segs.append(Segment(f"tools[{i}]", "tools", "tool", dumps(without_cache_control(tool))))
-    segs.extend(_anthropic_system(body.get("system")))
     messages = body.get("messages") or []
     leading = True
     n_sys = 0
@@ -104,28 +104,13 @@ def system_segments(body: dict) -> list[Segment]:
     """Only the system segments of `body` (what the system rules need), cheaply."""
     if "prompt" in body and "messages" not in body:
         return []
-    segs = _anthropic_system(body.get("system"))
+    segs: list[Segment] = []
     messages = body.get("messages")
     for k, m in enumerate(messages if isinstance(messages, list) else ()):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
             break
         segs.extend(_message(m, k, f"system[{k}]", "system"))
     return segs
-
-
-def _anthropic_system(system: Any) -> list[Segment]:
-    if isinstance(system, str):
-        return [Segment("system[0]", "system", "text", system, "system", loc=("system",))]
-    out = []
-    if isinstance(system, list):
-        for j, block in enumerate(system):
-            if isinstance(block, dict) and isinstance(block.get("text"), str):
-                out.append(Segment(f"system[{j}]", "system", "text", block["text"], "system",
-                                   loc=("system", j, "text")))
-            else:
-                out.append(Segment(f"system[{j}]", "system", "text",
-                                   dumps(without_cache_control(block)), "system"))
-    return out
 
 
 def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
@@ -156,27 +141,18 @@ def _message(m: dict, k: int, path: str, region: str) -> list[Segment]:
     return segs
 
 
-def _single_text(content: Any) -> bool:
+def _single_text(content: Any) -> TypeGuard[list[dict[str, Any]]]:
     return (isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict)
             and content[0].get("type") == "text" and isinstance(content[0].get("text"), str))
 
 
 def _part(part: Any, path: str, region: str, role: str, k: int, loc: Loc) -> Segment:
+    """A content part: its text, or an image or other part as its JSON."""
     if not isinstance(part, dict):
         return Segment(path, region, "text", dumps(part), role, k)
     kind = part.get("type")
     if kind == "text" and isinstance(part.get("text"), str):
         return Segment(path, region, "text", part["text"], role, k, (*loc, "text"))
-    if kind in ("thinking", "redacted_thinking"):
-        return Segment(path, region, "reasoning", str(part.get("thinking") or part.get("data")),
-                       role, k)
-    if kind == "tool_use":
-        return Segment(path, region, "tool_call",
-                       dumps({"name": part.get("name"), "input": part.get("input")}), role, k)
-    if kind == "tool_result":
-        inner = part.get("content")
-        text = inner if isinstance(inner, str) else dumps(without_cache_control(inner))
-        return Segment(path, region, "tool_result", text, role, k)
     return Segment(path, region, "text", dumps(without_cache_control(part)), role, k)
 
 

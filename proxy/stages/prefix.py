@@ -1,18 +1,18 @@
-"""canonicalize, detect and measure: the proxy's prefix stages over one `PrefixStage`
+"""canonicalize, detect and measure: the proxy's prefix stages over one `PrefixTracker`
 (lanes, rules, reports; `proxy/prefix`). Canonicalization runs whether or not detection
 does; detection reports before forwarding and reconciles with the backend's usage after."""
 
 from __future__ import annotations
 
 from prefixd.proxy.exchange import Exchange
-from prefixd.proxy.prefix.stage import PrefixStage
+from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.stages import Next
 
 
 class CanonicalizeStage:
     name = "canonicalize"
 
-    def __init__(self, prefix: PrefixStage) -> None:
+    def __init__(self, prefix: PrefixTracker) -> None:
         self.prefix = prefix
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
@@ -24,7 +24,7 @@ class CanonicalizeStage:
 class DetectStage:
     name = "detect"
 
-    def __init__(self, prefix: PrefixStage) -> None:
+    def __init__(self, prefix: PrefixTracker) -> None:
         self.prefix = prefix
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
@@ -32,9 +32,7 @@ class DetectStage:
             self.prefix.detect(ex.prepared)
         await call_next(ex)
         if ex.prepared is not None and ex.attempt is not None and ex.attempt.completed:
-            u = ex.attempt.usage    # TEMP until record_response takes a Usage
-            raw = None if u is None else {**u.as_dict(), "prefixd": u.worker}
-            self.prefix.record_response(ex.prepared, ex.attempt.message, raw)
+            self.prefix.record_response(ex.prepared, ex.attempt.message, ex.attempt.usage)
 
 
 class MeasureStage:
@@ -43,7 +41,7 @@ class MeasureStage:
 
     name = "measure"
 
-    def __init__(self, prefix: PrefixStage) -> None:
+    def __init__(self, prefix: PrefixTracker) -> None:
         self.prefix = prefix
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:

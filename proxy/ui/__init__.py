@@ -1,9 +1,12 @@
 """The status page: a static HTML/JS/CSS bundle served at `/` and `/ui/{file}`.
 
-Owns: the files in `static/` and the two routes that serve them. The page reads only the
-JSON endpoints (/status, /debug/prefix, /debug/prefix/{lane}) and renders every value with
-textContent; it needs no build step and loads nothing from outside prefixd. The page itself
-is public (it holds no data); the endpoints it polls are behind PREFIXD_API_KEY when set.
+Owns: the files in `static/`, the routes that serve them, and `/ui/rules.json`: the
+canonicalization rules (setting, description, the causes each fixes) from their registry,
+`proxy/prefix/rules.py`, so the page keeps no copy. The page reads only JSON endpoints
+(/status, /debug/prefix, /debug/prefix/{lane}, /ui/rules.json) and renders every value with
+textContent; it needs no build step and loads nothing from outside prefixd. The page and the
+rules are public (they hold no traffic); the endpoints it polls are behind PREFIXD_API_KEY
+when set.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from aiohttp import web
+
+from prefixd.proxy.prefix.rules import page_data
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -34,7 +39,7 @@ def _files() -> dict[str, Path]:
 
 
 def add_routes(app: web.Application) -> None:
-    """`GET /` (the page) and `GET /ui/{file}` (its assets)."""
+    """`GET /` (the page), `GET /ui/rules.json` and `GET /ui/{file}` (its assets)."""
     files = _files()
 
     def respond(path: Path) -> web.Response:
@@ -50,5 +55,9 @@ def add_routes(app: web.Application) -> None:
             raise web.HTTPNotFound(text="no such file")
         return respond(path)
 
+    async def rules(request: web.Request) -> web.Response:
+        return web.json_response(page_data(), headers=HEADERS)
+
     app.router.add_get("/", index)
+    app.router.add_get("/ui/rules.json", rules)      # before {file}: a route, not a file
     app.router.add_get("/ui/{file}", asset)

@@ -1,9 +1,10 @@
-// prefixd status page. Polls /status, /debug/prefix and /debug/prefix/{lane} every 2 s; the
-// DOM is built by render.js. No build step: an ES module the browser loads as is.
+// prefixd status page. Polls /status, /debug/prefix and /debug/prefix/{lane} every 2 s, and
+// reads the canonicalization rules once from /ui/rules.json; the DOM is built by render.js.
+// No build step: an ES module the browser loads as is.
 
 import {
   DASH, REUSING, el, num, plural, bytes, idle, sent,
-  badge, verdicts, bars, meter, turnCard,
+  badge, verdicts, bars, meter, turnCard, ruleBook,
 } from "./render.js";
 
 const POLL_MS = 2000;
@@ -12,6 +13,7 @@ const MAX_LANES = 20;          // the most recently active lanes get a per-turn 
 const $ = (sel) => document.querySelector(sel);
 let timer = null;
 let gen = 0;
+let rules = null;              // ruleBook of /ui/rules.json, once loaded
 
 class Unauthorized extends Error {}
 
@@ -156,6 +158,8 @@ async function loadOverview() {
 
 async function loadLane(lane) {
   let data = null;
+  rules = rules || ruleBook(await getJSON("/ui/rules.json"));
+  const book = rules;
   try { data = await getJSON("/debug/prefix/" + encodeURIComponent(lane)); }
   catch (e) { if (e.status !== 404) throw e; }
   return () => {
@@ -168,7 +172,7 @@ async function loadLane(lane) {
       : `client ${last ? last.client : DASH} · turns ${first ? first.turn : DASH}–` +
         `${last ? last.turn : DASH} · ${num(saved)} tok saved by canonicalization`;
     $("#lane-chart").replaceChildren(bars(reports, true));
-    $("#turns").replaceChildren(...reports.slice().reverse().map(turnCard));
+    $("#turns").replaceChildren(...reports.slice().reverse().map((r) => turnCard(r, book)));
     show("#lane-view");
   };
 }

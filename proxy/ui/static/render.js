@@ -3,19 +3,6 @@
 
 export const DASH = "—";
 export const REUSING = new Set(["IDENTICAL", "APPEND", "APPEND+ECHO_DRIFT", "BOUNDARY"]);
-// cause -> the canonicalization rule that keeps the prefix. Mirrors prefixd.proxy.explain.FIXES
-// (tests/test_ui.py checks that they agree).
-const FIXES = {
-  "anthropic_billing_header": "strip_billing_header",
-  "tools_reordered": "pin_tool_order", "schema_key_order": "pin_tool_order",
-  "whitespace_only": "pin_whitespace", "schema_whitespace": "pin_whitespace",
-  "iso_date": "freeze_date", "js_todatestring": "freeze_date", "long_date": "freeze_date",
-  "dmy_short": "freeze_date",
-  "iso_datetime": "relocate_clock_time", "clock_time": "relocate_clock_time",
-  "us_locale_datetime": "relocate_clock_time", "epoch": "relocate_clock_time",
-  "cwd_line": "pin_env_block", "abs_path": "pin_env_block", "os_platform": "pin_env_block",
-  "env_block": "pin_env_block"
-};
 
 // An element; strings among children become text nodes, props become attributes.
 export function el(tag, props, ...children) {
@@ -51,7 +38,17 @@ export function idle(s) {
 export const sent = (r) => r.sent_verdict || r.verdict;
 const vclass = (v) => "v-" + String(v || "none").toLowerCase().replace(/[^a-z]+/g, "-");
 export const badge = (v, title) => el("span", { class: "badge " + vclass(v), title }, v || DASH);
-const setting = (rule) => `PREFIXD_CANON_${rule.toUpperCase()}`;
+
+// The canonicalization rules as /ui/rules.json serves them (from their registry,
+// proxy/prefix/rules.py): cause -> the rule that fixes it, rule -> its setting and text.
+export function ruleBook(data) {
+  const rules = new Map(list(data && data.rules).map((x) => [x.name, x]));
+  return {
+    fixes: (data && data.fixes) || {},
+    setting: (rule) => (rules.get(rule) || {}).setting || rule,
+    doc: (rule) => (rules.get(rule) || {}).doc || null,
+  };
+}
 
 function reusePct(r) {
   if (!r || r.verdict === "NEW") return null;
@@ -119,24 +116,25 @@ function excerpt(oldText, newText) {
   return el("div", { class: "excerpts" }, line("−", a, "old"), line("+", b, "new"));
 }
 
-const codes = (texts) => texts.flatMap((t, i) => [i ? " " : null, el("code", {}, t)]);
+const codes = (rules, book) => rules.flatMap((x, i) => [i ? " " : null,
+  el("code", { title: book.doc(x) }, `${book.setting(x)}=on`)]);
 
 // What was done about a break, and what would fix it.
-function fixRows(r) {
+function fixRows(r, book) {
   const out = [];
   if (list(r.fixed).length) {
     out.push(row("fixed by", r.fixed.join(", "), ` · kept ${num(r.saved_tokens)} tok`));
   }
   for (const w of list(r.would_fix)) {
-    out.push(row("would fix", el("code", {}, `${setting(w.rule)}=on`),
+    out.push(row("would fix", ...codes([w.rule], book),
       ` keeps ${num(w.saved_tokens)} more tok`,
       w.mode === "dry_run" ? " (dry run)" : " (rule off; measured on a copy)"));
   }
   const done = new Set([...list(r.fixed),
     ...list(r.would_fix).map((w) => w.rule)]);
   const rules = REUSING.has(sent(r)) ? []
-    : [...new Set(list(r.causes).map((c) => FIXES[c]).filter((x) => x && !done.has(x)))];
-  if (rules.length) out.push(row("fix", ...codes(rules.map((x) => `${setting(x)}=on`))));
+    : [...new Set(list(r.causes).map((c) => book.fixes[c]).filter((x) => x && !done.has(x)))];
+  if (rules.length) out.push(row("fix", ...codes(rules, book)));
   const fixShown = rules.length || list(r.would_fix).length;
   if (r.hint && !(fixShown && r.hint.startsWith("canon_"))) out.push(row("hint", r.hint));
   return out;
@@ -150,7 +148,7 @@ function spanBlock(s) {
     s.old_excerpt != null ? excerpt(s.old_excerpt, s.new_excerpt || "") : null);
 }
 
-export function turnCard(r) {
+export function turnCard(r, book) {
   const pct = reusePct(r);
   const kv = [];
   if (r.path) {
@@ -170,7 +168,7 @@ export function turnCard(r) {
   }
   if (list(r.tools_added).length) kv.push(row("tools added", r.tools_added.join(", ")));
   if (list(r.tools_removed).length) kv.push(row("tools removed", r.tools_removed.join(", ")));
-  kv.push(...fixRows(r));
+  kv.push(...fixRows(r, book));
   if (typeof r.backend_cached_tokens === "number") {
     kv.push(row("backend cached",
       `${num(r.backend_cached_tokens)} / ${num(r.backend_prompt_tokens)} tok · `,
