@@ -21,7 +21,7 @@ from prefixd.api.errors import ApiError, error_body, status_type
 from prefixd.api.schema import Kind, Parsed
 from prefixd.proxy.attempt import Attempt
 from prefixd.proxy.prefix.report import header
-from prefixd.proxy.prefix.stage import Prepared
+from prefixd.proxy.prefix.tracker import Prepared
 from prefixd.proxy.trace import RequestTrace
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ internal form, an OpenAI `/v1/chat/completions` body: the Anthropic Messages API
 Owns: request validation and translation (client body -> chat body), answer translation
 (chat.completion -> client object; chat chunks -> the client's SSE events) and the error
 shapes of each API. Pure: no I/O, no aiohttp, no event loop; the pipeline wires it in.
-Must not touch: the prefix stage, routing, forwarding (they see only the chat body).
+Must not touch: the prefix tracker, routing, forwarding (they see only the chat body).
 Contract: `base.Translator` / `base.StreamTranslator`; one class per API, wired to its route
 in `proxy/pipeline.py` (`CLIENT_APIS`).
 """
