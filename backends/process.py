@@ -8,7 +8,9 @@ period, SIGKILL, always reaped). Knows nothing about states or restarts: `superv
 (with `states` and `lifecycle`) does.
 The worker's exit codes and its token variable are the worker's contract
 (`backends/mlx/__main__.py`, `backends/mlx/worker.py`), restated here so the proxy side
-never imports mlx.
+never imports mlx. Every worker one proxy run starts gets the same transfer secret (the
+`transfer_secret` setting, else one generated for the run), so they can move prefix states
+between them (`backends/mlx/seal.py`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
+
+from pydantic import SecretStr
 
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.mlx.settings import WorkerSettings, worker_fields
@@ -35,6 +41,7 @@ _LINE_LIMIT = 1 << 20  # a worker may print one long traceback line; don't choke
 EXIT_LOAD_FAILED = 1    # the worker could not load its model (or its settings): retrying won't help
 EXIT_CANNOT_BIND = 2    # the worker could not bind its address (lost the race for a free port)
 TOKEN_ENV = "PREFIXD_WORKER_TOKEN"   # with it set, every worker route but /health needs the token
+TRANSFER_SECRET_ENV = "PREFIXD_TRANSFER_SECRET"   # WorkerSettings.transfer_secret
 
 CommandBuilder = Callable[[int], list[str]]
 
@@ -50,15 +57,26 @@ def worker_command(model: str, port: int, served_name: str | None = None) -> lis
 def _env_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
     return str(value)
+
+
+@functools.cache
+def run_transfer_secret() -> str:
+    """This proxy run's transfer secret, made on first use: every worker it starts without a
+    `transfer_secret` setting gets it, and a restarted worker gets it again, so any two of its
+    workers can move prefix states (and none outside the run can forge one)."""
+    return secrets.token_urlsafe(32)
 
 
 def worker_env(config: BackendConfig, settings: WorkerSettings,
                base: Mapping[str, str] | None = None, token: str | None = None,
                cache_bytes: int | None = None) -> dict[str, str]:
     """The child's environment: ours, plus the worker settings, the parent pid (so the worker
-    exits when we are gone, even after a SIGKILL), the backend's own `worker_env` and the
-    start's `token` (in the environment, never on the command line that any user can read).
+    exits when we are gone, even after a SIGKILL), the run's transfer secret, the backend's own
+    `worker_env` and the start's `token` (secrets in the environment, never on the command
+    line that any user can read).
     `cache_bytes`: the cache budget the model pool gave a backend that has none of its own."""
     # The proxy's own PREFIXD_* (its port, backends, a bad value overridden on its command
     # line) are not the worker's: it gets exactly the worker settings below.
@@ -71,8 +89,10 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
     cache = config.cache_bytes if config.cache_bytes is not None else cache_bytes
     if cache is not None:
         env["PREFIXD_CACHE_BYTES"] = str(cache)
+    if settings.transfer_secret is None:
+        env[TRANSFER_SECRET_ENV] = run_transfer_secret()
     env = _with_blas(settings.use_system_blas, env)
-    env.update(config.worker_env)
+    env.update(config.worker_env)           # a backend's own secret, if it has one, wins
     env.pop(TOKEN_ENV, None)               # only the supervisor's own token, or none
     if token is not None:
         env[TOKEN_ENV] = token

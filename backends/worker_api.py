@@ -14,6 +14,7 @@ import aiohttp
 
 from prefixd.api.values import count
 from prefixd.backends.base import WorkerLink
+from prefixd.backends.mlx import seal
 
 
 async def worker_call(link: WorkerLink | None, path: str, payload: dict | None = None,
@@ -73,21 +74,25 @@ async def call(session: aiohttp.ClientSession, url: str, auth: dict[str, str],
 class Moved:
     """How a state move ended: `moved` (the target stored `tokens`), `not_cached` (the source
     holds no prefix of the prompt), `refused` (the target would not store it: another model's,
-    too large, its budget), `timeout`, or `error` (a worker unreachable or failing)."""
+    too large, not signed with its transfer secret, its budget), `timeout`, or `error` (a
+    worker unreachable or failing)."""
 
     outcome: str
     tokens: int = 0
     nbytes: int = 0
     detail: str = ""
-    status: int = 0          # the target's refusal (409: another model's state)
+    status: int = 0          # the refusal (409: another model's state; 403: not signed with
+                             # the target's transfer secret)
 
 
 async def move_state(src: WorkerLink | None, dst: WorkerLink | None, body: bytes,
                      timeout_s: float) -> Moved:
     """Copy the longest prefix of `body`'s prompt that `source` restores into `target`'s
-    prompt cache, streamed from one worker to the other (never held whole here). The export
-    runs on the source's generation thread after its request in progress, so this waits for a
-    prefix the source is computing; `timeout_s` bounds the whole move."""
+    prompt cache, streamed from one worker to the other (never held whole here), with the MAC
+    the source signed it with (`seal.py`; the target checks it: the proxy holds no secret). An
+    unsigned export is not sent. The export runs on the source's generation thread after its
+    request in progress, so this waits for a prefix the source is computing; `timeout_s`
+    bounds the whole move."""
     if src is None or dst is None:
         return Moved("error", detail="a worker is not running")
     sent = 0
@@ -107,7 +112,12 @@ async def move_state(src: WorkerLink | None, dst: WorkerLink | None, body: bytes
                     return Moved("not_cached")
                 if r.status != 200:
                     return Moved("error", detail=f"export answered {r.status}")
-                headers = {**dst.auth, "Content-Type": "application/octet-stream"}
+                mac = r.headers.get(seal.HEADER)
+                if mac is None:
+                    return Moved("refused", detail="the source signs no bundles (it has no "
+                                 "transfer secret)", status=403)
+                headers = {**dst.auth, "Content-Type": "application/octet-stream",
+                           seal.HEADER: mac}
                 if r.content_length is not None:
                     headers["Content-Length"] = str(r.content_length)
                 async with dst.session.post(dst.base + "/v1/cache/import", headers=headers,

@@ -46,6 +46,13 @@ CHECKPOINTS_TAKEN = Counter("prefixd_worker_checkpoints_taken_total",
 CHECKPOINT_TAKEN_BYTES = Counter("prefixd_worker_checkpoint_taken_bytes_total",
                                  "Bytes of the checkpoints taken during prefills.",
                                  registry=REGISTRY)
+IMPORTS = Counter("prefixd_worker_cache_imports_total",
+                  "Prefix-state bundles posted to /v1/cache/import, by outcome (stored, "
+                  "not_stored: the budget did not take it, or the refusal's code: "
+                  "no_transfer_secret, unsigned_bundle, bad_mac, too_large, other_model, "
+                  "not_a_bundle, damaged, bad_position, bad_tokens, token_out_of_vocabulary, "
+                  "wrong_dtype, not_finite, wrong_shape, wrong_structure).", ["outcome"],
+                  registry=REGISTRY)
 
 # --- the two tiers (RAM, disk) -------------------------------------------------------------
 TIER_HITS = Counter("prefixd_worker_cache_tier_hits_total",

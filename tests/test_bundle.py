@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient
-from worker_fixtures import chat, post
+from aiohttp.test_utils import TestClient, TestServer
+from pydantic import SecretStr
+from worker_fixtures import NAME, SETTINGS, chat, post
 
-from prefixd.backends.mlx import bundle
+from prefixd.backends.mlx import bundle, seal
 from prefixd.backends.mlx.disktier import DiskSpec
 from prefixd.backends.mlx.engine import Engine
 from prefixd.backends.mlx.generation import Generator
@@ -24,6 +26,7 @@ from prefixd.backends.mlx.tinymodels import (
     model_from_config,
     tiny_config,
 )
+from prefixd.backends.mlx.worker import create_app
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings
 
 SYSTEM = 150          # a shared head: every conversation's prompt starts with these tokens
@@ -55,7 +58,7 @@ def test_an_imported_prefix_restores_like_the_exporters_own(model: CountingModel
     data, pos = found
     assert pos == SYSTEM                # the shared head: a boundary checkpoint, or any prefix
     target = _engine(model)
-    assert bundle.import_(target, data) == SYSTEM
+    assert bundle.import_(target, data, TINY_VOCAB) == SYSTEM
     model.tokens = 0
     warm = _run(target, second)
     assert warm[2].cached_tokens == SYSTEM
@@ -98,22 +101,22 @@ def test_bundles_that_are_not_this_models_state_are_refused(model: CountingModel
     meta = json.loads(json.loads(data[8:8 + n])["__metadata__"]["prefixd"])
     leaf0 = meta["leaves"]["0"]
     bad = {
-        "another model": (data, 409),
-        "truncated": (data[: len(data) // 2], 400),
-        "not safetensors": (b"\x00" * 64, 400),
-        "position moved": (_with_meta(data, {"pos": SYSTEM - 1}), 400),
+        "another model": (data, 409, "other_model"),
+        "truncated": (data[: len(data) // 2], 400, "not_a_bundle"),
+        "not safetensors": (b"\x00" * 64, 400, "not_a_bundle"),
+        "position moved": (_with_meta(data, {"pos": SYSTEM - 1}), 400, "bad_tokens"),
         "leaf class": (_with_meta(data, {"leaves": {**meta["leaves"], "0": {
-            **leaf0, "class": "ChunkedKVCache"}}}), 400),
+            **leaf0, "class": "ChunkedKVCache"}}}), 400, "wrong_structure"),
         "leaf missing": (_with_meta(data, {"leaves": {
-            k: v for k, v in meta["leaves"].items() if k != "0"}}), 400),
-        "another kind": (_with_meta(data, {"kind": "x"}), 400),
-        "a damaged value": (data[:-1] + bytes([data[-1] ^ 1]), 400),
+            k: v for k, v in meta["leaves"].items() if k != "0"}}), 400, "wrong_structure"),
+        "another kind": (_with_meta(data, {"kind": "x"}), 400, "not_a_bundle"),
+        "a damaged value": (data[:-1] + bytes([data[-1] ^ 1]), 400, "damaged"),
     }
-    for why, (blob, status) in bad.items():
+    for why, (blob, status, reason) in bad.items():
         target = _engine(model, "other" if why == "another model" else "tiny")
         with pytest.raises(bundle.BundleError) as e:
-            bundle.import_(target, blob)
-        assert e.value.status == status, why
+            bundle.import_(target, blob, TINY_VOCAB)
+        assert (e.value.status, e.value.reason) == (status, reason), why
         assert target.store.entries == [], why
         assert _run(target, second)[2].cached_tokens == 0, why
 
@@ -124,7 +127,7 @@ def test_a_prefix_the_worker_holds_is_not_replaced(model: CountingModel) -> None
     target = _engine(model)
     _run(target, first, (SYSTEM,))
     before = [(e, e.payload) for e in target.store.entries]
-    assert bundle.import_(target, data) == SYSTEM
+    assert bundle.import_(target, data, TINY_VOCAB) == SYSTEM
     assert [(e, e.payload) for e in target.store.entries] == before
 
 
@@ -137,13 +140,29 @@ def test_arrays_of_another_shape_are_refused() -> None:
     wide = Engine(model_from_config(config, 3), _settings(), model_id="tiny")
     forged = _with_meta(data, {"key": bundle.bundle_key(wide)})
     with pytest.raises(bundle.BundleError) as e:
-        bundle.import_(wide, forged)
-    assert e.value.status == 400 and "shape" in str(e.value)
+        bundle.import_(wide, forged, TINY_VOCAB)
+    assert (e.value.status, e.value.reason) == (400, "wrong_shape")
     assert wide.store.entries == []
 
 
 # --- the worker's endpoints -----------------------------------------------------------------
-async def test_export_and_import_over_http(client: TestClient, generator: Generator) -> None:
+SECRET = "a transfer secret of this test"
+
+
+@pytest.fixture
+async def signing(generator: Generator) -> AsyncIterator[TestClient]:
+    """The worker app around the shared tiny model, with a transfer secret."""
+    settings = SETTINGS.model_copy(update={"transfer_secret": SecretStr(SECRET)})
+    async with TestClient(TestServer(create_app(generator, NAME, settings))) as c:
+        yield c
+
+
+def _signed(data: bytes, secret: str = SECRET) -> dict[str, str]:
+    return {"Content-Type": "application/octet-stream", seal.HEADER: seal.sign(secret, data)}
+
+
+async def test_export_and_import_over_http(signing: TestClient, generator: Generator) -> None:
+    client = signing
     body = chat([{"role": "system", "content": "You keep every rule of the repository. " * 8},
                  {"role": "user", "content": "List the files."}], max_tokens=2)
     r = await client.post("/v1/cache/export", json=body)
@@ -153,14 +172,13 @@ async def test_export_and_import_over_http(client: TestClient, generator: Genera
     assert r.status == 200 and r.content_type == "application/octet-stream"
     pos = int(r.headers["X-Prefixd-Tokens"])
     data = await r.read()
-    assert pos > 0
-    r = await client.post("/v1/cache/import", data=data,
-                          headers={"Content-Type": "application/octet-stream"})
+    assert pos > 0 and r.headers[seal.HEADER] == seal.sign(SECRET, data)
+    r = await client.post("/v1/cache/import", data=data, headers=_signed(data))
     assert r.status == 200 and (await r.json()) == {"tokens": pos}
     for bad in (b"", b"{}", data[:100], b"\xff" * 300):
-        r = await client.post("/v1/cache/import", data=bad)
+        r = await client.post("/v1/cache/import", data=bad, headers=_signed(bad))
         err = (await r.json())["error"]
-        assert r.status == 400 and err["code"] == "bad_bundle", bad[:20]
+        assert r.status == 400 and err["code"] == "not_a_bundle", bad[:20]
     for bad_json in (b"[1]", b"{", b'{"messages": 3}'):
         r = await client.post("/v1/cache/export", data=bad_json)
         assert r.status == 400, bad_json
@@ -168,10 +186,22 @@ async def test_export_and_import_over_http(client: TestClient, generator: Genera
     budget = engine.store.budget
     engine.store.budget = len(data) - 1
     try:
-        r = await client.post("/v1/cache/import", data=data)
+        r = await client.post("/v1/cache/import", data=data, headers=_signed(data))
         assert r.status == 413 and (await r.json())["error"]["code"] == "too_large"
     finally:
         engine.store.budget = budget
+
+
+async def test_a_worker_without_a_secret_signs_nothing_and_imports_nothing(
+        client: TestClient) -> None:
+    body = chat([{"role": "system", "content": "You sign nothing at all. " * 8},
+                 {"role": "user", "content": "List the files."}], max_tokens=2)
+    await post(client, body)
+    r = await client.post("/v1/cache/export", json=body)
+    data = await r.read()
+    assert r.status == 200 and seal.HEADER not in r.headers
+    r = await client.post("/v1/cache/import", data=data, headers=_signed(data))
+    assert r.status == 403 and (await r.json())["error"]["code"] == "no_transfer_secret"
 
 
 def test_a_prefix_only_on_disk_exports_too(tmp_path: Path) -> None:
@@ -189,7 +219,7 @@ def test_a_prefix_only_on_disk_exports_too(tmp_path: Path) -> None:
     after.close(5)
     assert found is not None and found[1] == SYSTEM
     target = _engine(model)
-    assert bundle.import_(target, found[0]) == SYSTEM
+    assert bundle.import_(target, found[0], TINY_VOCAB) == SYSTEM
     warm = _run(target, second)
     assert warm[2].cached_tokens == SYSTEM
     _assert_same(warm, _cold(model, second))

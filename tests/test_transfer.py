@@ -22,12 +22,13 @@ from prefixd.proxy.routing.policy import rendezvous
 
 SYSTEM = "You are a careful agent working in a large repository. Keep every rule. " * 12
 KEY = "k3y"
+SIGNED = {"PREFIXD_TRANSFER_SECRET": "the transfer secret of these workers"}
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir: Callable[[str], Path]) -> Iterator[list[str]]:
     model = tiny_model_dir("qwen3_next")
-    with running_worker(model, KEY) as a, running_worker(model, KEY) as b:
+    with running_worker(model, KEY, **SIGNED) as a, running_worker(model, KEY, **SIGNED) as b:
         yield [a, b]
 
 
@@ -57,7 +58,7 @@ def _cached(answer: dict[str, Any]) -> int:
 
 
 async def _metric(http: aiohttp.ClientSession, base: str, line_start: str) -> float:
-    async with http.get(base + "/metrics") as r:
+    async with http.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}) as r:
         text = await r.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(line_start))
@@ -151,7 +152,7 @@ async def test_a_prefix_still_being_computed_is_waited_for_then_copied(
 async def test_a_worker_of_another_model_refuses_the_state_once(
         workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
         http: aiohttp.ClientSession) -> None:
-    with running_worker(tiny_model_dir("qwen3_5"), KEY) as stranger:
+    with running_worker(tiny_model_dir("qwen3_5"), KEY, **SIGNED) as stranger:
         server = await start_proxy(backends=_backends([workers[0], stranger]),
                                    route_transfer_min_tokens=64)
         base = f"http://127.0.0.1:{server.port}"
@@ -178,7 +179,7 @@ async def test_a_source_that_died_costs_the_copy_not_the_request(
         workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
         http: aiohttp.ClientSession) -> None:
     system = SYSTEM.replace("careful", "lost")
-    with running_worker(tiny_model_dir("qwen3_next"), KEY) as doomed:
+    with running_worker(tiny_model_dir("qwen3_next"), KEY, **SIGNED) as doomed:
         # no health probe in the test's time: the proxy learns of the death from the copy
         server = await start_proxy(backends=_backends([doomed, workers[1]],
                                                       health_interval_s=600),
@@ -233,3 +234,74 @@ async def test_a_worker_already_getting_the_prefix_gets_it_once(
     assert (await first)[0] == "w1"
     assert await _metric(http, base, copies) - before == 1
     (await busy).release()
+
+
+# --- trust: only workers holding one transfer secret move states ---------------------------
+async def test_a_worker_of_another_secret_refuses_the_state(
+        workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
+        http: aiohttp.ClientSession) -> None:
+    """The same model, another secret: the target cannot verify the bundle's MAC (403
+    `bad_mac`), stores nothing, and the request is served cold."""
+    other = {"PREFIXD_TRANSFER_SECRET": "not the secret of the other workers"}
+    with running_worker(tiny_model_dir("qwen3_next"), KEY, **other) as outsider:
+        server = await start_proxy(backends=_backends([workers[0], outsider]),
+                                   route_transfer_min_tokens=64)
+        base = f"http://127.0.0.1:{server.port}"
+        system = SYSTEM.replace("careful", "guarded")
+        lead = _body(_conversation_to("w0", "secret lead", system))
+        lead["messages"][0]["content"] = system
+        await _ask(http, base + "/v1/chat/completions", lead)
+        refused = 'prefixd_route_transfers_total{outcome="refused",source="w0",target="w1"}'
+        before = await _metric(http, base, refused)
+        body = _body(_other_conversation("w0", "secret", system))
+        body["messages"][0]["content"] = system
+        got, answer = await _ask(http, base + "/v1/chat/completions", body)
+        assert got == "w1" and _cached(answer) == 0
+        assert await _metric(http, base, refused) - before == 1
+        bad_mac = 'prefixd_worker_cache_imports_total{outcome="bad_mac"}'
+        assert await _metric(http, outsider, bad_mac) == 1
+
+
+async def test_a_source_without_a_secret_sends_nothing(
+        workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
+        http: aiohttp.ClientSession) -> None:
+    """An export from a worker with no secret carries no MAC: the proxy does not post it."""
+    with running_worker(tiny_model_dir("qwen3_next"), KEY) as unsigned:
+        server = await start_proxy(backends=_backends([unsigned, workers[1]]),
+                                   route_transfer_min_tokens=64)
+        base = f"http://127.0.0.1:{server.port}"
+        system = SYSTEM.replace("careful", "unsigned")
+        lead = _body(_conversation_to("w0", "unsigned lead", system))
+        lead["messages"][0]["content"] = system
+        await _ask(http, base + "/v1/chat/completions", lead)
+        imports = "prefixd_worker_cache_imports_total"
+        refused = 'prefixd_route_transfers_total{outcome="refused",source="w0",target="w1"}'
+        before = await _metric(http, workers[1], imports), await _metric(http, base, refused)
+        body = _body(_other_conversation("w0", "unsigned", system))
+        body["messages"][0]["content"] = system
+        got, answer = await _ask(http, base + "/v1/chat/completions", body)
+        assert got == "w1" and _cached(answer) == 0
+        assert await _metric(http, base, refused) - before[1] == 1
+        assert await _metric(http, workers[1], imports) == before[0]   # nothing was posted
+
+
+async def test_managed_workers_of_one_proxy_move_states(
+        tiny_model_dir: Callable[[str], Path], start_proxy: Any, http: aiohttp.ClientSession,
+        tmp_path: Path) -> None:
+    """Two workers the proxy starts get the secret it made for its run: a prefix moves."""
+    model = str(tiny_model_dir("qwen3_next"))
+    server = await start_proxy(backends=[
+        {"name": f"w{i}", "kind": "mlx", "model": model, "models": ["tiny"]} for i in (0, 1)],
+        route_transfer_min_tokens=64, use_system_blas=False, cache_dir=tmp_path)
+    base = f"http://127.0.0.1:{server.port}"
+    system = SYSTEM.replace("careful", "managed")
+    lead = _body(_conversation_to("w0", "managed lead", system))
+    lead["messages"][0]["content"] = system
+    assert (await _ask(http, base + "/v1/chat/completions", lead))[0] == "w0"
+    body = _body(_other_conversation("w0", "managed", system))
+    body["messages"][0]["content"] = system
+    moved = 'prefixd_route_transfers_total{outcome="moved",source="w0",target="w1"}'
+    before = await _metric(http, base, moved)
+    got, answer = await _ask(http, base + "/v1/chat/completions", body)
+    assert got == "w1" and 0 < _cached(answer) < answer["usage"]["prompt_tokens"]
+    assert await _metric(http, base, moved) - before == 1

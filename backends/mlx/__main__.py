@@ -3,7 +3,9 @@
 Owns: the worker's command line, its process lifecycle (BLAS re-exec, signals, following its
 parent's death, ordered shutdown) and the listening socket (`--port`, or `--unix-socket`).
 WorkerSettings come from the environment (PREFIXD_*; the supervisor passes worker settings that
-way), and so does the optional per-start token `PREFIXD_WORKER_TOKEN` (see `worker.py`). The
+way), and so do the optional per-start token `PREFIXD_WORKER_TOKEN` (see `worker.py`) and the
+transfer secret `PREFIXD_TRANSFER_SECRET` (a setting: see `cacheio.py`). Malformed HTTP on the
+socket is answered by `protocol.py` (a JSON 400, one log line). The
 HTTP server starts first and answers /health with 503 until the model is loaded, so a
 supervisor can tell "loading" from "dead". SIGTERM/SIGINT, or the parent process going away,
 stop it within a couple of seconds.
@@ -22,9 +24,11 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.mlx.worker import TOKEN_ENV, create_app
 from prefixd.backends.parent import follow_parent, watch_parent
@@ -47,7 +51,9 @@ def is_loopback(host: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixd worker",
                                 description="Serve one mlx-lm model with prefix checkpoints "
-                                "(OpenAI API). WorkerSettings: PREFIXD_* environment variables.")
+                                "(OpenAI API). WorkerSettings: PREFIXD_* environment variables; "
+                                "PREFIXD_TRANSFER_SECRET (16+ characters, the same on every "
+                                "worker that exchanges prefix states) lets it import them.")
     p.add_argument("--model", help="model folder, Hub id or built-in name "
                    "(default: PREFIXD_DEFAULT_MODEL)")
     p.add_argument("--served-name", help="model id in /v1/models and responses "
@@ -65,10 +71,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT or the parent's death, then end the process with the exit
-    code (0; 1 if the model cannot be loaded; 2 if the address cannot be bound) via os._exit:
+    code (0; 1 if the settings are bad or the model cannot be loaded; 2 if the address cannot
+    be bound) via os._exit:
     see the comment at the end."""
     args = _parser().parse_args(argv)
-    settings = WorkerSettings(**({"cache_dir": args.cache_dir} if args.cache_dir else {}))
+    try:
+        settings = WorkerSettings(**({"cache_dir": args.cache_dir} if args.cache_dir else {}))
+    except ValidationError as e:      # one line per field, never a value (it may be a secret)
+        print("prefixd worker: bad settings: " + "; ".join(
+            f"PREFIXD_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}"
+            for err in e.errors(include_input=False)), file=sys.stderr)
+        return 1
     # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
     reexec_with_blas(enabled=settings.use_system_blas)
     # Supervised, each line is re-logged by prefixd with its own timestamp and backend tag.
@@ -107,8 +120,8 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
                   "PREFIXD_WORKER_API_KEY): anyone who can reach it could use the model",
                   args.host)
         return 2, True
-    runner = web.AppRunner(create_app(generator, name, settings, token),
-                           handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+    runner = WorkerRunner(create_app(generator, name, settings, token),
+                          handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     if args.unix_socket:
         site: web.BaseSite = web.UnixSite(runner, str(args.unix_socket))
@@ -120,7 +133,9 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
         log.error("worker: cannot listen on %s: %s", site.name, e)
         await runner.cleanup()
         return 2, True
-    log.info("worker: listening on %s; loading %s", site.name, spec)
+    log.info("worker: listening on %s; loading %s; %s", site.name, spec,
+             "imports prefix states signed with its transfer secret" if settings.transfer_secret
+             else "no transfer secret (PREFIXD_TRANSFER_SECRET): imports no prefix states")
     rc = await _load_then_wait(generator, spec, name, stop)
     log.info("worker: stopping")
     generator.cancel_all()  # every in-flight generation ends within one decode step

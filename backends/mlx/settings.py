@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -76,6 +76,12 @@ class WorkerSettings(BaseSettings):
         "only built-in models on a CPU-only MLX (4-bit matmuls are slow there).")
     use_system_blas: bool = Field(True, description="Worker (Linux): preload the system "
                                   "OpenBLAS, ~10x faster than MLX's bundled BLAS on CPU.")
+    transfer_secret: SecretStr | None = Field(
+        None, min_length=16, description="Worker: the secret that signs and checks prefix-state "
+        "bundles moved between workers (HMAC-SHA256); a worker imports only bundles signed with "
+        "its own, and none without one. The proxy gives the workers it starts this value, or "
+        "one it generates per run when unset; give a remote `prefixd worker` the value of the "
+        "workers it exchanges states with (at least 16 characters).")
 
 
 def worker_fields() -> list[str]:

@@ -1,7 +1,8 @@
 """The mlx worker's HTTP app: the OpenAI endpoints and the worker's own (health, cache, tokenize).
 
 Owns: routes, the optional per-start token (`PREFIXD_WORKER_TOKEN`: every route but /health then
-needs `Authorization: Bearer <token>`), reading requests (the shared schema `api.schema`, then
+needs `Authorization: Bearer <token>`), the transfer secret the state-move endpoints sign and
+check bundles with (`cacheio.py`), reading requests (the shared schema `api.schema`, then
 `chat.gen_request`), building prompts beside generation, and noticing a client that went away.
 Answers are written by `respond.py`; everything mlx lives in `generation.py`. A handler never
 raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a generation failure is a
@@ -22,7 +23,7 @@ from aiohttp.typedefs import Middleware
 
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.api.schema import Kind, decode_json, parse_body
-from prefixd.backends.mlx import bundle
+from prefixd.backends.mlx import bundle, cacheio
 from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.jobs import WorkerClosed
@@ -37,6 +38,7 @@ from prefixd.metrics import CONTENT_TYPE, render
 log = logging.getLogger("prefixd.worker")
 GENERATOR = web.AppKey("generator", Generator)
 MODEL_NAME = web.AppKey("model_name", str)
+SETTINGS = web.AppKey("settings", WorkerSettings)    # its transfer secret signs and checks
 TOKEN_ENV = "PREFIXD_WORKER_TOKEN"  # a secret per worker start, set by its supervisor
 OPEN_PATHS = frozenset({"/health"})
 
@@ -49,6 +51,7 @@ def create_app(generator: Generator, model_name: str, settings: WorkerSettings,
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GENERATOR] = generator
     app[MODEL_NAME] = model_name
+    app[SETTINGS] = settings
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/tokenize", _tokenize)
@@ -204,8 +207,9 @@ async def _cache(request: web.Request) -> web.Response:
 
 async def _export(request: web.Request) -> web.Response:
     """A chat or completions body → the state of the longest prefix of its prompt this worker
-    restores (RAM or disk), as a bundle (`bundle.py`) with `X-Prefixd-Tokens: <pos>`; 404 when
-    it holds none. Runs on the generation thread, after the request in progress."""
+    restores (RAM or disk), as a bundle (`bundle.py`) with `X-Prefixd-Tokens: <pos>` and, with
+    a transfer secret, its MAC (`cacheio.signed`); 404 when it holds none. Runs on the
+    generation thread, after the request in progress."""
     raw = await request.read()
     body = decode_json(raw)
     if not isinstance(body, dict):
@@ -220,34 +224,14 @@ async def _export(request: web.Request) -> web.Response:
     if found is None:
         raise ApiError(404, "no prefix of this prompt is cached here", code="not_cached")
     data, pos = found
-    return web.Response(body=data, content_type="application/octet-stream",
-                        headers={"X-Prefixd-Tokens": str(pos)})
+    return cacheio.signed(data, pos, request.app[SETTINGS].transfer_secret)
 
 
 async def _import(request: web.Request) -> web.Response:
-    """A bundle another worker of this model exported → stored in this worker's prompt cache
-    (`{"tokens": N}`; 0 when its budget refused it). 400 for a malformed bundle, 409 for
-    another model's, 413 for one larger than this worker's prompt cache."""
-    loaded = _loaded(request)
-    limit = loaded.engine.store.budget
-    too_large = ApiError(413, f"the bundle is larger than this worker's prompt cache ({limit} "
-                         "bytes)", code="too_large")
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    parts, size = [], 0
-    async for chunk in request.content.iter_chunked(1 << 20):
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        parts.append(chunk)
-    data = b"".join(parts)
-    try:
-        tokens = await request.app[GENERATOR].call(lambda e: bundle.import_(e, data))
-    except bundle.BundleError as e:
-        raise ApiError(e.status, f"bundle refused: {e}", code="bad_bundle") from None
-    except WorkerClosed:
-        raise ApiError(503, "the worker is shutting down", type_="server_error") from None
-    return web.json_response({"tokens": tokens})
+    """A signed bundle another worker of this model exported → stored in this worker's prompt
+    cache, or refused with a named 4xx before anything is stored (`cacheio.py`)."""
+    return await cacheio.import_state(request, _loaded(request), request.app[GENERATOR],
+                                      request.app[SETTINGS].transfer_secret)
 
 
 async def _metrics(request: web.Request) -> web.Response:
