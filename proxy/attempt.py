@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixd.api.usage import Usage
 from prefixd.backends.base import Backend, UpstreamResponse
+from prefixd.proxy.queue import Slot
 
 if TYPE_CHECKING:
     from prefixd.proxy.routing.policy import Decision
@@ -21,11 +22,13 @@ if TYPE_CHECKING:
 class Attempt:
     decision: Decision
     backend: Backend
+    again: bool = False                          # an earlier attempt's backend took nothing
     stream_out: StreamTranslator | None = None   # the client API's stream state, if any
     transfer: tuple[str, int] | None = None      # (source, tokens): copy that prefix in first
     transferred: int = 0                         # tokens of prefix state copied in
     placement: Placement | None = None           # a llama-server's slot plan
-    queue_wait: float | None = None              # seconds waited for its queue slot, once held
+    slot: Slot | None = None                     # its backend's queue slot, once held
+    queue_wait: float | None = None              # seconds it waited for that slot
     upstream: UpstreamResponse | None = None
     message: dict[str, Any] | None = None        # the assistant's answer, for the lane
     usage: Usage | None = None                   # what the backend reported
@@ -34,4 +37,9 @@ class Attempt:
     @property
     def admitted(self) -> bool:
         """It holds its queue slot: the backend is (about to be) computing it."""
-        return self.queue_wait is not None
+        return self.slot is not None
+
+    def release(self) -> None:
+        """The attempt is over: its queue slot goes to the next request."""
+        if self.slot is not None:
+            self.slot.release()

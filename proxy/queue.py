@@ -4,7 +4,8 @@
 One `BackendQueue` per backend owns its waiters and its in-flight count; everything runs on
 the event loop, so no lock is needed. A waiter that is cancelled (client gone) leaves the
 queue and never reaches the backend; a slot granted to a waiter that is cancelled at the
-same moment is handed on, so no slot leaks.
+same moment is handed on, so no slot leaks. A request sent again (its backend died before
+answering it) waited its turn already: it goes to the head of the queue (`front`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ class QueueClosed(Exception):
 
 
 PositionCallback = Callable[[int], Awaitable[None]]
+
+
+class Slot:
+    """One in-flight slot of a queue, held by a request until released (once)."""
+
+    def __init__(self, queue: BackendQueue, waited: float) -> None:
+        self.queue, self.waited = queue, waited
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.queue.release()
 
 
 class BackendQueue:
@@ -80,10 +94,10 @@ class BackendQueue:
         except ValueError:
             return 0
 
-    async def _acquire(self, on_position: PositionCallback | None) -> None:
+    async def _acquire(self, on_position: PositionCallback | None, front: bool) -> None:
         if self._closed:
             raise QueueClosed(self.name)
-        if not self._waiters and self.in_flight < self.max_concurrency:
+        if (front or not self._waiters) and self.in_flight < self.max_concurrency:
             self.in_flight += 1
             self._gauges()
             return
@@ -91,7 +105,10 @@ class BackendQueue:
             QUEUE_REJECTED.labels(self.name, "full").inc()
             raise QueueFull(self.name)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        if front:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
         self._gauges()
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -123,17 +140,24 @@ class BackendQueue:
         self.in_flight -= 1
         self._grant_next()
 
-    @asynccontextmanager
-    async def slot(self, on_position: PositionCallback | None = None) -> AsyncIterator[float]:
-        """Hold one in-flight slot for the block; yields the seconds spent waiting."""
+    async def acquire(self, on_position: PositionCallback | None = None,
+                      front: bool = False) -> Slot:
+        """One in-flight slot, held until `Slot.release()`."""
         t0 = time.monotonic()
-        await self._acquire(on_position)
+        await self._acquire(on_position, front)
         waited = time.monotonic() - t0
         QUEUE_WAIT.labels(self.name).observe(waited)
+        return Slot(self, waited)
+
+    @asynccontextmanager
+    async def slot(self, on_position: PositionCallback | None = None,
+                   front: bool = False) -> AsyncIterator[float]:
+        """Hold one in-flight slot for the block; yields the seconds spent waiting."""
+        held = await self.acquire(on_position, front)
         try:
-            yield waited
+            yield held.waited
         finally:
-            self.release()
+            held.release()
 
     def close(self) -> int:
         """Refuse new requests and fail every waiter with QueueClosed; returns how many."""

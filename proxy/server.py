@@ -23,6 +23,7 @@ from prefixd.backends.parent import follow_parent, watch_parent
 from prefixd.proxy.app import build_app
 from prefixd.proxy.guard import Guard, GuardedRunner, raise_fd_limit
 from prefixd.proxy.pipeline import Proxy
+from prefixd.proxy.routing.policy import unserved_aliases
 from prefixd.proxy.settings import Settings
 
 log = logging.getLogger("prefixd.server")
@@ -122,7 +123,10 @@ async def serve(settings: Settings, backends: list[Backend]) -> int:
     parent = follow_parent()          # set when a tool (e.g. `prefixd demo`) started us
     sockets = listen(settings.host, settings.port)
     proxy = make_proxy(settings, backends)
-    if proxy.pool is not None and (problems := proxy.pool.check()):
+    problems = unserved_aliases(settings.model_aliases, proxy.index)
+    if proxy.pool is not None:
+        problems += proxy.pool.check()
+    if problems:
         for sock in sockets:
             sock.close()
         raise StartupError("; ".join(problems))

@@ -110,6 +110,8 @@ class SSERecorder:
         self.usage: Usage | None = None
         self.first_content_at: float | None = None
         self.done = False                # the upstream's `data: [DONE]` went through
+        self.finished = False            # a choice carried its finish_reason
+        self.error: dict[str, Any] | None = None   # an in-band error event (held, not passed)
         self.events = 0
         self.builder = MessageBuilder()
         self._buf = bytearray()
@@ -144,12 +146,21 @@ class SSERecorder:
             return b"" if self.translate is not None else rest
         return self._pass(rest + b"\n\n", [rest.rstrip(b"\n")])
 
+    @property
+    def ended(self) -> bool:
+        """The upstream ended its answer as a complete one: `[DONE]`, or a finish reason."""
+        return self.done or self.finished
+
     def _pass(self, ready: bytes, events: list[bytes]) -> bytes:
-        kept = [self._event(event) for event in events]
+        kept: list[bytes | None] = []
+        for event in events:
+            if self.error is not None:
+                break                            # nothing after the upstream's error passes
+            kept.append(self._event(event))
         if self.translate is not None:
             return b"".join(k for k in kept if k)
-        if not self.strip_usage:                 # nothing removed: pass the bytes as they came
-            return ready
+        if not self.strip_usage and self.error is None:
+            return ready                         # nothing removed: pass the bytes as they came
         return b"".join(k + b"\n\n" for k in kept if k is not None)
 
     def _event(self, event: bytes) -> bytes | None:
@@ -163,6 +174,11 @@ class SSERecorder:
         obj = loads(data) if data else None
         if not isinstance(obj, dict):
             return b"" if self.translate is not None else event
+        if "error" in obj and not obj.get("choices"):
+            # The upstream says the answer stops here (it failed, or was stopped): the relay
+            # reports that in the client API's own way, once, with the end of the stream.
+            self.error = obj
+            return None
         if isinstance(obj.get("usage"), dict):
             self.usage = Usage.parse(obj["usage"], obj.get("prefixd"))
         choices = obj.get("choices")
@@ -172,6 +188,8 @@ class SSERecorder:
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice
             if self.builder.add_delta(delta) and self.first_content_at is None:
                 self.first_content_at = time.monotonic()
+            if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
+                self.finished = True
         if self.translate is not None:
             return self.translate.feed(obj)
         if self.strip_usage and "usage" in obj:

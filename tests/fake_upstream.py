@@ -1,7 +1,8 @@
 """A fake OpenAI-compatible upstream on a loopback port: the outer boundary of the proxy tests.
 
 Behaviour per request comes from an unknown body field the proxy passes through:
-`"fake": {"chunks": N, "delay": s, "status": code, "hold": true, "usage": {...}}`, or a
+`"fake": {"chunks": N, "delay": s, "status": code, "error": {...}, "hold": true, "usage": {...}}`,
+or a
 scripted broken upstream: `"raw": [str, ...]` (written as-is, in that many writes, with
 `"content_type"`), then `"drop": true` (abort the connection instead of ending the body);
 `"hang_headers": true` (never answer).
@@ -97,9 +98,9 @@ class FakeUpstream:
             return await self._raw(request, fake)
         status = fake.get("status", 200)
         if status != 200:
-            return web.json_response({"error": {"message": f"fake failure {status}",
-                                                "type": "fake", "param": None, "code": None}},
-                                     status=status)
+            return web.json_response({"error": fake.get("error") or {
+                "message": f"fake failure {status}", "type": "fake", "param": None,
+                "code": None}}, status=status)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:

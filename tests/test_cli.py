@@ -215,3 +215,16 @@ async def test_sigint_while_the_worker_starts_stops_both(tmp_path):
     _, alive = psutil.wait_procs([psutil.Process(worker)] if psutil.pid_exists(worker) else [],
                                  timeout=10)
     assert all(p.status() == psutil.STATUS_ZOMBIE for p in alive)
+
+
+@pytest.mark.parametrize("aliases", [{"claude-*": "nope"}, {"*": "*"},
+                                     {"gpt-*": "m", "claude-*haiku*": "small"}])
+async def test_an_alias_to_a_model_no_backend_serves_exits_2_naming_it(tmp_path, aliases):
+    backends = json.dumps([{"name": "up", "url": "http://127.0.0.1:1", "models": ["m"]}])
+    env = _env(PREFIXD_BACKENDS=backends, PREFIXD_MODEL_ALIASES=json.dumps(aliases))
+    code, out, err = await run_cli("serve", "--port", str(_free_port()), env=env,
+                                   cwd=str(tmp_path))
+    bad = [(p, t) for p, t in aliases.items() if t != "m"]
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert all(repr(p) in err and repr(t) in err for p, t in bad), err
+    assert "'gpt-*'" not in err                   # the good one is not named

@@ -213,3 +213,42 @@ async def test_bad_model_path_ends_failed_with_reason_in_status_and_503(
     finally:
         await server.shutdown(1.0)
     assert psutil.Process().children(recursive=True) == []
+
+
+async def test_a_request_sent_again_after_its_worker_died_keeps_its_place(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    """Killed in its prefill with five requests queued behind it: the request is sent again
+    before them (it had waited its turn), not after them."""
+    server, backend = await start()
+    await backend.ensure_ready()
+    pid1 = backend.status().detail["pid"]
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    done: list[int] = []
+
+    async def ask(i: int, **fake: Any) -> None:
+        async with http.post(url, json=chat(fake=fake or {"chunks": 3, "delay": 0.02})) as r:
+            body = await r.read()
+        assert r.status == 200 and b'"error"' not in body and body.rstrip().endswith(
+            b"data: [DONE]")
+        done.append(i)
+
+    first = asyncio.create_task(ask(0, stall_pid=pid1))
+    token = psutil.Process(pid1).environ()[TOKEN_ENV]
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):                     # until the worker has it (and stalls)
+            async with s.get(backend.status().detail["url"] + "/stats",
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+                if (await r.json())["requests"] == 1:
+                    break
+            await asyncio.sleep(0.05)
+    waiting = []
+    for i in range(1, 6):
+        waiting.append(asyncio.create_task(ask(i)))
+        queue = server.proxy.queues["w"]
+        for _ in range(200):                     # in this order
+            if queue.waiting == i:
+                break
+            await asyncio.sleep(0.01)
+    os.kill(pid1, signal.SIGKILL)
+    await asyncio.wait_for(asyncio.gather(first, *waiting), 60)
+    assert done == [0, 1, 2, 3, 4, 5]

@@ -328,6 +328,9 @@ async def test_model_alias_reaches_the_backend_under_its_served_name(upstream, s
     assert upstream.received[-1]["model"] == "fake"
     async with http.post(url(proxy), json={**body, "model": "x"}) as r:   # alias to nothing
         assert r.status == 404
+        error = (await r.json())["error"]
+    assert "alias 'x'" in error["message"] and "'nope'" in error["message"]
+    assert error["param"] == "model" and error["code"] == "model_not_found"
 
 
 async def test_a_backend_without_tokenize_endpoints_is_asked_once(upstream, start_proxy, http):

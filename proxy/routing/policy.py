@@ -72,6 +72,18 @@ def resolve_model(requested: str | None, index: dict[str, list[str]],
     return next(iter(index)) if len(index) == 1 else None
 
 
+def alias_for(requested: str, aliases: dict[str, str]) -> tuple[str, str] | None:
+    """(pattern, target) of the first alias pattern that matches `requested`, served or not."""
+    return next(((p, t) for p, t in aliases.items() if fnmatch.fnmatchcase(requested, p)), None)
+
+
+def unserved_aliases(aliases: dict[str, str], index: dict[str, list[str]]) -> list[str]:
+    """An alias whose target no backend serves can only fail: one line per such alias."""
+    return [f"PREFIXD_MODEL_ALIASES maps {pattern!r} to {target!r}, which no backend serves "
+            f"(served: {sorted(index)})" for pattern, target in aliases.items()
+            if target not in index]
+
+
 def _per_slot(c: Candidate) -> float:
     return c.load / c.max_concurrency
 

@@ -36,6 +36,7 @@ from prefixd.proxy.routing.policy import (
     Candidate,
     Decision,
     Policy,
+    alias_for,
     decide,
     models_index,
     resolve_model,
@@ -96,6 +97,11 @@ class Router:
         if requested is None:
             raise ApiError(400, "'model' is required: this proxy serves "
                            f"{sorted(self.index)}", param="model", code="missing_field")
+        if (alias := alias_for(requested, self.aliases)) is not None:
+            raise ApiError(404, f"model {requested!r} matches the alias {alias[0]!r}, whose "
+                           f"target {alias[1]!r} is not served here; available: "
+                           f"{sorted(self.index)}", param="model", code="model_not_found",
+                           type_="invalid_request_error")
         raise ApiError(404, f"model {requested!r} is not served here; available: "
                        f"{sorted(self.index)} (PREFIXD_MODEL_ALIASES maps other names)",
                        param="model", code="model_not_found", type_="invalid_request_error")

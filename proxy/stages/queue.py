@@ -1,6 +1,8 @@
-"""queue: hold one of the chosen backend's slots while the rest of the pipeline runs
-(`BackendQueue`: FIFO, depth cap → 429, wait cap → 503). A streaming client that has to wait
-gets its SSE response at once, with `: queued position=N` comments while it waits."""
+"""queue: take one of the attempt's backend's slots (`BackendQueue`: FIFO, depth cap → 429,
+wait cap → 503), held by the attempt until the route stage ends it — or hands it to the next
+attempt on the same backend (its restarted worker), so a request sent again keeps its place.
+A streaming client that has to wait gets its SSE response at once, with `: queued
+position=N` comments while it waits."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ class QueueStage:
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.attempt is not None
         attempt = ex.attempt
+        if attempt.slot is not None:             # kept from the attempt before: its place
+            await call_next(ex)
+            return
         queue = self.queues[attempt.backend.name]
         on_position = None
         if ex.stream and queue.would_wait() and not queue.full():
@@ -30,9 +35,9 @@ class QueueStage:
             async def on_position(pos: int) -> None:
                 await resp.write(f": queued position={pos}\n\n".encode())
         try:
-            async with queue.slot(on_position) as waited:
-                attempt.queue_wait = waited
-                await call_next(ex)
+            # sent again: it waited its turn already, so it goes first
+            attempt.slot = await queue.acquire(on_position, front=attempt.again)
+            attempt.queue_wait = attempt.slot.waited
         except QueueFull:
             raise ApiError(429, f"backend {queue.name!r} queue is full ({queue.depth} "
                            "waiting); retry later", code="queue_full",
@@ -43,3 +48,4 @@ class QueueStage:
                            code="queue_timeout") from None
         except QueueClosed:
             raise ApiError(503, "prefixd is shutting down", code="shutting_down") from None
+        await call_next(ex)

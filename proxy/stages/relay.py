@@ -53,7 +53,7 @@ class RelayStage:
         assert up is not None
         body = await _read(up.chunks, MAX_ERROR_BODY)
         if ex.state is not ResponseState.NOT_STARTED or ex.api.translator is not None:
-            raise ApiError(up.status, _error_message(body, up.status), code="upstream_error")
+            raise upstream_error(up.status, loads(body), body)
         resp = await ex.start(up.status, _headers(up.headers, "application/json"), sse=False)
         ex.trace.status = up.status
         await resp.write(body)
@@ -100,6 +100,8 @@ class RelayStage:
             # Nothing of the answer reached the client: another attempt may give it whole.
             raise BackendGone(f"{e} (before any of the answer was sent)") from e
         tail = bytes(held) + rec.flush()
+        if rec.error is not None or not rec.ended:
+            await self._cut(ex, rec, tail if answering() else b"")
         if attempt.stream_out is not None:
             tail += attempt.stream_out.finish()
         if tail:
@@ -107,6 +109,26 @@ class RelayStage:
         ex.trace.first_token_at = rec.first_content_at
         attempt.message, attempt.usage = rec.builder.message(), rec.usage
         await _end(ex)
+
+    async def _cut(self, ex: Exchange, rec: SSERecorder, sent: bytes) -> None:
+        """The upstream stopped before the answer's end: it said so in-band (an error event:
+        it failed, or was stopped), or the stream ended with neither a finish reason nor
+        `[DONE]` (its process stopped). The client is told it was cut short, in its API's own
+        way (`Exchange.fail`): never a completion. With nothing of the answer sent yet, and no
+        error of the upstream's own, another attempt may give the answer whole."""
+        if rec.error is not None:
+            error = upstream_error(502, rec.error)
+        elif not sent and rec.first_content_at is None:
+            raise BackendGone(f"backend {ex.trace.backend!r} ended the stream before any of "
+                              "the answer")
+        else:
+            error = ApiError(502, f"backend {ex.trace.backend!r} ended the stream before the "
+                             "answer's end (no finish reason, no [DONE]): the answer is cut "
+                             "short", code="upstream_error")
+        if sent:
+            assert ex.response is not None
+            await ex.response.write(sent)      # what the upstream sent before it stopped
+        raise error
 
     async def _json(self, ex: Exchange) -> None:
         attempt = ex.attempt
@@ -168,11 +190,19 @@ async def _read(chunks: AsyncIterator[bytes], limit: int | None) -> bytes:
     return b"".join(parts)[: limit or None]
 
 
-def _error_message(body: bytes, status: int) -> str:
-    obj = loads(body)
+def upstream_error(status: int, obj: object, raw: bytes = b"") -> ApiError:
+    """An upstream's error body (`{"error": {...}}` or `{"error": "..."}`) as ours, keeping
+    what it said: its message, type, parameter and code (else `upstream_error`)."""
     err = obj.get("error") if isinstance(obj, dict) else None
-    if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return err["message"]
     if isinstance(err, str):
-        return err
-    return f"upstream answered HTTP {status}: {body[:200].decode(errors='replace')}"
+        return ApiError(status, err, code="upstream_error")
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return ApiError(status, f"upstream answered HTTP {status}: "
+                        f"{raw[:200].decode(errors='replace')}", code="upstream_error")
+
+    def text(key: str) -> str | None:
+        value = err.get(key)
+        return value if isinstance(value, str) and value else None
+
+    return ApiError(status, err["message"], param=text("param"),
+                    code=text("code") or "upstream_error", type_=text("type"))

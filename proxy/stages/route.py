@@ -44,8 +44,10 @@ class RouteStage:
         """Attempts until one was answered (or failed in a way another backend cannot fix)."""
         refused: list[str] = []
         restarted = False
+        kept: Attempt | None = None
         while True:
-            attempt = await self._start(ex, view, refused)
+            attempt = await self._start(ex, view, refused, kept)
+            kept = None
             try:
                 await self.router.begin(view, attempt, ex.trace.request_id)
                 try:
@@ -59,19 +61,29 @@ class RouteStage:
                 refused.append(name)
                 if len(refused) >= len(self.router.index[view.model]):
                     # none left but a managed worker that restarts itself: once, its successor
+                    # (holding its queue slot: it keeps its place before those behind it)
                     if restarted or not await self.router.restarted(name):
                         raise ApiError(502, str(e), code="upstream_error") from None
                     restarted = True
                     refused.remove(name)
+                    kept = attempt
             finally:
                 ex.trace.queue_wait = attempt.queue_wait
+                if kept is None:
+                    attempt.release()
 
-    async def _start(self, ex: Exchange, view: RouteView, refused: list[str]) -> Attempt:
+    async def _start(self, ex: Exchange, view: RouteView, refused: list[str],
+                     kept: Attempt | None) -> Attempt:
+        """The next attempt; `kept`: the one before, on the backend this one gets again (its
+        restarted worker), whose queue slot it takes over."""
         decision = self.router.decide(view, exclude=refused)
         if not refused:
             await self.router.wait_for_prefix(view, decision.name)
         translator = ex.api.translator
         ex.attempt = Attempt(decision, self.router.backends[decision.name],
+                             again=bool(refused) or kept is not None,
+                             slot=kept.slot if kept is not None else None,
+                             queue_wait=kept.queue_wait if kept is not None else None,
                              stream_out=translator.stream() if translator and ex.stream
                              else None,
                              transfer=self.router.transfer_plan(view, decision.name))
