@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 KIND = "prefixd-state"
 TOKENS = "tokens"
+FIELDS = {"kind", "key", "pos", "leaves", "dtypes", "digest"}     # a description has exactly these
 __all__ = ["BundleError", "bundle_key", "export", "import_"]
 
 
@@ -101,7 +102,7 @@ def parse(data: bytes, key: str, vocab: int) -> tuple[dict[str, Any], dict[str, 
     except Exception as e:
         raise BundleError(f"not a prefixd state bundle: {type(e).__name__}: {e}",
                           "not_a_bundle") from None
-    if not isinstance(meta, dict) or meta.get("kind") != KIND:
+    if not isinstance(meta, dict) or meta.get("kind") != KIND or set(meta) != FIELDS:
         raise BundleError("not a prefixd state bundle", "not_a_bundle")
     if meta.get("digest") != _digest(host):
         raise BundleError("the bundle's data does not match its checksum", "damaged")
@@ -110,7 +111,7 @@ def parse(data: bytes, key: str, vocab: int) -> tuple[dict[str, Any], dict[str, 
                           "KV quantization differ)", "other_model", status=409)
     pos = check.check_position(meta.get("pos"))
     tokens = check.check_tokens(host.pop(TOKENS, None), pos, vocab)
-    return meta, check.device_arrays(host, meta.get("dtypes") or {}), tokens
+    return meta, check.device_arrays(host, meta["dtypes"]), tokens
 
 
 def _meta(data: bytes) -> Any:

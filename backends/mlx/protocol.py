@@ -53,7 +53,8 @@ class WorkerHandler(RequestHandler):
             log.error("worker: error handling a request from %s", request.remote, exc_info=exc)
             text, code = "internal error in the worker (see its log)", "internal_error"
         else:
-            reason = str(message or exc or "bad request")[:MESSAGE_CHARS]
+            # aiohttp's reason spans lines (it points at the byte): one line, bounded
+            reason = " ".join(str(message or exc or "bad request").split())[:MESSAGE_CHARS]
             _malformed.warning("worker: malformed HTTP from %s: %s", request.remote, reason)
             text, code = f"malformed HTTP request: {reason}", "bad_request"
         resp = error_response(status, text, code=code)
