@@ -12,13 +12,15 @@ guards the index; file reads and writes happen outside it.
 Eviction (when a write would exceed the budget) drops the records worth least: the tokens they
 save beyond the nearest record below them on the same prefix, divided by their recency rank
 (the RAM store's rule); a block goes when no record needs it. A file being loaded is pinned and
-never evicted under the reader.
+never evicted under the reader. A file found corrupt when it is loaded is removed with every
+record that needs it (`discard`). The directory and its files are the daemon user's only.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Set
@@ -31,7 +33,9 @@ from prefixd.backends.mlx import chain, diskfmt, diskrec
 from prefixd.backends.mlx.diskrec import Block, Record
 from prefixd.backends.mlx.diskwriter import DiskWriter, Job
 
-OnEvict = Callable[[np.ndarray, int], None]   # (tokens, pos) of a record the budget evicted
+# (tokens, pos, reason) of a record the tier dropped: `disk_evicted` by the budget, `corrupt`
+# (its file or one of its blocks did not match its checksums)
+OnEvict = Callable[[np.ndarray, int, str], None]
 COUNTERS = ("written_bytes", "written_blocks", "written_records", "evicted_records", "rejected",
             "write_errors")
 
@@ -40,10 +44,10 @@ class DiskTier:
     """One cache key's directory: its index, budget and writer."""
 
     def __init__(self, root: Path, salt: str, layout: list[str], budget: int, block: int,
-                 on_evict: OnEvict = lambda tokens, pos: None) -> None:
+                 on_evict: OnEvict = lambda tokens, pos, reason: None) -> None:
         self.root, self.salt, self.layout = root, salt, layout
         self.budget, self.block = budget, block
-        self.on_evict = on_evict                 # (tokens, pos) of a record evicted by budget
+        self.on_evict = on_evict
         self.records: dict[str, Record] = {}
         self._by_key: dict[str | None, dict[str, Record]] = {}   # see `_keys`
         self.blocks: dict[str, Block] = {}
@@ -52,8 +56,8 @@ class DiskTier:
         self.skipped = collections.Counter[str]()    # files never loaded, by reason
         self._pinned: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()             # the index, and the writer's queue
-        for sub in ("blocks", "records"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
+        for sub in ("", "blocks", "records"):
+            diskfmt.private_dir(root / sub)
         self._owner: IO[str] | None = _own(root)
         self._write_manifest()
         self.writer = DiskWriter(self)
@@ -65,9 +69,10 @@ class DiskTier:
     def _write_manifest(self) -> None:
         path = self.root / "manifest.json"
         if not path.exists():
-            path.write_text(json.dumps({"format": diskfmt.FORMAT, "key": self.salt,
-                                        "layout": self.layout, "block_tokens": self.block},
-                                       indent=1))
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, diskfmt.FILE_MODE), "w") as f:
+                json.dump({"format": diskfmt.FORMAT, "key": self.salt, "layout": self.layout,
+                           "block_tokens": self.block}, f, indent=1)
+        diskfmt.private_file(path)
 
     def desc_ok(self, desc: dict[str, Any], kind: str) -> str | None:
         """Why a file's description does not belong to this tier, else None."""
@@ -121,15 +126,33 @@ class DiskTier:
         with self.lock:
             self._pinned[r.rid] -= 1
 
-    def forget(self, r: Record, reason: str) -> None:
-        """A record that failed to load: drop it from the index and delete its file (its own
-        key, so no other version of prefixd wants it); counted under `reason`."""
+    def discard(self, r: Record, reason: str, path: Path | None = None) -> None:
+        """Record `r` failed to load: drop it from the index and delete its file (its own key,
+        so no other version of prefixd wants it), counted under `reason` in `skipped`. If the
+        file at fault is one of its blocks (`path`), the block goes too, with every record that
+        needs it (counted as `missing_block`; each reported to `on_evict` under `reason`)."""
         with self.lock:
-            if self.records.pop(r.rid, None) is not None:
-                self._unindex(r)
-                (self.root / "records" / r.path_name).unlink(missing_ok=True)
-                self._release(r, keep=set(r.blocks))   # the writer may be using them
-                self.skipped[reason] += 1
+            bid = path.stem if path is not None and path.parent.name == "blocks" else None
+            if bid is None or bid not in self.blocks:
+                if self._drop(r, reason):
+                    self.skipped[reason] += 1
+                return
+            for other in [o for o in self.records.values() if bid in o.blocks]:
+                if self._drop(other, reason):
+                    self.skipped["missing_block"] += 1
+            blk = self.blocks.pop(bid)
+            (self.root / "blocks" / (bid + diskfmt.SUFFIX)).unlink(missing_ok=True)
+            self.bytes_used -= blk.nbytes
+            self.skipped[reason] += 1
+
+    def _drop(self, r: Record, reason: str) -> bool:
+        if self.records.pop(r.rid, None) is None:
+            return False
+        self.on_evict(diskrec.tokens(r, self.blocks), r.pos, reason)
+        self._unindex(r)
+        (self.root / "records" / r.path_name).unlink(missing_ok=True)
+        self._release(r, keep=set(r.blocks))   # the writer may be about to reference them
+        return True
 
     def submit(self, job: Job) -> None:
         """Queue `job` for the writer (its `done` is set at once if the tier is closed)."""
@@ -168,6 +191,15 @@ class DiskTier:
     def add_block(self, bid: str, blk: Block) -> None:
         self.blocks[bid] = blk
         self.bytes_used += blk.nbytes
+
+    def drop_unused(self, bids: Set[str]) -> None:
+        """Delete the blocks of `bids` no record needs (written for a record whose write
+        failed): nothing on disk is left outside the index and `bytes_used`."""
+        for bid in bids:
+            blk = self.blocks.get(bid)
+            if blk is not None and blk.refs <= 0:
+                (self.root / "blocks" / (bid + diskfmt.SUFFIX)).unlink(missing_ok=True)
+                self.bytes_used -= self.blocks.pop(bid).nbytes
 
     def add_record(self, rec: Record) -> None:
         """Index `rec`; its gap is measured to the nearest record below it on its prefix
@@ -209,7 +241,7 @@ class DiskTier:
     def make_room(self, need: int, keep: set[str]) -> bool:
         if need > self.budget:
             return False
-        if self.bytes_used + need > self.budget:     # blocks of a write that failed midway
+        if self.bytes_used + need > self.budget:     # blocks a discarded record left
             for bid in [b for b, blk in self.blocks.items() if blk.refs <= 0 and b not in keep]:
                 (self.root / "blocks" / (bid + diskfmt.SUFFIX)).unlink(missing_ok=True)
                 self.bytes_used -= self.blocks.pop(bid).nbytes
@@ -230,7 +262,7 @@ class DiskTier:
             if other.pos > r.pos and other.pos - other.gap == r.pos:
                 other.gap += r.gap
         (self.root / "records" / r.path_name).unlink(missing_ok=True)
-        self.on_evict(diskrec.tokens(r, self.blocks), r.pos)
+        self.on_evict(diskrec.tokens(r, self.blocks), r.pos, "disk_evicted")
         self._release(r, keep)
         self.counters["evicted_records"] += 1
 
@@ -257,7 +289,8 @@ def _own(root: Path) -> IO[str]:
     and evictions never fight. A second worker of the same model runs without a disk tier."""
     import fcntl
 
-    f = open(root / "lock", "a+")  # noqa: SIM115 - held open for the process's life
+    f = os.fdopen(os.open(root / "lock", os.O_RDWR | os.O_CREAT, diskfmt.FILE_MODE), "a+")
+    diskfmt.private_file(root / "lock")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -2,8 +2,16 @@
 
 Owns: the file format (`FORMAT`), turning live cache leaves into host arrays (on the generation
 thread: numpy views of evaluated MLX arrays, zero-copy; bfloat16 travels as its uint16 bits),
-writing a file so that a crash never leaves one that loads (temp name, fsync, rename), reading
-a file's description without its data, and rebuilding cache leaves from loaded arrays.
+writing a file so that a crash never leaves one that loads (temp name, fsync, rename; a failed
+write leaves no temp file), reading a file's description without its data, loading a file only
+if it matches its checksums, and rebuilding cache leaves from loaded arrays.
+
+Checksums (format 2): the description carries a CRC-32 of every tensor (over its dtype, shape
+and bytes, computed on the writer thread), and the description itself has a CRC-32 under
+metadata key `prefixd_crc`. A file whose description does not match is refused when it is
+indexed, a tensor that does not match when it is loaded (`Corrupt`): flipped bits, a bad
+sector or a half-synced file never become a cache state. Files are the daemon user's only
+(0600 in 0700 directories): their token tensors decode to prompts and answers.
 
 Two kinds of files, both `<id>.safetensors` with the description under metadata key `prefixd`:
 - a block: the full-attention KV (`KVCache`, `QuantizedKVCache` leaves) of positions
@@ -20,8 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -31,9 +40,11 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from prefixd.backends.mlx.snapshot import KINDS
 
-FORMAT = 1
+FORMAT = 2                   # 2: checksums (files without them are never loaded)
 META = "prefixd"
+META_CRC = "prefixd_crc"     # CRC-32 of the description string under META
 SUFFIX = ".safetensors"
+FILE_MODE, DIR_MODE = 0o600, 0o700
 CLASSES = {cls.__name__: cls for cls in KINDS}
 
 Host = dict[str, np.ndarray]   # tensor name -> host array
@@ -41,6 +52,24 @@ Host = dict[str, np.ndarray]   # tensor name -> host array
 
 class FormatError(ValueError):
     """A file that is not a prefixd cache file of this model and format."""
+
+
+class Corrupt(FormatError):
+    """A file of this format whose description or data do not match their checksums."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path.name}: {why}")
+        self.path = path
+
+
+def checksum(a: Any) -> int:
+    """CRC-32 of an array's dtype, shape and bytes: a numpy array, or an evaluated MLX array
+    (through the buffer protocol: no copy; never bfloat16, which travels as uint16)."""
+    view = memoryview(a)
+    if not view.c_contiguous:
+        view = np.ascontiguousarray(np.asarray(view)).data
+    head = f"{np.dtype(view.format).name}{view.shape}".encode()
+    return zlib.crc32(view, zlib.crc32(head))
 
 
 # --- generation thread: live leaves -> host arrays ------------------------------------------
@@ -80,16 +109,37 @@ def flatten(x: Any, name: str, out: Host, dtypes: dict[str, str]) -> Any:
 
 # --- writer thread: files ---------------------------------------------------------------------
 def write(path: Path, tensors: Host, desc: dict[str, Any]) -> int:
-    """Write a file atomically and durably; its size in bytes."""
-    data = safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                                  metadata={META: json.dumps(desc, separators=(",", ":"))})
+    """Write a file atomically and durably, with the checksums of its tensors and of its
+    description; its size in bytes. On any error the temp file is gone and `path` untouched."""
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    text = json.dumps({**desc, "sums": {k: checksum(v) for k, v in arrays.items()}},
+                      separators=(",", ":"))
+    data = safetensors.numpy.save(arrays, metadata={META: text,
+                                                    META_CRC: str(zlib.crc32(text.encode()))})
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE),
+                       "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return len(data)
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` (and its parents) if needed; make it the daemon user's only."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+
+
+def private_file(path: Path) -> None:
+    if path.stat().st_mode & 0o777 != FILE_MODE:
+        os.chmod(path, FILE_MODE)
 
 
 def sync_dir(path: Path) -> None:
@@ -108,28 +158,64 @@ def sync_dir(path: Path) -> None:
 
 def describe(path: Path) -> tuple[dict[str, Any], Any]:
     """(description, open handle) of a cache file; FormatError if it is not one, is
-    truncated or has no description. The caller closes the handle (a context manager)."""
+    truncated or has no description, Corrupt if it is of this format and its description
+    does not match its checksum. The caller closes the handle (a context manager)."""
     try:
         f = safetensors.safe_open(str(path), framework="numpy")
     except Exception as e:  # SafetensorError, OSError: truncated, foreign, unreadable
         raise FormatError(f"unreadable ({e})") from e
     try:
-        desc = json.loads((f.metadata() or {})[META])
+        desc = _description(path, f.metadata() or {})
+    except Exception:
+        f.__exit__(None, None, None)
+        raise
+    return desc, f
+
+
+def _description(path: Path, meta: dict[str, str]) -> dict[str, Any]:
+    """The description in a file's metadata, checked against its CRC when it claims to be
+    of this format (an older or newer file is the caller's to refuse by its `format`)."""
+    try:
+        desc = json.loads(meta[META])
         if not isinstance(desc, dict):
             raise ValueError("not an object")
     except Exception as e:
         raise FormatError("no prefixd description") from e
-    return desc, f
+    if desc.get("format") == FORMAT and (
+            meta.get(META_CRC) != str(zlib.crc32(meta[META].encode())) or
+            not isinstance(desc.get("sums"), dict)):
+        raise Corrupt(path, "description checksum mismatch")
+    return desc
+
+
+def verify(path: Path, desc: dict[str, Any], name: str, a: Any) -> None:
+    """Corrupt unless tensor `name` of the file matches its checksum."""
+    if desc["sums"].get(name) != checksum(a):
+        raise Corrupt(path, f"tensor {name} checksum mismatch")
 
 
 # --- generation thread: arrays -> live leaves -------------------------------------------------
-def load(path: Path, dtypes: dict[str, str]) -> dict[str, mx.array]:
-    arrays = mx.load(str(path))
-    assert isinstance(arrays, dict)
-    for name, dt in dtypes.items():
-        if name in arrays and dt == "bfloat16":
-            arrays[name] = arrays[name].view(mx.bfloat16)
-    return arrays
+def load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """(arrays, description) of a file of this format whose description and every tensor
+    match their checksums (bfloat16 tensors viewed back); Corrupt if any does not, or the
+    file has tensors its description does not list or lacks one it lists."""
+    try:
+        # with return_metadata: (arrays, metadata); mlx's stub gives every form `load` returns
+        arrays, meta = cast(tuple[dict[str, mx.array], dict[str, str]],
+                            mx.load(str(path), return_metadata=True))
+    except Exception as e:          # truncated, unreadable
+        raise Corrupt(path, f"unreadable ({e})") from e
+    desc = _description(path, meta)
+    if desc.get("format") != FORMAT:
+        raise FormatError(f"{path.name}: format {desc.get('format')}")
+    if set(desc["sums"]) != set(arrays):
+        raise Corrupt(path, "tensors differ from the description")
+    mx.eval(list(arrays.values()))
+    for name, a in arrays.items():
+        verify(path, desc, name, a)
+    dtypes = desc.get("dtypes", {})
+    return {k: (v.view(mx.bfloat16) if dtypes.get(k) == "bfloat16" else v)
+            for k, v in arrays.items()}, desc
 
 
 def unflatten(skel: Any, arrays: dict[str, mx.array]) -> Any:

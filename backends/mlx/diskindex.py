@@ -1,10 +1,14 @@
 """Opening a disk tier: rebuild its index from the files' own descriptions.
 
 Owns: the start-up scan of one cache key's directory. Every file is checked before it joins
-the index (a prefixd description of this format, key, block size and cache layout; a block's
-tokens hash to its id; a record's blocks all present and its tokens hash to its id); anything
-else is skipped, counted by reason and summarized in one log line, and never loaded. Leftover
-temp files (a write cut short by a crash) and blocks no record needs are deleted.
+the index (a prefixd description of this format, key, block size and cache layout that matches
+its checksum; its token ids match theirs; a block's tokens hash to its id; a record's blocks all
+present and its tokens hash to its id); anything else is skipped, counted by reason and
+summarized in one log line, and never loaded. The tensor data is checked when it is loaded
+(`diskfmt.load`): reading every file at start would cost as much as the cache is large.
+Leftover temp files (a write cut short by a crash), blocks no record needs and files that can
+never load (`BROKEN`: damaged, or records whose blocks are gone) are deleted; files and
+directories a looser version left readable by others are made private.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from prefixd.backends.mlx.disk import DiskTier, OnEvict
 from prefixd.backends.mlx.diskrec import Block, Record
 
 log = logging.getLogger("prefixd.worker.disk")
+BROKEN = ("corrupt", "missing_block")   # skipped files that are deleted (foreign ones stay)
 
 
 def open_tier(root: Path, salt: str, layout: list[str], budget: int, block: int,
@@ -46,6 +51,11 @@ def _reasons(tier: DiskTier) -> str:
 
 
 def index_directory(tier: DiskTier) -> None:
+    for path in tier.root.rglob("*"):
+        if path.is_dir():
+            diskfmt.private_dir(path)
+        elif path.is_file():
+            diskfmt.private_file(path)
     for tmp in list(tier.root.glob("*/.*.tmp")):
         tmp.unlink(missing_ok=True)
         tier.skipped["partial_write"] += 1
@@ -55,8 +65,7 @@ def index_directory(tier: DiskTier) -> None:
             continue
         rec = _read_record(tier, path, blocks)
         if isinstance(rec, str):
-            tier.skipped[rec] += 1
-            log.debug("disk cache: skipped %s (%s)", path, rec)
+            _skip(tier, path, rec)
             continue
         for b in rec.blocks:
             tier.blocks.setdefault(b, blocks[b])
@@ -65,6 +74,13 @@ def index_directory(tier: DiskTier) -> None:
         if bid not in tier.blocks:
             (tier.root / "blocks" / (bid + diskfmt.SUFFIX)).unlink(missing_ok=True)
     tier.bytes_used += sum(b.nbytes for b in tier.blocks.values())
+
+
+def _skip(tier: DiskTier, path: Path, reason: str) -> None:
+    tier.skipped[reason] += 1
+    log.debug("disk cache: skipped %s (%s)", path, reason)
+    if reason in BROKEN:
+        path.unlink(missing_ok=True)
 
 
 def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
@@ -76,7 +92,7 @@ def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
             continue
         opened = _open(tier, path, "block")
         if isinstance(opened, str) or len(opened[1]) != tier.block:
-            tier.skipped[opened if isinstance(opened, str) else "corrupt"] += 1
+            _skip(tier, path, opened if isinstance(opened, str) else "corrupt")
             continue
         desc, tokens = opened
         found[path.stem] = (desc.get("parent"), tokens, path.stat().st_size)
@@ -105,7 +121,7 @@ def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
 
     for bid in found:
         if not check(bid):
-            tier.skipped["corrupt"] += 1
+            _skip(tier, tier.root / "blocks" / (bid + diskfmt.SUFFIX), "corrupt")
     return valid
 
 
@@ -118,7 +134,8 @@ def _open(tier: DiskTier, path: Path, kind: str) -> tuple[dict, np.ndarray] | st
             if why is not None:
                 return why
             tokens = f.get_tensor("tokens")
-    except Exception:            # FormatError, a missing tensor, an unreadable file
+        diskfmt.verify(path, desc, "tokens", tokens)
+    except Exception:            # FormatError, Corrupt, a missing tensor, an unreadable file
         return "corrupt"
     if desc.get("id") != path.stem:
         return "corrupt"

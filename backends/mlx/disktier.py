@@ -99,6 +99,7 @@ class TierGlue:
             shape = layout(template)
             key = cache_key(spec, shape, getattr(config, "kv_bits", None))
             try:
+                diskfmt.private_dir(spec.base)     # every model's prompts: the user's only
                 self.tiers.disk = open_tier(spec.base / key, key, shape, spec.budget,
                                             spec.block, on_evict=self.tiers.disk_evicted)
             except OSError as e:
@@ -129,10 +130,13 @@ class TierGlue:
         try:
             cache, nbytes = load_record(self.disk, rec, pos, fresh())
         except LoadError as e:
-            log.warning("disk cache: record %s at %d did not load (%s); not using it",
-                        rec.rid, rec.pos, e)
-            self.disk.forget(rec, "corrupt")
-            stats.miss = "format_mismatch"
+            log.warning("disk cache: record %s at %d did not load (%s: %s); %s",
+                        rec.rid, rec.pos, e.reason, e,
+                        "prefilling instead" if e.reason == "disk_evicted" else
+                        "removed it, prefilling instead")
+            if e.reason != "disk_evicted":
+                self.disk.discard(rec, e.reason, e.path)
+            stats.miss = e.reason
             tally(stats, ram_pos)
             return None
         seconds = time.perf_counter() - t0

@@ -4,8 +4,10 @@ Owns: `Job` and `State` (what the generation thread hands over: host arrays only
 `persist.py`, so no mlx call happens here), the job queue, the thread, and the file writes. It
 writes each byte once: a block is content-addressed by its prefix (`chain.py`) and written only
 if absent; a record (the state at one position) likewise. Before a write it asks the tier
-(`disk.py`) for room under the budget; after it, it indexes what it wrote. The tier's one lock
-guards the queue as well as the index; no file is written while it is held.
+(`disk.py`) for room under the budget; after it, it indexes what it wrote. A write that fails
+(a full or failing disk) leaves nothing behind: no temp file, and no block written for it that
+no record needs. The tier's one lock guards the queue as well as the index; no file is written
+while it is held.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class DiskWriter:
                 self._busy = True
             try:
                 self._persist(job)
+            except OSError as e:        # a full or failing disk: not a bug
+                log.warning("disk cache: a write failed (%s); its state stays RAM-only", e)
+                self.tier.counters["write_errors"] += 1
             except Exception:
                 log.exception("disk cache: writing a job failed; its state stays RAM-only")
                 self.tier.counters["write_errors"] += 1
@@ -140,9 +145,15 @@ class DiskWriter:
                 if not t.make_room(need, set(ids[:used])):
                     t.counters["rejected"] += 1
                     continue
-            for j in missing:
-                self._write_block(job, j, ids)
-            self._write_record(job, s, rid, ids[:used])
+            written: set[str] = set()
+            try:
+                for j in missing:
+                    self._write_block(job, j, ids)
+                    written.add(ids[j])
+                self._write_record(job, s, rid, ids[:used])
+            finally:               # a failed record: the blocks only it needed go too
+                with t.lock:
+                    t.drop_unused(written)
 
     def _write_record(self, job: Job, s: State, rid: str, ids: list[str]) -> None:
         """The record of `s` over its blocks `ids` (written already), then indexed."""
@@ -151,11 +162,15 @@ class DiskWriter:
         tensors, desc = _record_tensors(job, s, start)
         desc.update(format=diskfmt.FORMAT, key=t.salt, block_tokens=t.block,
                     kind="record", layout=t.layout, blocks=ids, id=rid)
-        size = diskfmt.write(t.root / "records" / (rid + diskfmt.SUFFIX), tensors, desc)
+        path = t.root / "records" / (rid + diskfmt.SUFFIX)
+        size = diskfmt.write(path, tensors, desc)
         diskfmt.sync_dir(t.root / "records")
         rec = Record(rid, s.pos, tuple(ids), job.tokens[start:s.pos].copy(), size,
                      s.trimmable, time.time())
         with t.lock:
+            if any(b not in t.blocks for b in ids):    # a block found corrupt meanwhile
+                path.unlink(missing_ok=True)
+                return
             t.add_record(rec)
             t.counters["written_bytes"] += size
             t.counters["written_records"] += 1

@@ -8,11 +8,9 @@ for a RAM restore). Which entries to write and when is `tiers.py`; the files are
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any, cast
-
-import mlx.core as mx
+from pathlib import Path
+from typing import Any
 
 from prefixd.backends.mlx import chain, diskfmt, snapshot
 from prefixd.backends.mlx.disk import DiskTier
@@ -22,7 +20,13 @@ from prefixd.backends.mlx.store import Entry
 
 
 class LoadError(RuntimeError):
-    """A record could not be loaded (gone, unreadable, or not the state it claims)."""
+    """A record could not be loaded: `reason` names the miss (`disk_evicted`: gone before it
+    was read; `corrupt`: a file that does not match its checksums, `path`; `format_mismatch`:
+    files that do not rebuild the state they describe)."""
+
+    def __init__(self, reason: str, why: str, path: Path | None = None) -> None:
+        super().__init__(why)
+        self.reason, self.path = reason, path
 
 
 def make_job(tier: DiskTier, entry: Entry, kv_idx: Sequence[int], snap_idx: Sequence[int],
@@ -65,19 +69,16 @@ def make_job(tier: DiskTier, entry: Entry, kv_idx: Sequence[int], snap_idx: Sequ
 def load_record(tier: DiskTier, rec: Record, pos: int, template: list[Any]) -> tuple[list[Any],
                                                                                       int]:
     """(a live cache at `pos` rebuilt from `rec` and its blocks, bytes read). LoadError if the
-    record is gone or its files do not rebuild the state they describe."""
+    record is gone, a file does not match its checksums, or the files do not rebuild the state
+    they describe. Every file is verified before any of it is used."""
     paths = tier.pin(rec)
     if paths is None:
-        raise LoadError("evicted from disk")
+        raise LoadError("disk_evicted", "evicted from disk")
     try:
-        # with return_metadata: (arrays, metadata); mlx's stub gives every form `load` returns
-        arrays, meta = cast(tuple[dict[str, mx.array], dict[str, Any]],
-                            mx.load(str(paths[-1]), return_metadata=True))
-        desc = json.loads(meta[diskfmt.META])
-        dtypes = desc.get("dtypes", {})
-        blocks = [diskfmt.load(p, dtypes) for p in paths[:-1]]
-        arrays = {k: (v.view(mx.bfloat16) if dtypes.get(k) == "bfloat16" else v)
-                  for k, v in arrays.items()}
+        blocks = [diskfmt.load(p)[0] for p in paths[:-1]]
+        arrays, desc = diskfmt.load(paths[-1])
+        if desc.get("id") != rec.rid or desc.get("blocks") != list(rec.blocks):
+            raise diskfmt.Corrupt(paths[-1], "not the record the index holds")
         leaves = []
         for i in range(len(tier.layout)):
             d = desc["leaves"][str(i)]
@@ -89,10 +90,10 @@ def load_record(tier: DiskTier, rec: Record, pos: int, template: list[Any]) -> t
                 leaves.append(diskfmt.state_leaf(d, arrays))
         cache = snapshot.restore(snapshot.rebuild(template, leaves), None, pos)
         snapshot.evaluate(cache)
-    except LoadError:
-        raise
+    except diskfmt.Corrupt as e:
+        raise LoadError("corrupt", str(e), e.path) from e
     except Exception as e:
-        raise LoadError(f"{type(e).__name__}: {e}") from e
+        raise LoadError("format_mismatch", f"{type(e).__name__}: {e}") from e
     finally:
         tier.unpin(rec)
     return cache, sum(p.stat().st_size for p in paths if p.exists())

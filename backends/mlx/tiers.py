@@ -9,8 +9,8 @@ Owns:
 - the measured rates (prefill tokens/s, disk bytes/s) that decide whether loading a record beats
   prefilling the tokens it would save;
 - the ledger of restorable states this process had and lost (evicted from RAM with no disk
-  copy, evicted from disk, write still pending), so every lookup that restores less than the
-  longest prefix the worker knows names a reason (`MISS_REASONS`).
+  copy, evicted from disk, found corrupt, write still pending), so every lookup that restores
+  less than the longest prefix the worker knows names a reason (`MISS_REASONS`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from prefixd.backends.mlx.persist import make_job
 from prefixd.backends.mlx.store import Entry
 
 MISS_REASONS = ("evicted", "disk_evicted", "not_on_disk", "write_pending", "not_stored",
-                "load_slower_than_prefill", "format_mismatch", "restore_error")
+                "load_slower_than_prefill", "format_mismatch", "corrupt", "restore_error")
 LEDGER_TOKENS = 4_000_000        # token ids the ledger keeps (16 MB), oldest forgotten first
 HELD = float("inf")              # an entry a running request restored from: not due
 
@@ -162,10 +162,11 @@ class Tiers:
         return job
 
     # --- the ledger -------------------------------------------------------------------------
-    def disk_evicted(self, tokens: np.ndarray, pos: int) -> None:
-        """Called by the disk writer (its thread) for a record the disk budget evicted."""
+    def disk_evicted(self, tokens: np.ndarray, pos: int, reason: str) -> None:
+        """Called by the disk tier (any thread) for a record it dropped: `disk_evicted` by its
+        budget, or `corrupt`."""
         with self._lock:
-            self._add(Lost(tokens, [pos], "disk_evicted"))
+            self._add(Lost(tokens, [pos], reason))
 
     def _lose(self, entry: Entry, positions: list[int], reason: str,
               job: Job | None = None) -> None:
