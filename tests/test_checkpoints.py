@@ -267,6 +267,26 @@ def test_stored_entry_covers_prompt_and_every_generated_token(model: CountingMod
         assert _run(engine, p)[2].recomputed_tokens == (1 if entry.trimmable else 2)
 
 
+def test_a_stored_entry_holds_its_positions_not_the_padded_buffer(model: CountingModel) -> None:
+    """mlx-lm grows KV buffers 256 positions at a time: a 64-token conversation is stored (and
+    budgeted) with 64 positions per KV buffer, not 256, and a later turn restored from it still
+    equals a cold run."""
+    rng = random.Random(17)
+    prompt = _words(rng, 60)
+    engine = Engine(model, _settings())
+    reply = _run(engine, prompt)[0]
+    (entry,) = engine.store.entries
+    positional = [leaf for leaf in snapshot.leaves(entry.payload)
+                  if type(leaf) in (KVCache, RotatingKVCache)]
+    assert positional
+    for leaf in positional:
+        assert leaf.offset == len(prompt) + MAX_TOKENS
+        assert leaf.keys.shape[-2] == leaf.values.shape[-2] == leaf.offset
+    assert entry.nbytes == snapshot.nbytes(entry.payload)
+    nxt = prompt + reply + _words(rng, 300)          # grows past the stored buffer
+    _assert_same(_run(engine, nxt), _cold(model, nxt))
+
+
 def test_unknown_cache_class_falls_back_to_cold() -> None:
     class OddKVCache(KVCache):
         """A KV cache class prefixd has not verified."""

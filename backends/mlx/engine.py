@@ -273,6 +273,7 @@ class Engine:
             if run.broken or not run.advanced:  # unknown state, or nothing the store lacks
                 self.store.discard(entry)
                 return
+            snapshot.trim_padding(run.cache)     # stored (and budgeted) without spare capacity
             if self.store.finish(entry, run.tokens, run.cache, snapshot.nbytes(run.cache),
                                  snapshot.trimmable(run.cache), self._end_snapshot):
                 self.tiers.committed(entry)

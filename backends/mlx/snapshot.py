@@ -192,6 +192,30 @@ def compact(leaf: Any, pos: int) -> None:
             leaf.keys, leaf.values = _cut(leaf.keys, pos), _cut(leaf.values, pos)
 
 
+def trim_padding(cache: Cache) -> None:
+    """Drop the unused capacity of a finished cache's KV buffers before it is stored, in place.
+
+    mlx-lm grows a KV buffer 256 positions at a time, so a 60-token conversation holds 256
+    positions (4x its state). A buffer is cut to its positions when the unused part is more than
+    an eighth of it: the padding is under 256 positions, so the cut copies at most ~2,000
+    positions per buffer, and a longer buffer (under 12.5% padding) is kept as it is rather
+    than copied. A sliding window is cut only before it wraps (its positions are then its
+    first `offset` slots); a wrapped one is full. The cut copies are evaluated, so the
+    padded buffers are freed now, not when the stored state is next used."""
+    cut = []
+    for leaf in leaves(cache):
+        if type(leaf) not in (KVCache, QuantizedKVCache, RotatingKVCache) or leaf.keys is None:
+            continue
+        k = leaf.keys[0] if isinstance(leaf.keys, tuple) else leaf.keys
+        cap, pos = k.shape[-2], leaf.offset
+        if type(leaf) is RotatingKVCache and (pos >= leaf.max_size or leaf._idx != pos):
+            continue
+        if (cap - pos) * 8 > cap:
+            leaf.keys, leaf.values = _cut(leaf.keys, pos), _cut(leaf.values, pos)
+            cut.append((leaf.keys, leaf.values))
+    mx.eval(cut)
+
+
 def restore(entry_cache: Cache, snap: Snapshot | None, pos: int) -> Cache:
     """A fresh live cache at `pos`: snapshot leaves from `snap`, the rest from the entry, each
     trimmed to `pos` if it is past it (a trimmable snapshot may be taken above `pos`).
