@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 from test_worker_e2e import START_TIMEOUT_S, UNFED_TAIL, Worker, start_worker
 
 SYSTEM = {"role": "system", "content": "You keep a cache on disk. " * 12}
@@ -173,3 +174,48 @@ def test_sigkill_mid_write_leaves_nothing_that_loads(tmp_path: Path) -> None:
         fresh.close(5)
     assert from_disk > 0
     json.dumps(info)  # the info is plain JSON
+
+
+async def test_damaged_files_after_a_restart_answer_cold_and_say_corrupt(
+        tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """The adversarial case of issue 25 on real processes: a worker writes its cache at
+    SIGTERM; 50 bytes of each record's tensor data are XORed and two layers of every block
+    overwritten with random floats, token ids intact; the restarted worker answers what a cold
+    worker answers, and says why it did not restore: `corrupt` in the response, /v1/cache and
+    /metrics, and a warning line."""
+    from test_disk_trust import _biggest, _rewrite, _span, _xor
+
+    model = tiny_model_dir("falcon_h1")
+    first = _start(model, tmp_path / "cache")
+    try:
+        messages = [SYSTEM, {"role": "user", "content": "Tell me about the river."}]
+        one = await chat(first, messages)
+        assert first.stop() == 0
+    finally:
+        first.stop()
+    (key_dir,) = list((tmp_path / "cache" / "prompts").iterdir())
+    rng, noise = random.Random(3), np.random.default_rng(3)
+    for path in (key_dir / "records").iterdir():
+        lo, hi = _span(path, _biggest(path))
+        _xor(path, rng.sample(range(lo, hi), min(50, hi - lo)), rng)
+    for path in (key_dir / "blocks").iterdir():
+        _rewrite(path, lambda a: a.update({k: noise.standard_normal(a[k].shape).astype(
+            a[k].dtype) for k in ("1.0", "3.1")}))
+    messages += [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And the sea?"}]
+    second = _start(model, tmp_path / "cache")
+    cold = _start(model, tmp_path / "cold", PREFIXD_DISK_CACHE_BYTES="0", PREFIXD_CACHE_BYTES="0")
+    try:
+        warm, ref = await chat(second, messages), await chat(cold, messages)
+        assert warm["choices"][0]["message"] == ref["choices"][0]["message"]
+        assert warm["prefixd"]["cache"]["miss"] == "corrupt"
+        info = await disk_info(second)
+        assert info["misses"] == {"corrupt": 1} and info["skipped_files"]["corrupt"] >= 1
+        async with aiohttp.ClientSession() as s, s.get(second.url + "/metrics") as resp:
+            text = await resp.text()
+        assert 'prefixd_worker_cache_misses_total{reason="corrupt"} 1.0' in text
+        second.log.wait_for("did not load", 10)
+        assert "corrupt" in second.log.seen[-1]
+    finally:
+        second.stop()
+        cold.stop()

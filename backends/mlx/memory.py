@@ -43,7 +43,7 @@ def available_memory() -> int:
 
 
 def free_space(path: Path) -> int:
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)    # the prompt cache: the user's only
     return shutil.disk_usage(path).free
 
 
