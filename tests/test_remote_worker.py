@@ -31,6 +31,15 @@ def test_a_worker_refuses_a_non_loopback_address_without_a_key(tmp_path: Path):
     assert p.returncode == 2 and "without an API key" in p.stderr
 
 
+def test_a_worker_with_a_short_transfer_secret_exits_naming_it_not_echoing_it():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
+    env["PREFIXD_TRANSFER_SECRET"] = "tooshort-s3cret"
+    p = subprocess.run([sys.executable, "-m", "prefixd.backends.mlx", "--model", "m",
+                        "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "PREFIXD_TRANSFER_SECRET" in p.stderr
+    assert "tooshort-s3cret" not in p.stderr and len(p.stderr.splitlines()) == 1
+
+
 @pytest.fixture
 def remote_worker(tiny_model_dir: Callable[[str], Path]):
     with running_worker(tiny_model_dir("qwen3"), "k3y") as url:

@@ -14,11 +14,20 @@ from typing import Any
 
 import aiohttp
 import pytest
+from pydantic import SecretStr
 from worker_process import running_worker
 
+from prefixd.backends.config import BackendConfig
+from prefixd.backends.process import (
+    TRANSFER_SECRET_ENV,
+    run_transfer_secret,
+    worker_command,
+    worker_env,
+)
 from prefixd.proxy.prefix.segments import flatten
 from prefixd.proxy.routing.index import boundaries
 from prefixd.proxy.routing.policy import rendezvous
+from prefixd.proxy.settings import Settings
 
 SYSTEM = "You are a careful agent working in a large repository. Keep every rule. " * 12
 KEY = "k3y"
@@ -262,10 +271,11 @@ async def test_a_worker_of_another_secret_refuses_the_state(
         assert await _metric(http, outsider, bad_mac) == 1
 
 
-async def test_a_source_without_a_secret_sends_nothing(
+async def test_a_worker_without_a_secret_neither_gives_nor_takes_states(
         workers: list[str], tiny_model_dir: Callable[[str], Path], start_proxy: Any,
         http: aiohttp.ClientSession) -> None:
-    """An export from a worker with no secret carries no MAC: the proxy does not post it."""
+    """An export from a worker with no secret carries no MAC: the proxy does not post it. A
+    state sent to it is refused (403 `no_transfer_secret`) before its body is read."""
     with running_worker(tiny_model_dir("qwen3_next"), KEY) as unsigned:
         server = await start_proxy(backends=_backends([unsigned, workers[1]]),
                                    route_transfer_min_tokens=64)
@@ -283,6 +293,20 @@ async def test_a_source_without_a_secret_sends_nothing(
         assert got == "w1" and _cached(answer) == 0
         assert await _metric(http, base, refused) - before[1] == 1
         assert await _metric(http, workers[1], imports) == before[0]   # nothing was posted
+        # the other way: w1 holds a prefix, the unsigned w0 is sent a new conversation
+        system = SYSTEM.replace("careful", "unkeyed")
+        lead = _body(_conversation_to("w1", "unkeyed lead", system))
+        lead["messages"][0]["content"] = system
+        await _ask(http, base + "/v1/chat/completions", lead)
+        body = _body(_other_conversation("w1", "unkeyed", system))
+        body["messages"][0]["content"] = system
+        back = 'prefixd_route_transfers_total{outcome="refused",source="w1",target="w0"}'
+        before_back = await _metric(http, base, back)
+        got, answer = await _ask(http, base + "/v1/chat/completions", body)
+        assert got == "w0" and _cached(answer) == 0
+        assert await _metric(http, base, back) - before_back == 1
+        no_secret = 'prefixd_worker_cache_imports_total{outcome="no_transfer_secret"}'
+        assert await _metric(http, unsigned, no_secret) == 1
 
 
 async def test_managed_workers_of_one_proxy_move_states(
@@ -305,3 +329,18 @@ async def test_managed_workers_of_one_proxy_move_states(
     got, answer = await _ask(http, base + "/v1/chat/completions", body)
     assert got == "w1" and 0 < _cached(answer) < answer["usage"]["prompt_tokens"]
     assert await _metric(http, base, moved) - before == 1
+
+
+def test_every_worker_of_a_proxy_run_gets_one_secret() -> None:
+    """The workers one proxy starts share a secret made for the run (restarts get it again),
+    or the setting's, or a backend's own `worker_env`; in the environment, never in argv."""
+    config = BackendConfig(name="w", kind="mlx", model="m")
+    settings = Settings(_env_file=None, use_system_blas=False)
+    first, second = (worker_env(config, settings, token=t)[TRANSFER_SECRET_ENV]
+                     for t in ("a", "b"))
+    assert first == second == run_transfer_secret() and len(first) >= 32
+    assert first not in " ".join(worker_command("m", 1))
+    chosen = settings.model_copy(update={"transfer_secret": SecretStr("x" * 20)})
+    assert worker_env(config, chosen)[TRANSFER_SECRET_ENV] == "x" * 20
+    own = config.model_copy(update={"worker_env": {TRANSFER_SECRET_ENV: "y" * 20}})
+    assert worker_env(own, settings)[TRANSFER_SECRET_ENV] == "y" * 20
