@@ -110,6 +110,11 @@ def test_bundles_that_are_not_this_models_state_are_refused(model: CountingModel
         "leaf missing": (_with_meta(data, {"leaves": {
             k: v for k, v in meta["leaves"].items() if k != "0"}}), 400, "wrong_structure"),
         "another kind": (_with_meta(data, {"kind": "x"}), 400, "not_a_bundle"),
+        "a field more": (_with_meta(data, {"note": "x"}), 400, "not_a_bundle"),
+        "leaves not a table": (_with_meta(data, {"leaves": 150}), 400, "wrong_structure"),
+        "a state not a skeleton": (_with_meta(data, {"leaves": {**meta["leaves"], "0": {
+            **leaf0, "state": {"t": 5}}}}), 400, "wrong_structure"),
+        "a position that is a bool": (_with_meta(data, {"pos": True}), 400, "bad_position"),
         "a damaged value": (data[:-1] + bytes([data[-1] ^ 1]), 400, "damaged"),
     }
     for why, (blob, status, reason) in bad.items():

@@ -245,6 +245,50 @@ async def test_contents_are_checked_even_when_signed(
     assert await _answer(client, Y) == (cold[0], 0)
 
 
+ODD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**64, 1.5, float("nan"), "", "x", "s0.0",
+              "tokens", [], {}, [1], {"a": "s0.0"}, {"a": 3}, {"t": 5}, {"l": [{"a": "s0.0"}]},
+              {"v": 1}, {"t": [{"a": "s0.0"}] * 3}, "KVCache", "ArraysCache", "bfloat16",
+              {"s0.0": "bfloat16"}, {"0": {"class": "KVCache", "state": {"t": []}}}]
+
+
+def _paths(x: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if path:
+        yield path
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        yield from _paths(v, (*path, k))
+
+
+def _replaced(meta: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    out = json.loads(json.dumps(meta))
+    node = out
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return out
+
+
+async def test_fuzzing_the_description(pair: tuple[Generator, Generator],
+                                       clients: tuple[TestClient, TestClient]) -> None:
+    """Any value of any field of a signed bundle's description (its checksum recomputed): a
+    named refusal, never a 5xx, nothing stored."""
+    source, client = clients
+    target = Target(client, pair[1])
+    await _answer(source, Y)
+    data, _ = await _export(source, Y)
+    meta, tensors = _open(data)
+    paths = [p for p in _paths(meta) if p[0] != "digest"]
+    rng = random.Random(26)
+    for _ in range(300):
+        path, value = rng.choice(paths), rng.choice(ODD_VALUES)
+        changed = _replaced(meta, path, value)
+        if json.dumps(changed) == json.dumps(meta):
+            continue
+        blob = _close(changed, tensors)
+        await target.refuses(blob, seal.sign(SECRET, blob), f"{path} = {value!r}")
+    assert sum(target.refused.values()) > 250
+
+
 async def test_fuzzing_the_import_endpoint(pair: tuple[Generator, Generator],
                                            clients: tuple[TestClient, TestClient],
                                            tmp_path: Path) -> None:

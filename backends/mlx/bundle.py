@@ -128,17 +128,17 @@ def rebuild(engine: Engine, meta: dict[str, Any], arrays: dict[str, mx.array]) -
     reference = engine.reference_leaves()
     described = meta.get("leaves")
     if not isinstance(described, dict) or len(described) != len(reference):
-        raise BundleError(f"the bundle has {len(described or {})} cache leaves; this model "
-                          f"has {len(reference)}", "wrong_structure")
+        raise BundleError(f"the bundle does not describe this model's {len(reference)} cache "
+                          "leaves", "wrong_structure")
     leaves, used = [], []
     for i, ref in enumerate(reference):
         d = described.get(str(i))
         if not isinstance(d, dict) or d.get("class") != type(ref).__name__:
             raise BundleError(f"leaf {i}: not a {type(ref).__name__}", "wrong_structure")
-        used += check.array_names(d.get("state"))
         try:
             state = diskfmt.unflatten(d["state"], arrays)
-        except Exception:
+            used += check.array_names(d["state"])
+        except Exception:       # a skeleton of another shape, a name of no tensor, too deep
             raise BundleError(f"leaf {i}: its state does not match its arrays",
                               "wrong_structure") from None
         check.check_leaf(i, ref, state, pos)

@@ -79,12 +79,12 @@ def device_arrays(host: dict[str, np.ndarray], dtypes: Any) -> dict[str, mx.arra
 
 def array_names(skeleton: Any) -> list[str]:
     """The tensor names a leaf's state skeleton refers to (`diskfmt.flatten`), in order."""
-    if isinstance(skeleton, dict):
-        if "a" in skeleton:
-            return [skeleton["a"]] if isinstance(skeleton["a"], str) else [""]
-        return [n for v in skeleton.get("t", skeleton.get("l", [])) or []
-                for n in array_names(v)]
-    return []
+    if not isinstance(skeleton, dict):
+        return []
+    if "a" in skeleton:
+        return [str(skeleton["a"])]
+    items = skeleton.get("t", skeleton.get("l"))
+    return [n for v in items for n in array_names(v)] if isinstance(items, list) else []
 
 
 def check_uses(used: list[str], tensors: set[str]) -> None:

@@ -67,7 +67,6 @@ async def _receive(request: web.Request, secret: SecretStr | None, limit: int) -
     if not seal.well_formed(tag):
         raise ApiError(403, f"the bundle is not signed ({seal.HEADER}: 64 hex digits)",
                        code="unsigned_bundle")
-    assert tag is not None
     too_large = ApiError(413, f"the bundle is larger than this worker's prompt cache ({limit} "
                          "bytes)", code="too_large")
     if request.content_length is not None and request.content_length > limit:

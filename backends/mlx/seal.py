@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from typing import TypeGuard
 
 HEADER = "X-Prefixd-Bundle-Mac"
 _CONTEXT = b"prefixd state bundle v1\x00"     # a MAC of this secret means nothing elsewhere
@@ -34,7 +35,7 @@ def sign(secret: str, data: bytes) -> str:
     return mac.hexdigest()
 
 
-def well_formed(tag: str | None) -> bool:
+def well_formed(tag: str | None) -> TypeGuard[str]:
     return tag is not None and _WELL_FORMED.fullmatch(tag) is not None
 
 
