@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import resource
-import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -21,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from prefixd.api.errors import error_body, status_type
+from prefixd.api.protocol import RateLimitedLog, protocol_error
 
 log = logging.getLogger("prefixd.guard")
 
@@ -32,26 +30,7 @@ class Guard:
     header_timeout_s: float
 
 
-class RateLimitedLog:
-    """Log one line per `key` at most every `every_s` seconds (an attack must not fill the
-    disk with log lines), counting what was left out."""
-
-    def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        last, skipped = self._last.get(key, (-self.every_s, 0))
-        if now - last < self.every_s:
-            self._last[key] = (last, skipped + 1)
-            return
-        self._last[key] = (now, 0)
-        suffix = f" ({skipped} more since the last such line)" if skipped else ""
-        log.warning(msg + suffix, *args)
-
-
-_limited = RateLimitedLog()
+_limited = RateLimitedLog(log)
 
 
 class GuardedHandler(RequestHandler):
@@ -98,20 +77,7 @@ class GuardedHandler(RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if request.writer.output_size > 0:
-            raise ConnectionError("response already started; cannot send an error")
-        if status >= 500:
-            log.error("error handling a request from %s", request.remote, exc_info=exc)
-            text = "internal error in prefixd (see its log)"
-        else:
-            _limited.warning(f"protocol:{status}", "bad request from %s: %s", request.remote,
-                             message or exc)
-            text = f"malformed HTTP request: {message or exc or 'bad request'}"
-        body = error_body(text, status_type(status), code="bad_request" if status < 500
-                          else "internal_error")
-        resp = web.Response(status=status, text=json.dumps(body), content_type="application/json")
-        resp.force_close()
-        return resp
+        return protocol_error(request, status, exc, message, _limited, "prefixd")
 
 
 class GuardedServer(Server):

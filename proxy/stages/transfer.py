@@ -47,8 +47,9 @@ class TransferStage:
         m.TRANSFER_SECONDS.labels(target.name).observe(time.monotonic() - t0)
         m.TRANSFER_BYTES.labels(target.name).inc(moved.nbytes)
         ex.trace.transfer = f"{source}:{moved.outcome}:{moved.tokens}"
+        # 409: another model's state; 403: the pair holds different transfer secrets
         self.router.transferred(source, target.name, moved.tokens,
-                                incompatible=moved.status == 409)
+                                incompatible=moved.status in (403, 409))
         if moved.outcome != "moved":
             log.info("request %s: no prefix state from %s for %s (%s%s; %d tokens expected)",
                      ex.trace.request_id, source, target.name, moved.outcome,
