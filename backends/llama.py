@@ -2,14 +2,7 @@
 (`SlotState`), and the one start-up advice line where its settings defeat caching. Which slot a
 conversation runs in is routing's decision (`proxy/routing/slots.py`), from these facts.
 
-llama-server keeps one prompt per slot (`-np N`). A request that names no slot gets the idle
-slot whose prompt is most similar (`-sps`, default 0.10) or else the least recently used one,
-and then the server's RAM prompt cache (`--cache-ram`, default 8 GiB) saves what that slot
-held and restores the saved prompt that best matches the request. A request that names its
-slot (`id_slot`) skips the RAM cache. So prefixd names a slot only where that is sure to help:
-the conversation's last slot still holds its prompt (nothing else ran there since), or the
-server has a slot per active conversation and a spare one for a new conversation. Everywhere
-else the server places the request, and prefixd reads back where (`GET /slots`).
+How llama-server places requests and why prefixd pins only some: `proxy/routing/slotbook.py`.
 
 Owns: parsing `/props` and `/slots` (nothing from the server is trusted) and the advice line.
 """

@@ -54,6 +54,19 @@ async def start() -> AsyncIterator[Start]:
     assert psutil.Process().children(recursive=True) == []   # no worker outlives prefixd
 
 
+async def stalled(backend: ManagedBackend, pid: int) -> None:
+    """Until the worker `pid` has received its first request (and stalls in it)."""
+    token = psutil.Process(pid).environ()[TOKEN_ENV]
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            async with s.get(backend.status().detail["url"] + "/stats",
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+                if (await r.json())["requests"] == 1:
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the worker never got the request")
+
+
 async def test_kill_9_mid_stream_while_five_wait(start: Start, http: aiohttp.ClientSession) -> None:
     server, backend = await start()
     await backend.ensure_ready()
@@ -105,14 +118,7 @@ async def test_a_worker_killed_in_its_prefill_answers_after_its_restart(
     pid1 = backend.status().detail["pid"]
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
     task = asyncio.create_task(http.post(url, json=chat(fake={"stall_pid": pid1})))
-    token = psutil.Process(pid1).environ()[TOKEN_ENV]
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):                     # until the worker has it (and stalls)
-            async with s.get(backend.status().detail["url"] + "/stats",
-                             headers={"Authorization": f"Bearer {token}"}) as r:
-                if (await r.json())["requests"] == 1:
-                    break
-            await asyncio.sleep(0.05)
+    await stalled(backend, pid1)
     os.kill(pid1, signal.SIGKILL)
     r = await task
     body = (await r.read()).decode()
@@ -233,14 +239,7 @@ async def test_a_request_sent_again_after_its_worker_died_keeps_its_place(
         done.append(i)
 
     first = asyncio.create_task(ask(0, stall_pid=pid1))
-    token = psutil.Process(pid1).environ()[TOKEN_ENV]
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):                     # until the worker has it (and stalls)
-            async with s.get(backend.status().detail["url"] + "/stats",
-                             headers={"Authorization": f"Bearer {token}"}) as r:
-                if (await r.json())["requests"] == 1:
-                    break
-            await asyncio.sleep(0.05)
+    await stalled(backend, pid1)
     waiting = []
     for i in range(1, 6):
         waiting.append(asyncio.create_task(ask(i)))
