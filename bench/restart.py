@@ -14,7 +14,14 @@
     against what the disk holds at the end (the unique KV + the state records of the
     checkpoints kept) and against writing every checkpoint whole (its KV prefix + state).
 (d) one long identical prompt: restore from disk (page cache dropped) vs from RAM vs a cold
-    prefill, and vs reading the same files sequentially (page cache dropped).
+    prefill, and vs reading the same files sequentially (page cache dropped); `--restores` disk
+    restores per run (each by a new Engine), their median reported.
+(e) conversations held per GiB of RAM budget: `--density-conversations` distinct 60-token
+    prompts (8 tokens generated each) on `--density-model` (a built-in name, resolved under
+    `--cache-dir` as the worker does, dequantized on the CPU as the worker does; or a folder);
+    the store's bytes per conversation and MLX's active memory per conversation.
+
+    ./run bench restart --parts e --density-model smollm2-135m-instruct
 
 Writes bench/out/restart.json and bench/out/restart.md; results in docs/BENCHMARKS.md.
 """
@@ -230,15 +237,12 @@ def _drop_page_cache(paths: list[Path]) -> None:
 
 
 def part_d(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from prefixd.backends.mlx.chain import as_tokens
-
     root = Path(tempfile.mkdtemp(prefix="restart-d-"))
     rng = random.Random("d")
     prompt = [rng.randrange(1, 1000) for _ in range(args.long_prompt)]
     rows = []
     for _ in range(3):
         cold = _engine(model, root / "cold", 0.0, cache_bytes=0)
-        t0 = time.perf_counter()
         _generate(cold, prompt)
         cold_s = cold.last_stats.prefill_s
         cold.close(5)
@@ -248,26 +252,70 @@ def part_d(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         ram_s = writer.last_stats.lookup_s + writer.last_stats.restore_s
         writer.persist()
         writer.close(60)
-        reader = _engine(model, root, 0.0)
-        rec, _pos = reader.tiers.disk.lookup(as_tokens(prompt))
-        files = reader.tiers.disk.pin(rec)            # the files this restore reads
-        reader.tiers.disk.unpin(rec)
-        _drop_page_cache(files)
-        t0 = time.perf_counter()
-        nbytes = sum(len(p.read_bytes()) for p in files)
-        read_s = time.perf_counter() - t0
-        _drop_page_cache(files)
-        _generate(reader, prompt)
-        st = reader.last_stats
-        reader.close(5)
+        restores = [_disk_restore(model, root, prompt) for _ in range(args.restores)]
         shutil.rmtree(root, ignore_errors=True)
-        rows.append({"prompt_tokens": len(prompt), "cached": st.cached_tokens, "tier": st.tier,
-                     "cold_prefill_s": round(cold_s, 4), "ram_restore_s": round(ram_s, 4),
-                     "disk_restore_s": round(st.disk_load_s, 4),
-                     "sequential_read_s": round(read_s, 4), "bytes": nbytes,
-                     "disk_over_read": round(st.disk_load_s / read_s, 2)})
+        disk_s = statistics.median(r[0] for r in restores)
+        read_s = statistics.median(r[1] for r in restores)
+        rows.append({"prompt_tokens": len(prompt), "cached": restores[0][3],
+                     "tier": restores[0][4], "cold_prefill_s": round(cold_s, 4),
+                     "ram_restore_s": round(ram_s, 4), "disk_restore_s": round(disk_s, 4),
+                     "disk_restore_runs": [round(r[0], 4) for r in restores],
+                     "sequential_read_s": round(read_s, 4), "bytes": restores[0][2],
+                     "disk_over_read": round(disk_s / read_s, 2)})
         print(f"  (d) {rows[-1]}", flush=True)
     return rows
+
+
+def _disk_restore(model: Any, root: Path, prompt: list[int]) -> tuple[float, float, int, int,
+                                                                      str | None]:
+    """(disk restore s, sequential read s of the same files, their bytes, cached tokens,
+    tier) by a new Engine over `root`, the page cache dropped before each read."""
+    from prefixd.backends.mlx.chain import as_tokens
+
+    reader = _engine(model, root, 0.0)
+    rec, _pos = reader.tiers.disk.lookup(as_tokens(prompt))
+    files = reader.tiers.disk.pin(rec)            # the files this restore reads
+    reader.tiers.disk.unpin(rec)
+    _drop_page_cache(files)
+    t0 = time.perf_counter()
+    nbytes = sum(len(p.read_bytes()) for p in files)
+    read_s = time.perf_counter() - t0
+    _drop_page_cache(files)
+    _generate(reader, prompt)
+    st = reader.last_stats
+    reader.close(5)
+    return st.disk_load_s, read_s, nbytes, st.cached_tokens, st.tier
+
+
+def part_e(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Conversations per GiB of RAM budget: what the store holds per short conversation, as
+    it budgets it and as MLX allocates it."""
+    import gc
+
+    import mlx.core as mx
+
+    from prefixd.backends.mlx.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.loading import wants_dequantize
+    from prefixd.backends.mlx.provision import load_model
+
+    spec = args.density_model or str(ensure_model(args.model, args.models_dir))
+    model, _ = load_model(spec, args.cache_dir, dequantize=wants_dequantize("auto", spec))
+    engine = Engine(model, EngineConfig(cache_bytes=64 * 2**30))
+    gc.collect()
+    base = mx.get_active_memory()
+    rng = random.Random("e")
+    for _ in range(args.density_conversations):
+        _generate(engine, [rng.randrange(100, 40000) for _ in range(60)])
+    gc.collect()
+    mx.clear_cache()
+    store = engine.store
+    per = store.bytes_used / len(store.entries)
+    row = {"model": Path(spec).name, "conversations": len(store.entries),
+           "tokens_each": len(store.entries[0].tokens), "bytes_each": int(per),
+           "active_bytes_each": int((mx.get_active_memory() - base) / len(store.entries)),
+           "per_gib": round(2**30 / per, 1)}
+    print(f"  (e) {row}", flush=True)
+    return [row]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-turns", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3, help="(a) runs per mode (median)")
     p.add_argument("--long-prompt", type=int, default=7400)
+    p.add_argument("--restores", type=int, default=5, help="(d) disk restores per run")
+    p.add_argument("--density-model", default=None,
+                   help="(e) a built-in model name or a folder (default: the tiny --model)")
+    p.add_argument("--density-conversations", type=int, default=30)
+    p.add_argument("--cache-dir", type=Path,
+                   default=Path(os.environ.get("PREFIXD_CACHE_DIR", "~/.cache/prefixd"))
+                   .expanduser(), help="(e) where built-in models are (as the worker's)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--models-dir", type=Path, default=OUT / "models")
     args = p.parse_args(argv)
@@ -298,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             results["c"] = part_c(model, args)
         if "d" in args.parts:
             results["d"] = part_d(model, args)
+    if "e" in args.parts:
+        results["e"] = part_e(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "restart.json").write_text(json.dumps(results, indent=1))
     lines = [f"# bench/restart.py ({args.model})"]

@@ -26,6 +26,7 @@ Two kinds of files, both `<id>.safetensors` with the description under metadata 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import zlib
@@ -68,8 +69,13 @@ def checksum(a: Any) -> int:
     view = memoryview(a)
     if not view.c_contiguous:
         view = np.ascontiguousarray(np.asarray(view)).data
-    head = f"{np.dtype(view.format).name}{view.shape}".encode()
-    return zlib.crc32(view, zlib.crc32(head))
+    return zlib.crc32(view, zlib.crc32(f"{_dtype_name(view.format)}{view.shape}".encode()))
+
+
+@functools.cache
+def _dtype_name(fmt: str) -> str:
+    """numpy's name of a buffer format ('f', '<f', 'H', ...): the same for numpy and MLX."""
+    return np.dtype(fmt).name
 
 
 # --- generation thread: live leaves -> host arrays ------------------------------------------
@@ -195,10 +201,38 @@ def verify(path: Path, desc: dict[str, Any], name: str, a: Any) -> None:
 
 
 # --- generation thread: arrays -> live leaves -------------------------------------------------
-def load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """(arrays, description) of a file of this format whose description and every tensor
-    match their checksums (bfloat16 tensors viewed back); Corrupt if any does not, or the
-    file has tensors its description does not list or lacks one it lists."""
+Loaded = tuple[dict[str, mx.array], dict[str, Any]]     # (arrays, description)
+
+
+def load(paths: list[Path]) -> list[Loaded]:
+    """(arrays, description) of each file, all read in one evaluation, each file of this
+    format with a description and every tensor matching their checksums (bfloat16 tensors
+    viewed back). Corrupt (naming the file) if any does not, or a file has tensors its
+    description does not list or lacks one it lists; nothing is returned unless every file
+    checks. The token ids are left out (never read): they were checked when the file was
+    indexed (their checksum and the chain of ids), and the index holds them."""
+    opened = [_open(p) for p in paths]
+    try:
+        mx.eval([list(arrays.values()) for arrays, _ in opened])
+    except Exception:                  # which file: read them one by one
+        for p, (arrays, _) in zip(paths, opened, strict=True):
+            try:
+                mx.eval(list(arrays.values()))
+            except Exception as e:
+                raise Corrupt(p, f"unreadable ({e})") from e
+        raise
+    out = []
+    for p, (arrays, desc) in zip(paths, opened, strict=True):
+        for name, a in arrays.items():
+            verify(p, desc, name, a)
+        dtypes = desc.get("dtypes", {})
+        out.append(({k: (v.view(mx.bfloat16) if dtypes.get(k) == "bfloat16" else v)
+                     for k, v in arrays.items()}, desc))
+    return out
+
+
+def _open(path: Path) -> Loaded:
+    """A file's arrays but its token ids (not read yet) and its checked description."""
     try:
         # with return_metadata: (arrays, metadata); mlx's stub gives every form `load` returns
         arrays, meta = cast(tuple[dict[str, mx.array], dict[str, str]],
@@ -210,12 +244,8 @@ def load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         raise FormatError(f"{path.name}: format {desc.get('format')}")
     if set(desc["sums"]) != set(arrays):
         raise Corrupt(path, "tensors differ from the description")
-    mx.eval(list(arrays.values()))
-    for name, a in arrays.items():
-        verify(path, desc, name, a)
-    dtypes = desc.get("dtypes", {})
-    return {k: (v.view(mx.bfloat16) if dtypes.get(k) == "bfloat16" else v)
-            for k, v in arrays.items()}, desc
+    arrays.pop("tokens", None)
+    return arrays, desc
 
 
 def unflatten(skel: Any, arrays: dict[str, mx.array]) -> Any:

@@ -75,8 +75,8 @@ def load_record(tier: DiskTier, rec: Record, pos: int, template: list[Any]) -> t
     if paths is None:
         raise LoadError("disk_evicted", "evicted from disk")
     try:
-        blocks = [diskfmt.load(p)[0] for p in paths[:-1]]
-        arrays, desc = diskfmt.load(paths[-1])
+        *loaded, (arrays, desc) = diskfmt.load(paths)
+        blocks = [blk for blk, _ in loaded]
         if desc.get("id") != rec.rid or desc.get("blocks") != list(rec.blocks):
             raise diskfmt.Corrupt(paths[-1], "not the record the index holds")
         leaves = []
