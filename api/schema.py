@@ -28,6 +28,19 @@ Kind = Literal["chat", "completion"]
 
 _CONFIG = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 Number = Annotated[float, Field(allow_inf_nan=False)]
+# A request's cache partition, from the proxy to a prefixd worker (PREFIXD_CACHE_ISOLATION)
+NAMESPACE_HEADER = "X-Prefixd-Cache-Namespace"
+_NAMESPACE = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+def cache_namespace(headers: Any) -> str:
+    """The cache partition a request names (`NAMESPACE_HEADER`: lowercase hex), or "" (the
+    shared one); 400 for anything else."""
+    value = headers.get(NAMESPACE_HEADER, "")
+    if value and not _NAMESPACE.match(value):
+        raise ApiError(400, f"{NAMESPACE_HEADER} must be 1-64 lowercase hex digits",
+                       code="invalid_namespace")
+    return str(value)
 
 
 class ContentPart(BaseModel):

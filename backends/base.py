@@ -85,6 +85,8 @@ class Capabilities:
     moves_state: bool = False       # a prefixd worker: exports and imports prefix states
     restarts_itself: bool = False   # a managed worker: after its process died, ensure_ready()
     #                                 brings up its successor (a request may wait for it)
+    partitions_cache: bool = False  # a prefixd worker: keeps each cache namespace apart
+    #                                 (`X-Prefixd-Cache-Namespace`, per-key isolation)
 
 
 @dataclass(frozen=True)

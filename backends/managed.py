@@ -48,7 +48,7 @@ log = logging.getLogger("prefixd.backend")
 
 class ManagedBackend(BackendBase):
     kind = "mlx"
-    capabilities = Capabilities(moves_state=True, restarts_itself=True)
+    capabilities = Capabilities(moves_state=True, restarts_itself=True, partitions_cache=True)
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
                  command: CommandBuilder | None = None, stop_grace_s: float = 20.0,

@@ -12,7 +12,7 @@ from prefixd.backends.openai import OpenAIBackend
 
 class RemoteWorkerBackend(OpenAIBackend):
     kind = "prefixd"
-    capabilities = Capabilities(moves_state=True)
+    capabilities = Capabilities(moves_state=True, partitions_cache=True)
 
     def worker(self) -> WorkerLink | None:
         return WorkerLink(self._ensure_session(), self._base, self._auth)

@@ -86,13 +86,13 @@ class Moved:
 
 
 async def move_state(src: WorkerLink | None, dst: WorkerLink | None, body: bytes,
-                     timeout_s: float) -> Moved:
+                     timeout_s: float, extra: dict[str, str] | None = None) -> Moved:
     """Copy the longest prefix of `body`'s prompt that `source` restores into `target`'s
     prompt cache, streamed from one worker to the other (never held whole here), with the MAC
     the source signed it with (`seal.py`; the target checks it: the proxy holds no secret). An
     unsigned export is not sent. The export runs on the source's generation thread after its
     request in progress, so this waits for a prefix the source is computing; `timeout_s`
-    bounds the whole move."""
+    bounds the whole move. `extra`: headers for both ends (the request's cache partition)."""
     if src is None or dst is None:
         return Moved("error", detail="a worker is not running")
     sent = 0
@@ -106,7 +106,7 @@ async def move_state(src: WorkerLink | None, dst: WorkerLink | None, body: bytes
     try:
         async with asyncio.timeout(timeout_s):
             async with src.session.post(src.base + "/v1/cache/export", data=body,
-                                        headers={**src.auth,
+                                        headers={**src.auth, **(extra or {}),
                                                  "Content-Type": "application/json"}) as r:
                 if r.status == 404:
                     return Moved("not_cached")
@@ -116,8 +116,8 @@ async def move_state(src: WorkerLink | None, dst: WorkerLink | None, body: bytes
                 if mac is None:
                     return Moved("refused", detail="the source signs no bundles (it has no "
                                  "transfer secret)", status=403)
-                headers = {**dst.auth, "Content-Type": "application/octet-stream",
-                           seal.HEADER: mac}
+                headers = {**dst.auth, **(extra or {}),
+                           "Content-Type": "application/octet-stream", seal.HEADER: mac}
                 if r.content_length is not None:
                     headers["Content-Length"] = str(r.content_length)
                 async with dst.session.post(dst.base + "/v1/cache/import", headers=headers,

@@ -76,5 +76,5 @@ TIER_SECONDS_SAVED = Counter("prefixd_worker_cache_tier_prefill_seconds_saved_to
 TIER_MISSES = Counter("prefixd_worker_cache_misses_total",
                       "Lookups that restored less than the longest prefix the worker knew, "
                       "by reason (evicted, disk_evicted, not_on_disk, write_pending, not_stored, "
-                      "load_slower_than_prefill, format_mismatch, corrupt, restore_error).", ["reason"],
-                      registry=REGISTRY)
+                      "load_slower_than_prefill, format_mismatch, corrupt, restore_error).",
+                      ["reason"], registry=REGISTRY)

@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
@@ -17,6 +17,7 @@ from prefixd import metrics
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.backends.base import BackendState
 from prefixd.metrics.federate import label_worker_metrics
+from prefixd.proxy.keys import presented_key
 from prefixd.proxy.pipeline import API_BY_PATH, CLIENT_APIS, Proxy
 from prefixd.proxy.tokens import count_tokens
 from prefixd.proxy.ui import add_routes as add_ui_routes
@@ -32,14 +33,6 @@ def needs_key(path: str) -> bool:
     """Routes that reveal traffic (the API, status, metrics, prefix reports) need the key;
     /health, /ready and the status page's own files (/, /ui/*) stay open."""
     return path.startswith(("/v1/", "/debug/")) or path in ("/status", "/metrics")
-
-
-def presented_key(headers: Mapping[str, str]) -> bytes:
-    """The key a client presents: `Authorization: Bearer <key>` or (Anthropic clients)
-    `x-api-key: <key>`, as bytes (a header that is not UTF-8 compares as its raw bytes)."""
-    got = headers.get("Authorization", "")
-    token = got[7:] if got.lower().startswith("bearer ") else headers.get("x-api-key", "")
-    return token.strip().encode("utf-8", "surrogateescape")
 
 
 def auth_middleware(api_key: str | None) -> Callable:

@@ -71,6 +71,7 @@ class Exchange:
     parsed: Parsed | None = None        # the internal chat/completions request
     model: str | None = None            # the served model it resolved to
     prepared: Prepared | None = None    # lane, canonicalized body, prefix report
+    namespace: str = ""                 # its cache partition (PREFIXD_CACHE_ISOLATION=per_key)
     attempt: Attempt | None = None      # the current (last) try on a backend, and its answer
     response: web.StreamResponse | None = None
     state: ResponseState = ResponseState.NOT_STARTED

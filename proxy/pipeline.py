@@ -23,6 +23,7 @@ from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
 from prefixd.backends.base import Backend, Managed
 from prefixd.backends.config import BackendConfig
 from prefixd.proxy.exchange import ClientApi, Exchange
+from prefixd.proxy.keys import cache_namespace
 from prefixd.proxy.pool import LoadStage, ModelPool
 from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.queue import BackendQueue
@@ -78,7 +79,8 @@ class Proxy:
         return handle
 
     async def handle(self, request: web.Request, api: ClientApi) -> web.StreamResponse:
-        ex = Exchange(request, api, RequestTrace(_request_id(request)))
+        ex = Exchange(request, api, RequestTrace(_request_id(request)),
+                      namespace=cache_namespace(request.headers, self.settings.cache_isolation))
         self.inflight.add(ex)
         try:
             await self._run(ex)

@@ -124,6 +124,12 @@ async def serve(settings: Settings, backends: list[Backend]) -> int:
     sockets = listen(settings.host, settings.port)
     proxy = make_proxy(settings, backends)
     problems = unserved_aliases(settings.model_aliases, proxy.index)
+    if settings.cache_isolation == "per_key":
+        shared = [b.name for b in backends if not b.capabilities.partitions_cache]
+        if shared:
+            log.warning("PREFIXD_CACHE_ISOLATION=per_key: the prompt caches of %s are their "
+                        "servers' own and shared by every key (only prefixd workers keep "
+                        "keys apart)", ", ".join(shared))
     if proxy.pool is not None:
         problems += proxy.pool.check()
     if problems:

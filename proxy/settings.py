@@ -8,7 +8,7 @@ env file configures its workers too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr, create_model
 
@@ -43,6 +43,17 @@ class DeclaredSettings(WorkerSettings):
                                       "/debug/* require `Authorization: Bearer <api_key>` (or "
                                       "`x-api-key`); /health, /ready and the status page "
                                       "(/, /ui/*) stay open.")
+    cache_isolation: Literal["shared", "per_key"] = Field(
+        "shared", description="`shared`: one prompt cache for every client (a single-user "
+        "daemon). That is a side channel between clients: `cached_tokens` (and the time to "
+        "first token) tell a client whether a prefix it guesses, say another client's system "
+        "prompt, is cached. `per_key`: cache entries, conversations (lanes) and routing "
+        "predictions are shared only between requests made with the same API key (the "
+        "`Authorization: Bearer`/`x-api-key` value the client presents; any string when "
+        "`api_key` is unset), in prefixd workers' caches (managed and kind `prefixd`; their "
+        "per-key entries stay in RAM: the disk tier keeps the shared cache only); an "
+        "`openai` backend's own cache (llama-server, vLLM) cannot be partitioned, and a "
+        "warning at start says so.")
     max_connections: int = Field(512, ge=1, description="Most client connections open at "
                                  "once; more are closed at once (the proxy also raises its "
                                  "open-files limit at start).")
@@ -64,7 +75,7 @@ class DeclaredSettings(WorkerSettings):
         "\"gpt-*\": \"coder\"}.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM/SIGINT, how long "
                                       "in-flight requests may run before they are cut.")
-    # --- routing across backends (proxy/route.py) ---------------------------------------
+    # --- routing across backends (proxy/routing) ---------------------------------------
     route_balance_slack: int = Field(
         Balance.slack, ge=0,
         description="Affinity (a backend holding the conversation's prefix) yields to load "

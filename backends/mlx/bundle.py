@@ -57,10 +57,11 @@ def bundle_key(engine: Engine) -> str:
 
 
 # --- export --------------------------------------------------------------------------------
-def export(engine: Engine, tokens: Sequence[int]) -> tuple[bytes, int] | None:
+def export(engine: Engine, tokens: Sequence[int],
+           namespace: str = "") -> tuple[bytes, int] | None:
     """(bundle, pos) of the longest prefix of `tokens` (at most all but the last) this worker
-    restores now, from RAM or disk; None when it holds none."""
-    cache, pos = engine.restore_only(list(tokens), PromptStats(len(tokens)))
+    restores now for a request of `namespace`, from RAM or disk; None when it holds none."""
+    cache, pos = engine.restore_only(list(tokens), PromptStats(len(tokens)), namespace)
     if pos <= 0:
         return None
     tensors: diskfmt.Host = {}
@@ -154,9 +155,10 @@ def rebuild(engine: Engine, meta: dict[str, Any], arrays: dict[str, mx.array]) -
     return cache
 
 
-def import_(engine: Engine, data: bytes, vocab: int) -> int:
-    """Store a bundle's state as an entry of this worker's checkpoint store; its position.
-    `vocab`: the model's vocabulary size (its tokenizer's, as requests are checked against)."""
+def import_(engine: Engine, data: bytes, vocab: int, namespace: str = "") -> int:
+    """Store a bundle's state as an entry of this worker's checkpoint store (in `namespace`'s
+    partition); its position. `vocab`: the model's vocabulary size (its tokenizer's, as
+    requests are checked against)."""
     meta, arrays, tokens = parse(data, bundle_key(engine), vocab)
     cache = rebuild(engine, meta, arrays)
-    return engine.adopt(tokens, cache)
+    return engine.adopt(tokens, cache, namespace)

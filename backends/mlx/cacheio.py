@@ -20,6 +20,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from prefixd.api.errors import ApiError
+from prefixd.api.schema import cache_namespace
 from prefixd.backends.mlx import bundle, seal
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.jobs import WorkerClosed
@@ -42,9 +43,10 @@ async def import_state(request: web.Request, loaded: Loaded, generator: Generato
     """A bundle another worker holding this worker's secret exported → stored in this worker's
     prompt cache (`{"tokens": N}`; 0 when its budget did not take it), or refused."""
     try:
+        namespace = cache_namespace(request.headers)
         data = await _receive(request, secret, loaded.engine.store.budget)
         vocab = len(loaded.tokenizer)
-        tokens = await generator.call(lambda e: bundle.import_(e, data, vocab))
+        tokens = await generator.call(lambda e: bundle.import_(e, data, vocab, namespace))
     except bundle.BundleError as e:
         IMPORTS.labels(e.reason).inc()
         raise ApiError(e.status, f"bundle refused: {e}", code=e.reason) from None

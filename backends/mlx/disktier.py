@@ -114,12 +114,13 @@ class TierGlue:
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, prompt: list[int], ram_pos: int, stats: PromptStats,
-                fresh: Callable[[], list[Any]], count: bool = True) -> Restore | None:
+                fresh: Callable[[], list[Any]], count: bool = True,
+                namespace: str = "") -> Restore | None:
         """A live cache from disk when the disk tier holds a longer prefix worth loading, else
         None (the RAM match, if any, is used). Sets the request's tier, known tokens and miss;
         counts them in the tier metrics unless `count` is False (an export, not a request)."""
         tally = self._count if count else lambda stats, restored: None
-        d = self.tiers.decide(prompt, ram_pos)
+        d = self.tiers.decide(prompt, ram_pos, namespace)
         stats.known_tokens, stats.miss = d.known, d.reason
         stats.tier = "ram" if ram_pos else None
         if d.disk is None:

@@ -108,20 +108,21 @@ class Engine:
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
 
     # --- restore -----------------------------------------------------------------------------
-    def _restore(self, prompt: list[int], stats: PromptStats,
-                 count: bool = True) -> tuple[list[Any], int]:
-        """(live cache, tokens already in it); the fallback reason and times go to `stats`,
-        the tier hit or miss to the metrics unless `count` is False (an export)."""
+    def _restore(self, prompt: list[int], stats: PromptStats, count: bool = True,
+                 namespace: str = "") -> tuple[list[Any], int]:
+        """(live cache, tokens already in it) from the request's cache partition (`namespace`);
+        the fallback reason and times go to `stats`, the tier hit or miss to the metrics unless
+        `count` is False (an export)."""
         t0 = time.perf_counter()
         if self._unsupported:
             self.counts.fallback("unsupported_cache")
             stats.fallback = "unsupported_cache"
             return self.fresh_cache(), 0
-        match = self.store.lookup(prompt)
+        match = self.store.lookup(prompt, namespace)
         t1 = time.perf_counter()
         stats.lookup_s = t1 - t0
         loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
-                                    self.fresh_cache, count)
+                                    self.fresh_cache, count, namespace)
         if loaded is not None:
             stats.restore_s = time.perf_counter() - t1
             return loaded.cache, loaded.pos
@@ -139,12 +140,13 @@ class Engine:
         stats.restore_s = time.perf_counter() - t1
         return cache, match.pos
 
-    def restore_only(self, prompt: list[int], stats: PromptStats) -> tuple[list[Any], int]:
+    def restore_only(self, prompt: list[int], stats: PromptStats,
+                     namespace: str = "") -> tuple[list[Any], int]:
         """`_restore` for an export (`bundle.py`): the same restore, without counting a hit
         or a miss in the tier metrics (no request is served)."""
         if self._unsupported:
             return self.fresh_cache(), 0
-        return self._restore(prompt, stats, count=False)
+        return self._restore(prompt, stats, count=False, namespace=namespace)
 
     def reference_leaves(self) -> list[Any]:
         """This model's cache leaves after a one-token pass: the classes, array shapes and
@@ -156,15 +158,16 @@ class Engine:
             self._reference = snapshot.leaves(cache)
         return self._reference
 
-    def adopt(self, tokens: list[int], cache: list[Any]) -> int:
-        """Store a state another worker computed (`bundle.import_`) as if a request had ended
-        at `tokens`; the tokens stored (0: the cache is unsupported or the budget refused it)."""
+    def adopt(self, tokens: list[int], cache: list[Any], namespace: str = "") -> int:
+        """Store a state another worker computed (`bundle.import_`) as if a request of
+        `namespace` had ended at `tokens`; the tokens stored (0: the cache is unsupported or
+        the budget refused it)."""
         if self._unsupported or not tokens:
             return 0
-        held = self.store.lookup([*tokens, -1])       # restores all of it already: keep ours
+        held = self.store.lookup([*tokens, -1], namespace)   # restores all of it: keep ours
         if held is not None and held.pos >= len(tokens):
             return len(tokens)
-        entry = self.store.begin(tokens)
+        entry = self.store.begin(tokens, namespace)
         stored = self.store.finish(entry, tokens, cache, snapshot.nbytes(cache),
                                    snapshot.trimmable(cache), self._end_snapshot)
         if stored:
@@ -176,7 +179,8 @@ class Engine:
     def generate(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
                  logits_processors: list | None = None, max_tokens: int,
                  boundaries: Sequence[int] = (),
-                 should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+                 should_stop: Callable[[], bool] = lambda: False,
+                 namespace: str = "") -> Iterator[int]:
         """Restore, prefill (checkpointing), then yield sampled token ids until max_tokens.
 
         Stops early when `should_stop()` is true between prefill chunks or before a decode step,
@@ -185,13 +189,15 @@ class Engine:
         the KV covers prompt + every generated token; then, on every exit, the tokens actually
         in the KV state are committed. `self.last_stats` is this request's from its start
         (cached and recomputed tokens once the prefill ended; the commit time at the end).
+        `namespace`: the request's cache partition (per-key isolation): it restores from and
+        is stored in that partition only.
         """
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
         stats = self.last_stats = PromptStats(len(prompt))
-        cache, start = self._restore(prompt, stats)
-        entry = None if self._unsupported else self.store.begin(prompt)
+        cache, start = self._restore(prompt, stats, namespace=namespace)
+        entry = None if self._unsupported else self.store.begin(prompt, namespace)
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
         run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop,

@@ -106,7 +106,7 @@ class Generator:
         return self.loaded
 
     def submit(self, prompt: Prompt, sampling: Sampling, max_tokens: int,
-               logprobs: int | None = None) -> Job:
+               logprobs: int | None = None, namespace: str = "") -> Job:
         """Queue a generation; its events arrive through `job.events()` in order."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -117,7 +117,7 @@ class Generator:
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 job.cancel()
 
-        job = Job(prompt, sampling, max_tokens, logprobs, emit, queue)
+        job = Job(prompt, sampling, max_tokens, logprobs, emit, queue, namespace=namespace)
         self._pending.add(job)
         try:
             self._executor.submit(self._run, job)
@@ -196,7 +196,7 @@ class Generator:
         tokens = engine.generate(job.prompt.tokens, sampler=tap or sampler,
                                  logits_processors=processors or None,
                                  max_tokens=job.max_tokens, boundaries=job.prompt.boundaries,
-                                 should_stop=job._cancel.is_set)
+                                 should_stop=job._cancel.is_set, namespace=job.namespace)
         try:
             for token in tokens:
                 if token in eos:

@@ -55,6 +55,7 @@ class Job:
     _cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0  # how long it waited for the generation thread
+    namespace: str = ""   # its cache partition (per-key isolation; "" shared)
 
     def cancel(self) -> None:
         """Stop generating (idempotent; harmless once the job has finished)."""

@@ -66,7 +66,8 @@ def restorable(store: CheckpointStore, entry: Entry | None) -> dict[str, Any]:
         # other entry may still hold some of its prefixes
         stored = entry in store.entries and not entry.in_progress
         for e in store.entries:
-            if e.in_progress or (stored and entry.trimmable and e is not entry):
+            if e.in_progress or e.namespace != entry.namespace or (
+                    stored and entry.trimmable and e is not entry):
                 continue                       # a trimmable entry restores all it can alone
             if e is entry:
                 points += _points(e, tokens, len(tokens))

@@ -56,6 +56,7 @@ class Entry:
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     last_used: int = 0
     in_progress: bool = True
+    namespace: str = ""      # its cache partition: only requests of the same one use it
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,12 @@ class CheckpointStore:
         self.on_drop: Callable[[Entry, int, Any], None] = lambda entry, pos, payload: None
 
     # --- lookup ------------------------------------------------------------------------------
-    def lookup(self, prompt: Sequence[int]) -> Match | None:
-        """The restore point reusing the most tokens of `prompt` (at most `len(prompt) - 1`)."""
+    def lookup(self, prompt: Sequence[int], namespace: str = "") -> Match | None:
+        """The restore point reusing the most tokens of `prompt` (at most `len(prompt) - 1`),
+        among the entries of its cache partition (`namespace`)."""
         best: Match | None = None
         for e in self.entries:
-            if e.in_progress:
+            if e.in_progress or e.namespace != namespace:
                 continue
             lcp = common_prefix(e.tokens, prompt)
             m = self._usable(e, lcp, min(lcp, len(prompt) - 1))
@@ -126,10 +128,11 @@ class CheckpointStore:
         return Match(e, pos, e.checkpoints[pos], lcp)
 
     # --- storing -----------------------------------------------------------------------------
-    def begin(self, tokens: Sequence[int]) -> Entry:
+    def begin(self, tokens: Sequence[int], namespace: str = "") -> Entry:
         """Open the entry of a new request; its checkpoints are added as the prefill takes them."""
         self.tick += 1
-        entry = self.latest = Entry(tokens=list(tokens), last_used=self.tick)
+        entry = self.latest = Entry(tokens=list(tokens), last_used=self.tick,
+                                    namespace=namespace)
         self.entries.append(entry)
         return entry
 
@@ -165,7 +168,8 @@ class CheckpointStore:
         entry.tokens, entry.trimmable = list(tokens), trimmable
         for pos in [p for p in entry.checkpoints if p >= len(entry.tokens)]:
             self._drop_checkpoint(entry, pos)
-        for other in [e for e in self.entries if e is not entry and not e.in_progress]:
+        for other in [e for e in self.entries if e is not entry and not e.in_progress
+                      and e.namespace == entry.namespace]:
             if other in self.entries:  # an earlier merge may have evicted it to make room
                 self._merge_into(entry, other, end_snapshot)
         entry.in_progress = False

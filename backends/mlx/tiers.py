@@ -102,7 +102,7 @@ class Tiers:
         for e, t in self.due.items():        # the request that held them is over
             if t == HELD:
                 self.due[e] = now + self.write_delay
-        if self.disk is not None:
+        if self.disk is not None and not entry.namespace:    # partitions stay in RAM
             self.due[entry] = now + self.write_delay
 
     def hold(self, entry: Entry) -> None:
@@ -124,12 +124,16 @@ class Tiers:
     def flush_all(self, entries: Sequence[Entry]) -> None:
         self.due.clear()
         for e in entries:
-            if not e.in_progress and e not in self.written:
+            if not e.in_progress and not e.namespace and e not in self.written:
                 self._write(e, "shutdown")
 
     def removed(self, entry: Entry, why: str) -> None:
-        """The RAM store dropped `entry` (merged into a newer one, discarded, evicted)."""
+        """The RAM store dropped `entry` (merged into a newer one, discarded, evicted). A
+        partition's entry (per-key isolation) leaves no trace: not written, not in the ledger
+        (whose miss reasons another key's request would see)."""
         self.due.pop(entry, None)
+        if entry.namespace:
+            return
         if why == "rejected":                # computed, but more than the RAM budget holds
             self._lose(entry, [*sorted(entry.checkpoints), len(entry.tokens)], "not_stored")
             return
@@ -144,6 +148,8 @@ class Tiers:
 
     def dropped(self, entry: Entry, pos: int, payload: object) -> None:
         """The RAM store dropped one checkpoint of `entry` under budget pressure."""
+        if entry.namespace:
+            return
         if self.disk is None or entry.payload is None:
             self._lose(entry, [pos], "evicted")
         elif entry not in self.written:
@@ -196,8 +202,11 @@ class Tiers:
         return best, reason
 
     # --- lookups ----------------------------------------------------------------------------
-    def decide(self, prompt: Sequence[int], ram_pos: int) -> Decision:
-        if self.disk is None and not self._ledger:
+    def decide(self, prompt: Sequence[int], ram_pos: int, namespace: str = "") -> Decision:
+        """Where a prompt restores from: RAM, or a longer prefix on disk. A partition's
+        request (per-key isolation) sees RAM only: the disk tier and the ledger of lost
+        prefixes hold the shared partition's."""
+        if namespace or (self.disk is None and not self._ledger):
             return Decision(None, ram_pos, None)
         arr = chain.as_tokens(prompt)
         found = self.disk.lookup(arr) if self.disk is not None else None

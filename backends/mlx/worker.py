@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from prefixd.api.errors import ApiError, errors_middleware
-from prefixd.api.schema import Kind, decode_json, parse_body
+from prefixd.api.schema import Kind, cache_namespace, decode_json, parse_body
 from prefixd.backends.mlx import bundle, cacheio
 from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
 from prefixd.backends.mlx.generation import Generator
@@ -121,7 +121,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     max_tokens = _max_tokens(loaded, req, prompt, generator.settings.max_tokens_default)
     shapes = Shapes(kind, request.app[MODEL_NAME])
     try:
-        job = generator.submit(prompt, req.sampling, max_tokens, req.logprobs)
+        job = generator.submit(prompt, req.sampling, max_tokens, req.logprobs,
+                               cache_namespace(request.headers))
     except WorkerClosed:
         raise ApiError(503, "the worker is shutting down", type_="server_error") from None
     reply = Reply(req, shapes, job, _output(loaded, req, prompt))
@@ -215,10 +216,12 @@ async def _export(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
     req = gen_request(parse_body("chat" if "messages" in body else "completion", raw))
+    namespace = cache_namespace(request.headers)
     loaded = _loaded(request)
     prompt = await _build(loaded.renderer, req, boundaries=False)
     try:
-        found = await request.app[GENERATOR].call(lambda e: bundle.export(e, prompt.tokens))
+        found = await request.app[GENERATOR].call(
+            lambda e: bundle.export(e, prompt.tokens, namespace))
     except WorkerClosed:
         raise ApiError(503, "the worker is shutting down", type_="server_error") from None
     if found is None:

@@ -66,20 +66,24 @@ class PrefixTracker:
         self.hinted = {r: m for r, m in self.modes.items() if r not in self.live}
 
     # --- before forwarding ------------------------------------------------------------------
-    def canonicalize(self, body: dict, headers: Mapping[str, str]) -> Prepared:
+    def canonicalize(self, body: dict, headers: Mapping[str, str],
+                     namespace: str = "") -> Prepared:
         """The lane and the body to forward. Never raises: a body this step cannot read is
-        forwarded untouched."""
+        forwarded untouched. `namespace`: the request's cache partition (per-key isolation):
+        lanes of other partitions are never its lane."""
         try:
-            return self._canonicalize(body, headers)
+            return self._canonicalize(body, headers, namespace)
         except Exception:
             log.warning("prefix stage skipped a request it could not read", exc_info=True)
             return Prepared("-", body, False)
 
-    def _canonicalize(self, body: dict, headers: Mapping[str, str]) -> Prepared:
+    def _canonicalize(self, body: dict, headers: Mapping[str, str],
+                      namespace: str) -> Prepared:
         client = client_family(headers)
         raw = flatten(body)
-        lane = self.store.resolve(base_key(headers, body, raw, client), system_family(raw),
-                                  self.clock())
+        session = base_key(headers, body, raw, client)
+        lane = self.store.resolve(f"{namespace[:8]}/{session}" if namespace else session,
+                                  system_family(raw), self.clock())
         if lane.turn == 0:
             lane.ratio = self.ratio
         lane.turn += 1

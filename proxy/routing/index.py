@@ -50,11 +50,13 @@ class Chain:
         return self.bounds[self.head - 1].key if self.head else ""
 
 
-def boundaries(segments: Iterable[Segment], chars_per_token: float = 4.0) -> Chain:
+def boundaries(segments: Iterable[Segment], chars_per_token: float = 4.0,
+               namespace: str = "") -> Chain:
     """The chain of a request: one boundary after each rendered segment (the model and the
-    sampling parameters enter the hash but hold no tokens)."""
+    sampling parameters enter the hash but hold no tokens). `namespace` (per-key isolation)
+    seeds the hash: no boundary of one partition is ever another's."""
     out: list[Boundary] = []
-    h = hashlib.blake2b(digest_size=12)
+    h = hashlib.blake2b(namespace.encode(), digest_size=12)
     chars, head = 0, 0
     for seg in segments:
         h.update(seg.region.encode())

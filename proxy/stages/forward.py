@@ -9,6 +9,7 @@ import json
 from prefixd.api.errors import ApiError
 from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
 from prefixd.backends.base import (
+    Backend,
     BackendError,
     BackendGone,
     BackendTimeout,
@@ -17,6 +18,7 @@ from prefixd.backends.base import (
 )
 from prefixd.proxy.bodies import with_field
 from prefixd.proxy.exchange import Exchange
+from prefixd.proxy.keys import NAMESPACE_HEADER
 from prefixd.proxy.routing.router import Router
 from prefixd.proxy.stages import Next
 
@@ -37,6 +39,7 @@ class ForwardStage:
             path = CHAT_PATH if ex.api.kind == "chat" else COMPLETIONS_PATH
             up_req = UpstreamRequest(path=path, body=self.router.pin(attempt, forward_body(ex)),
                                      stream=ex.stream, request_id=ex.trace.request_id,
+                                     headers=namespace_headers(ex, backend),
                                      timeout_s=self.request_timeouts[backend.name])
             async with backend.forward(up_req) as up:
                 attempt.upstream = up
@@ -49,6 +52,13 @@ class ForwardStage:
             raise ApiError(504, str(e), code="upstream_timeout") from None
         except BackendError as e:
             raise ApiError(502, str(e), code="upstream_error") from None
+
+
+def namespace_headers(ex: Exchange, backend: Backend) -> dict[str, str]:
+    """The request's cache partition, for a backend that keeps partitions apart."""
+    if ex.namespace and backend.capabilities.partitions_cache:
+        return {NAMESPACE_HEADER: ex.namespace}
+    return {}
 
 
 def forward_body(ex: Exchange) -> bytes:

@@ -17,7 +17,7 @@ class CanonicalizeStage:
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.parsed is not None
-        ex.prepared = self.prefix.canonicalize(ex.parsed.body, ex.request.headers)
+        ex.prepared = self.prefix.canonicalize(ex.parsed.body, ex.request.headers, ex.namespace)
         await call_next(ex)
 
 

@@ -34,7 +34,8 @@ class RouteStage:
         ex.model = ex.trace.model = self.router.model_for(ex.parsed.req.model)
         prepared = ex.prepared
         view = self.router.view(ex.model, prepared.lane if prepared is not None else None,
-                                boundaries(prepared.segments if prepared is not None else []))
+                                boundaries(prepared.segments if prepared is not None else [],
+                                           namespace=ex.namespace))
         attempt = await self._attempts(ex, view)
         if attempt.completed:
             self.router.learn(view, attempt)

@@ -17,7 +17,7 @@ from prefixd.proxy.attempt import Attempt
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.routing.router import Router
 from prefixd.proxy.stages import Next
-from prefixd.proxy.stages.forward import forward_body
+from prefixd.proxy.stages.forward import forward_body, namespace_headers
 
 log = logging.getLogger("prefixd.route")
 
@@ -41,8 +41,10 @@ class TransferStage:
         except (BackendUnavailable, BackendError):
             return                       # the forward stage reports it
         t0 = time.monotonic()
+        # the request's cache partition on both ends (per-key isolation)
         moved = await move_state(self.router.backends[source].worker(), target.worker(),
-                                 forward_body(ex), self.timeout_s)
+                                 forward_body(ex), self.timeout_s,
+                                 namespace_headers(ex, target))
         m.TRANSFERS.labels(source, target.name, moved.outcome).inc()
         m.TRANSFER_SECONDS.labels(target.name).observe(time.monotonic() - t0)
         m.TRANSFER_BYTES.labels(target.name).inc(moved.nbytes)
