@@ -18,6 +18,8 @@ from prefixd.api.usage import Usage
 from prefixd.api.values import count, obj
 
 Message = dict[str, Any]
+# finish reasons that say the server stopped the answer (vLLM's `abort`, ...), not that it ended
+STOPPED = frozenset({"abort", "aborted", "cancelled", "canceled", "error", "interrupted"})
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 
 
@@ -188,7 +190,13 @@ class SSERecorder:
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice
             if self.builder.add_delta(delta) and self.first_content_at is None:
                 self.first_content_at = time.monotonic()
-            if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str) and reason:
+                if reason.lower() in STOPPED:        # the server's own word for a stop
+                    self.error = {"error": {"message": f"the backend stopped the answer "
+                                           f"(finish_reason {reason!r})",
+                                           "type": "server_error", "code": "upstream_error"}}
+                    return None
                 self.finished = True
         if self.translate is not None:
             return self.translate.feed(obj)

@@ -8,7 +8,9 @@ The upstream's wire behaviour for each way a worker stops, played by the fake up
   its supervisor gave up on it, ends its stream with an error event and closes it);
 - `eof`: the stream ended cleanly with neither a finish reason nor `[DONE]`;
 - `kill`: the connection dropped mid-stream (SIGKILL);
-- `error_first`: an in-band error before any content.
+- `error_first`: an in-band error before any content;
+- `abort`: a finish reason that names a stop (vLLM's `abort` for a request it aborted), then
+  `[DONE]`.
 The same through a real worker process stopped by signals: `test_worker_stops.py`.
 """
 
@@ -36,6 +38,8 @@ STOPS = {
     "eof": {"raw": [data(ROLE), data(CHUNK), data(CHUNK)]},
     "kill": {"raw": [data(ROLE), data(CHUNK), data(CHUNK)], "drop": True},
     "error_first": {"raw": [data(ROLE), data(STOPPED)]},
+    "abort": {"raw": [data(ROLE), data(CHUNK), data({**CHUNK, "choices": [
+        {"index": 0, "delta": {}, "finish_reason": "abort"}]}), "data: [DONE]\n\n"]},
 }
 APIS = {
     "chat": ("/v1/chat/completions",
