@@ -142,3 +142,48 @@ def test_detection_off_still_canonicalizes() -> None:
     p = prepare(st, b)          # the pipeline leaves the detect stage out
     assert p.report is None
     assert p.changed and p.body["messages"][0]["content"] == "You are Claude."
+
+
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+TOOLS = [tool(n) for n in ("Bash", "Read", "Edit", "Write", "Grep", "Glob")]
+SYSTEM = "You are a Claude agent, built on Anthropic's Claude Agent SDK.\n"
+CC = {"X-Claude-Code-Session-Id": "sess-1"}
+
+
+def test_a_side_call_without_tools_gets_its_own_lane_not_a_mutation() -> None:
+    """Claude Code's session-title call shares the session id and the system prompt's first
+    line but has no tools: its own lane, both NEW; the main turn after it is no mutation."""
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
+    title = prepare(st, body(SYSTEM + "Generate a concise title.", "<session>fix the bug"
+                             "</session>"), CC)
+    main = prepare(st, body(SYSTEM + "\nYou are an interactive agent. " * 20,
+                            "fix the bug", tools=TOOLS), CC)
+    assert title.lane != main.lane and title.lane.startswith("cc:sess-1")
+    assert title.report is not None and main.report is not None
+    assert title.report.verdict.value == "NEW" and main.report.verdict.value == "NEW"
+    again = prepare(st, body(SYSTEM + "Generate a concise title.", "<session>next</session>"),
+                    CC)
+    assert again.lane == title.lane                  # the next title call: the title lane
+
+
+def test_a_tool_added_to_the_conversation_is_still_its_mutation() -> None:
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
+    system = SYSTEM + "\nYou are an interactive agent. " * 20
+    first = prepare(st, body(system, "fix the bug", tools=TOOLS), CC)
+    st.record_response(first, {"role": "assistant", "content": "ok"}, None)
+    more = prepare(st, body(system, "fix the bug", tools=[*TOOLS, tool("mcp__db__query")]), CC)
+    assert more.lane == first.lane
+    assert more.report is not None and "tools_added" in more.report.causes
+
+
+def test_a_sub_agent_with_mostly_other_tools_gets_its_own_lane() -> None:
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
+    system = SYSTEM + "\nYou are an interactive agent. " * 20
+    main = prepare(st, body(system, "fix the bug", tools=TOOLS), CC)
+    sub = prepare(st, body(system, "search the code", tools=[tool("Grep"), tool("Glob"),
+                                                             tool("WebFetch")]), CC)
+    assert sub.lane != main.lane
+    assert sub.report is not None and sub.report.verdict.value == "NEW"

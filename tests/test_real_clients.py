@@ -323,6 +323,33 @@ async def test_claude_code_scripted_tool_turns(agents: dict[str, Path], scripted
     assert_prefix_survived(main_lane(lanes), len(steps) + 1)
 
 
+async def test_claude_code_side_calls_get_their_own_lanes(agents: dict[str, Path],
+                                                          scripted: FakeUpstream,
+                                                          tmp_path: Path) -> None:
+    """Non-essential traffic on (as a user runs it): Claude Code sends a session-title call
+    (same session id, no tools) beside its main turns. It gets a lane of its own: no verdict
+    of any lane says MUTATED, and the main conversation's turns are APPENDs."""
+    home, proj, notes = workdir(tmp_path)
+    steps = claude_steps(notes)
+    scripted.responder = responder(steps, "Bash", "cc")
+    async with serve(scripted_env(scripted), 60) as base:
+        argv, env = claude(agents["claude"], base, "scripted", home,
+                           "Run echo hi, read notes.txt, then count its lines.",
+                           "--allowedTools", "Bash", "Read")
+        del env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"]
+        run = await run_agent(argv, env, proj, SCRIPTED_TIMEOUT)
+        lanes = await reports(base)
+    show("Claude Code, non-essential traffic on", lanes)
+    assert run.rc == 0, run.stderr[-3000:]
+    side = [b for b in scripted.received if not b.get("tools")]
+    assert side, "no side call was sent: nothing tested"
+    wrong = [f"{lane} turn {r['turn']}: {report_header(r)}" for lane, history in lanes.items()
+             for r in history if r["verdict"] not in ("NEW", "APPEND")]
+    assert not wrong, "\n".join(wrong)
+    assert_prefix_survived(main_lane(lanes), len(steps) + 1)
+    assert len(lanes) >= 2
+
+
 async def test_codex_scripted_tool_turns(agents: dict[str, Path], scripted: FakeUpstream,
                                          tmp_path: Path) -> None:
     home, proj, notes = workdir(tmp_path)

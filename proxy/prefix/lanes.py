@@ -3,10 +3,13 @@ store of per-lane state.
 
 Identity, most trusted first: explicit session headers, then body fields, then a content
 fingerprint (client family, model, first user message) that ignores volatile lines. Inside
-one session, a request whose system prompt is of another family (a title or summary side
-call, a sub-agent) gets its own lane `<session>~<hash>` instead of being reported as a
-mutation. Memory is bounded: idle lanes expire, and the least recently used go first when
-`lane_max` lanes or `lane_max_bytes` bytes are exceeded.
+one session, a request that does not continue a conversation of that session — its system
+prompt of another family, or another tool set (none where the conversation has tools, or
+mostly other tools: a title or summary side call, a sub-agent) — gets its own lane
+`<session>~<hash>` instead of being reported as a mutation; a tool added to or removed from
+the conversation's own set is still its mutation. Memory is bounded: idle lanes expire, and
+the least recently used go first when `lane_max` lanes or `lane_max_bytes` bytes are
+exceeded.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from prefixd.proxy.prefix.canonicalize import CanonState
 from prefixd.proxy.prefix.patterns import strip_volatile_lines
-from prefixd.proxy.prefix.segments import Segment
+from prefixd.proxy.prefix.segments import Segment, tool_name
 
 # (header, lane prefix), in the order they are trusted (router-for-me/CLIProxyAPI#4452).
 SESSION_HEADERS = (("x-claude-code-session-id", "cc"), ("session-id", "s"), ("session_id", "s"),
@@ -41,6 +44,7 @@ class LaneState:
     id: str
     family: str                                  # volatile-stripped system text
     last_seen: float
+    tools: frozenset[str] = frozenset()          # the names of its tools
     turn: int = 0
     raw: list[Segment] | None = None             # previous request as the client sent it
     fwd: list[Segment] | None = None             # previous request as forwarded
@@ -121,6 +125,22 @@ def system_family(segs: list[Segment]) -> str:
     return strip_volatile_lines(text)[:4096]      # the head tells families apart
 
 
+def tool_set(body: dict) -> frozenset[str]:
+    """The names of a request's tools."""
+    tools = body.get("tools")
+    return frozenset(tool_name(t) for t in tools) if isinstance(tools, list) else frozenset()
+
+
+def same_tools(a: frozenset[str], b: frozenset[str]) -> bool:
+    """Two tool sets of one conversation: equal, or mostly the same tools (one added or
+    removed is the conversation's own change); none against some is a side call's."""
+    if a == b:
+        return True
+    if not a or not b:
+        return False
+    return len(a & b) / len(a | b) >= 0.5
+
+
 def same_family(a: str, b: str) -> bool:
     """Two system prompts of one conversation, not a side call with its own prompt: they share
     a real prefix or most of their lines."""
@@ -156,18 +176,21 @@ class LaneStore:
     def lanes(self) -> list[LaneState]:
         return list(self._lanes.values())
 
-    def resolve(self, base: str, family: str, now: float) -> LaneState:
-        """The lane for a request of session `base` with system family `family`."""
+    def resolve(self, base: str, family: str, now: float,
+                tools: frozenset[str] = frozenset()) -> LaneState:
+        """The lane for a request of session `base` with system family `family` and tools
+        `tools`: the session's lane it continues, else a new one."""
         self.expire(now)
         ids = self._sessions.setdefault(base, [])
         for lane_id in ids:
             lane = self._lanes[lane_id]
-            if same_family(lane.family, family):
+            if same_family(lane.family, family) and same_tools(lane.tools, tools):
                 self._lanes.move_to_end(lane_id)
                 lane.last_seen = now
+                lane.tools = tools
                 return lane
-        lane_id = base if not ids else f"{base}~{_digest(family)[:6]}"
-        lane = LaneState(lane_id, family, now, history=deque(maxlen=self.history))
+        lane_id = base if not ids else f"{base}~{_digest(family, *sorted(tools))[:6]}"
+        lane = LaneState(lane_id, family, now, tools, history=deque(maxlen=self.history))
         self._lanes[lane_id] = lane
         ids.append(lane_id)
         self.trim(keep=lane_id)
