@@ -1,4 +1,4 @@
-"""`prefixd` command line: serve, config, explain, worker, tiny-model, demo.
+"""`prefixd` command line: serve, config, explain, launch, worker, tiny-model, demo.
 
 Settings are built here, once; a bad value exits with status 2 and names the variable.
 """
@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from prefixd.proxy import launch
 from prefixd.proxy.settings import BackendConfig, Settings, redacted
 
 
@@ -96,6 +97,16 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from prefixd.proxy.launch import LaunchError, run
+
+    try:
+        return run(args, load_settings(args.env_file))
+    except LaunchError as e:
+        print(f"prefixd launch: {e}", file=sys.stderr)
+        return 2
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     import importlib
 
@@ -122,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--env-file", help="settings file (default: ./prefixd.env if present)")
     e.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colour the diff (auto: when stdout is a terminal and NO_COLOR is unset)")
+    launch.add_parser(sub)
     sub.add_parser("worker", help="run one mlx worker (normally started by `serve`)",
                    add_help=False)
     sub.add_parser("tiny-model", help="write a tiny random-weight model folder", add_help=False)
@@ -139,12 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         return _delegate(_DELEGATED[argv[0]], argv[1:])
+    rest: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:          # the client's own arguments
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        args.client_args = rest
     try:
         if args.command == "serve":
             return _serve(args)
         if args.command == "explain":
             return _explain(args)
+        if args.command == "launch":
+            return _launch(args)
         return _config(args)
     except ConfigError as e:
         print(f"prefixd: {e}", file=sys.stderr)

@@ -350,6 +350,32 @@ async def test_claude_code_side_calls_get_their_own_lanes(agents: dict[str, Path
     assert len(lanes) >= 2
 
 
+async def test_claude_code_through_prefixd_launch(agents: dict[str, Path],
+                                                  scripted: FakeUpstream,
+                                                  tmp_path: Path) -> None:
+    """`prefixd launch claude -- -p ...`: the real client, configured by launch alone (no
+    variable set by hand), its side calls on: every request answered, every verdict right."""
+    home, proj, notes = workdir(tmp_path)
+    steps = claude_steps(notes)
+    scripted.responder = responder(steps, "Bash", "cc")
+    async with serve(scripted_env(scripted), 60) as base:
+        env = base_env(home)
+        env["PATH"] = f"{agents['claude'].parent}:{env['PATH']}"
+        argv = [sys.executable, "-m", "prefixd.proxy.cli", "launch", "claude", "--url", base,
+                "--api-key", KEY, "--", "-p",
+                "Run echo hi, read notes.txt, then count its lines.",
+                "--allowedTools", "Bash", "Read"]
+        run = await run_agent(argv, env, proj, SCRIPTED_TIMEOUT)
+        lanes = await reports(base)
+    show("Claude Code through prefixd launch", lanes)
+    assert run.rc == 0, run.stderr[-3000:]
+    assert FINAL in run.stdout
+    wrong = [f"{lane} turn {r['turn']}: {report_header(r)}" for lane, history in lanes.items()
+             for r in history if r["verdict"] not in ("NEW", "APPEND")]
+    assert not wrong, "\n".join(wrong)
+    assert_prefix_survived(main_lane(lanes), len(steps) + 1)
+
+
 async def test_codex_scripted_tool_turns(agents: dict[str, Path], scripted: FakeUpstream,
                                          tmp_path: Path) -> None:
     home, proj, notes = workdir(tmp_path)
