@@ -3,7 +3,7 @@ the same limits and 400s as the proxy) turned into a `GenRequest` for generation
 
 Owns: sampling options, the messages and tools in the shape HF chat templates expect, and the
 worker's own capability checks, each a 400 naming the parameter: `n` > 1, non-text content
-parts, `response_format` other than text, `echo`, `suffix`, a `tool_choice` that forces a call,
+parts, a `response_format` or tool schema it cannot enforce (`grammar.py`), `echo`, `suffix`,
 `logprobs` in the wrong form. Every client mistake becomes an `ApiError(400)` here or in the
 schema, never deeper. Pure; no mlx, no I/O.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from prefixd.api.errors import ApiError
@@ -25,6 +25,7 @@ from prefixd.api.schema import (
     Request,
     validate,
 )
+from prefixd.backends.mlx.grammar import Constraint, response_schema, tool_constraint
 
 MAX_TOP_LOGPROBS = 20
 
@@ -44,6 +45,8 @@ class Sampling:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    constraint: Constraint | None = None  # structured output (grammar.py); None: free
+
 
 
 @dataclass
@@ -76,7 +79,16 @@ def gen_request(parsed: Parsed) -> GenRequest:
     cannot do."""
     req, body = parsed.req, parsed.body
     _check_capabilities(req)
-    out = GenRequest(kind=parsed.kind, model=req.model, sampling=_sampling(req),
+    sampling = _sampling(req)
+    schema = response_schema(req.response_format)
+    tools = _tools(req, body) if isinstance(req, ChatRequest) else None
+    if tools:
+        assert isinstance(req, ChatRequest)
+        c = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls)
+        sampling = replace(sampling, constraint=replace(c, schema=schema))
+    elif schema is not None:
+        sampling = replace(sampling, constraint=Constraint(schema=schema))
+    out = GenRequest(kind=parsed.kind, model=req.model, sampling=sampling,
                      stream=bool(req.stream), include_usage=req.wants_usage,
                      logprobs=_logprobs(req))
     if isinstance(req, CompletionRequest):
@@ -85,7 +97,7 @@ def gen_request(parsed: Parsed) -> GenRequest:
     assert isinstance(req, ChatRequest)
     out.messages = [_message(i, m, raw) for i, (m, raw)
                     in enumerate(zip(req.messages, body["messages"], strict=True))]
-    out.tools = _tools(req, body)
+    out.tools = tools
     out.template_kwargs = req.chat_template_kwargs or {}
     return out
 
@@ -93,11 +105,6 @@ def gen_request(parsed: Parsed) -> GenRequest:
 def _check_capabilities(req: Request) -> None:
     if req.n not in (None, 1):
         raise bad("only n=1 is supported", "n")
-    kind = (req.response_format or {}).get("type", "text")
-    if req.response_format is not None and kind != "text":
-        raise bad(f"response_format type {kind!r} is not supported by this worker (it has no "
-                  "constrained decoding); use 'text' and ask for JSON in the prompt",
-                  "response_format")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad("'echo' is not supported by this worker", "echo")
@@ -197,11 +204,7 @@ def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
 def _tools(req: ChatRequest, body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The tool definitions as the client sent them (their bytes reach the template), or None.
     `tool_choice`: none drops them; auto (or absent) lets the model choose; required or a named
-    function would need a forced call, which this worker cannot guarantee: a 400."""
-    choice = req.tool_choice
-    if choice == "none":
+    function forces a call (`grammar.tool_constraint`)."""
+    if req.tool_choice == "none":
         return None
-    if choice not in (None, "auto"):
-        raise bad("'tool_choice' must be 'auto' or 'none' on this worker (it cannot force a "
-                  "tool call)", "tool_choice")
     return body.get("tools") or None

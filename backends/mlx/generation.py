@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.grammar_run import GrammarTokenizers, grammar_mask
 from prefixd.backends.mlx.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import mlx_memory
@@ -44,6 +45,7 @@ class Generator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-gen")
         self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
         self._ticker: asyncio.Task[None] | None = None
+        self.grammars = GrammarTokenizers()  # structured output's view of the tokenizer
 
     async def load(self, spec: str) -> Loaded:
         """Load the model and build the Engine on the generation thread; then keep submitting
@@ -188,7 +190,10 @@ class Generator:
         s = job.sampling
         if s.seed is not None:
             mx.random.seed(s.seed)
-        sampler, processors = sampling_functions(s, len(self.loaded.tokenizer))
+        mask = None if s.constraint is None else grammar_mask(
+            s.constraint, self.grammars, tokenizer, self.loaded.renderer.tool_format(),
+            job.prompt.tokens)
+        sampler, processors = sampling_functions(s, len(tokenizer), mask)
         tap = None if job.logprobs is None else LogprobTap(sampler, job.logprobs, tokenizer)
         text = TextOut(job._emit, s.stop, tokenizer.detokenizer)
         eos = tokenizer.eos_token_ids

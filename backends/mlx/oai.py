@@ -147,6 +147,13 @@ class ToolFormat:
     end: str = "</tool_call>"
     parse: Callable[[str, Any], Any] = _json_call
 
+    @property
+    def json_body(self) -> bool:
+        """Whether a call is the JSON `{"name": ..., "arguments": ...}` between the markers
+        (the default's and mlx-lm's `json_tools`), the form structured output can enforce."""
+        return self.parse is _json_call or getattr(self.parse, "__module__", "").endswith(
+            ".json_tools")
+
     @classmethod
     def of(cls, tokenizer: Any) -> ToolFormat:
         if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:

@@ -22,9 +22,12 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
-def sampling_functions(s: Sampling, vocab: int) -> tuple[Callable[[Any], Any], list[Any]]:
-    """mlx-lm's sampler and logits processors. A `top_k` of the vocabulary's size or more
-    keeps every token (mlx-lm raises on it, inside its compiled sampler)."""
+def sampling_functions(s: Sampling, vocab: int, grammar: Any = None
+                       ) -> tuple[Callable[[Any], Any], list[Any]]:
+    """mlx-lm's sampler and logits processors, then `grammar` (structured output's mask,
+    `grammar_run.py`) last, so no bias or penalty can bring back a token it forbids. A `top_k`
+    of the vocabulary's size or more keeps every token (mlx-lm raises on it, inside its
+    compiled sampler)."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     top_k = s.top_k if 0 < s.top_k < vocab else 0
@@ -32,6 +35,8 @@ def sampling_functions(s: Sampling, vocab: int) -> tuple[Callable[[Any], Any], l
     processors = make_logits_processors(
         s.logit_bias, s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty)
+    if grammar is not None:
+        processors.append(grammar)
     return sampler, processors
 
 

@@ -14,7 +14,11 @@ Rules that keep re-rendered history byte-identical (prefix caching depends on th
 - a `system` message inside `messages` (Claude Code sends one) stays a `system` message there.
 - server tools (a `type` other than `custom`, e.g. `web_search_20250305`) are dropped: only
   client tools can run against a local model.
-Ignored fields: `context_management`, `output_config`, `service_tier`, `container`, `mcp_servers`.
+- `output_config.format` (or the older top-level `output_format`), `{"type": "json_schema",
+  "schema": {...}}` (Claude Code's session-title call sends one) -> `response_format`
+  `json_schema` (named "output"), which a prefixd worker enforces with its grammar.
+Ignored fields: `context_management`, `output_config.effort`, `service_tier`, `container`,
+`mcp_servers`.
 """
 
 from __future__ import annotations
@@ -113,12 +117,32 @@ def _options(body: dict, chat: dict) -> None:
             chat["tools"] = tools
     if body.get("tool_choice") is not None:
         _tool_choice(want(body, "tool_choice", dict, "an object"), chat)
+    _output_format(body, chat)
     thinking = want(body, "thinking", dict, "an object")
     if thinking is not None:
         if thinking.get("type") not in _THINKING:
             raise TranslateError("'thinking.type' must be enabled, adaptive or disabled",
                                  "thinking.type")
         chat["chat_template_kwargs"] = {"enable_thinking": _THINKING[thinking["type"]]}
+
+
+def _output_format(body: dict, chat: dict) -> None:
+    """`output_config.format` (or the beta's top-level `output_format`) -> `response_format`."""
+    config = want(body, "output_config", dict, "an object")
+    param = "output_config.format"
+    fmt = want(config, "format", dict, "an object", param) if config else None
+    if fmt is None:
+        param = "output_format"
+        fmt = want(body, "output_format", dict, "an object")
+    if fmt is None:
+        return
+    if fmt.get("type") != "json_schema":
+        raise TranslateError(f"'{param}.type' must be json_schema", f"{param}.type")
+    schema = want(fmt, "schema", dict, "an object", f"{param}.schema")
+    if schema is None:
+        raise TranslateError(f"'{param}.schema' is required", f"{param}.schema")
+    chat["response_format"] = {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": schema, "strict": True}}
 
 
 def _tools(tools: list) -> list[dict]:
