@@ -7,8 +7,9 @@ the `async with` block, so leaving it early (client gone, error) closes the upst
 What a kind can do beyond that is typed, never probed: `capabilities` (static facts routing
 decides on), and accessors that return a facet or None — `worker()` (how to reach a prefixd
 worker's own endpoints now), `slot_info()`/`fetch_slots()` (an upstream with parallel slots:
-llama-server), `managed()` (a worker process the model pool loads and unloads). One
-`BackendState` vocabulary serves every kind, routing and the status page.
+llama-server), `managed()` (a worker process the model pool loads and unloads),
+`context_window()` (the model's window in tokens, when known). One `BackendState` vocabulary
+serves every kind, routing and the status page.
 """
 
 from __future__ import annotations
@@ -185,6 +186,13 @@ class Backend(Protocol):
     def managed(self) -> Managed | None:
         """This backend as a worker process the model pool manages, or None."""
 
+    async def context_window(self) -> int | None:
+        """The model's context window in tokens (prompt and answer together): the backend's
+        configured `context_window`, else what the backend reports of itself (a
+        llama-server's per-slot `n_ctx`, a prefixd worker's `context_length`); None when
+        unknown. Answers from what was learned when the backend came up, asking it at most
+        once per up period, bounded in time."""
+
 
 class BackendBase:
     """Defaults for the optional facets of `Backend`: none of them."""
@@ -210,4 +218,7 @@ class BackendBase:
         return []
 
     def managed(self) -> Managed | None:
+        return None
+
+    async def context_window(self) -> int | None:
         return None

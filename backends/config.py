@@ -29,6 +29,11 @@ class BackendConfig(BaseModel):
     queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
     health_interval_s: Annotated[float, Field(gt=0)] = 10.0
+    context_window: Annotated[int, Field(ge=2)] | None = Field(
+        None, description="the model's context window in tokens (prompt and answer), over "
+        "what the backend reports (a llama-server's per-slot n_ctx, a prefixd worker's model "
+        "config): a longer prompt is refused in the client API's error shape and max_tokens "
+        "is clamped to the room left")
     api_key: SecretStr | None = Field(None, description="openai/prefixd: bearer token sent "
                                       "upstream")
     # mlx (managed worker) only

@@ -71,6 +71,7 @@ class ManagedBackend(BackendBase):
                                backoff_s=backoff_s, stable_s=stable_s, retry_min_s=retry_min_s)
         self._session: aiohttp.ClientSession | None = None
         self._stopper: asyncio.Future[None] | None = None
+        self._window = worker_api.WindowMemo()
 
     async def settle(self) -> None:
         """Return once a worker being stopped has exited: whether it starts again is then
@@ -164,6 +165,13 @@ class ManagedBackend(BackendBase):
 
     async def cache_info(self) -> dict | None:
         return await worker_api.cache_info(self.worker())
+
+    async def context_window(self) -> int | None:
+        """The configured window, else the worker's (its model's config), asked once per
+        worker; the last one learned while no worker runs (unknown before the first load)."""
+        if self.config.context_window is not None:
+            return self.config.context_window
+        return await self._window.get(self.worker(), self._sup.restarts)
 
     def managed(self) -> Managed:
         return self

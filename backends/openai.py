@@ -33,6 +33,7 @@ log = logging.getLogger("prefixd.backend")
 # /health where the server has it (llama-server, mlx_lm.server, vLLM); else /v1/models,
 # which every OpenAI-compatible server answers (Ollama has no /health).
 PROBE_PATHS = ("/health", "/v1/models")
+WINDOW_PROBE_S = 2.0        # how long context_window() waits for a first probe
 
 
 class OpenAIBackend(BackendBase):
@@ -130,7 +131,8 @@ class OpenAIBackend(BackendBase):
                 async with session.get(self._base + path, headers=self._auth,
                                        timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 404 and path != PROBE_PATHS[-1]:
-                        self._probe_from += 1    # no such endpoint here: use the next one
+                        # no such endpoint here: use the next one (probes may overlap)
+                        self._probe_from = max(self._probe_from, PROBE_PATHS.index(path) + 1)
                         continue
                     up, err = r.status < 500, f"health probe {path}: HTTP {r.status}"
                     break
@@ -168,6 +170,19 @@ class OpenAIBackend(BackendBase):
 
     def slot_info(self) -> ServerInfo | None:
         return self._slots
+
+    async def context_window(self) -> int | None:
+        """The configured window, else a llama-server's per-slot `n_ctx` (its `/props`, read
+        each time it comes up). Until it was seen up, this waits for the detection in
+        progress, or probes once, for at most `WINDOW_PROBE_S`."""
+        if self._config.context_window is not None:
+            return self._config.context_window
+        if self._detecting is None or not self._detecting.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WINDOW_PROBE_S):
+                    await self.detect_slots()
+        info = self._slots
+        return info.n_ctx if info is not None and info.n_ctx else None
 
     async def fetch_slots(self) -> list[SlotState]:
         try:

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 from prefixd.backends import worker_api
 from prefixd.backends.base import Capabilities, WorkerLink
+from prefixd.backends.config import BackendConfig
 from prefixd.backends.openai import OpenAIBackend
 
 
 class RemoteWorkerBackend(OpenAIBackend):
     kind = "prefixd"
     capabilities = Capabilities(moves_state=True, partitions_cache=True)
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self._window = worker_api.WindowMemo()
 
     def worker(self) -> WorkerLink | None:
         return WorkerLink(self._ensure_session(), self._base, self._auth)
@@ -25,3 +30,11 @@ class RemoteWorkerBackend(OpenAIBackend):
 
     async def cache_info(self) -> dict | None:
         return await worker_api.cache_info(self.worker())
+
+    async def context_window(self) -> int | None:
+        """The configured window, else the worker's (its model's), asked once each time it
+        came up."""
+        if self._config.context_window is not None:
+            return self._config.context_window
+        return await self._window.get(self.worker() if self._up is not False else None,
+                                      self._generation)

@@ -43,6 +43,34 @@ async def cache_info(link: WorkerLink | None) -> dict | None:
     return answer if isinstance(answer, dict) else None
 
 
+class WindowMemo:
+    """A worker's context window (`context_length` of its `/v1/models`), asked once per
+    worker generation; the last one learned is kept while no worker answers (a model's window
+    does not change between its workers)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, int | None] | None = None    # (generation, window)
+
+    async def get(self, link: WorkerLink | None, generation: int) -> int | None:
+        if self._seen is not None and (self._seen[0] == generation or link is None):
+            return self._seen[1]
+        if link is None:
+            return None
+        answer = await call(link.session, link.base + "/v1/models", link.auth, timeout_s=2.0)
+        if answer is None:
+            return self._seen[1] if self._seen is not None else None
+        self._seen = (generation, context_length(answer))
+        return self._seen[1]
+
+
+def context_length(answer: Any) -> int | None:
+    """The `context_length` of a worker's (one) model in its `/v1/models` answer."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    value = count(first.get("context_length")) if isinstance(first, dict) else None
+    return value or None
+
+
 def tokenize_payload(body: dict[str, Any]) -> dict[str, Any]:
     """A chat or completions body as a `/tokenize` request: ids only, no boundaries."""
     if isinstance(body.get("prompt"), str):

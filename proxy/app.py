@@ -62,12 +62,18 @@ def body_limit_middleware(limit: int) -> Callable:
     return body_limit
 
 
-def _model_entry(proxy: Proxy, model: str, now: int) -> dict:
-    """One served model: its backends, and their state and footprint (managed ones)."""
+async def _model_entry(proxy: Proxy, model: str, now: int) -> dict:
+    """One served model: its backends, their state and footprint (managed ones), and its
+    context window (`context_length`: the smallest its backends know, the one a client can
+    count on)."""
     names = proxy.index[model]
     states = {n: proxy.backends[n].status().state for n in names}
     entry: dict = {"id": model, "object": "model", "created": now, "owned_by": "prefixd",
                    "backends": names, "state": _model_state(states.values())}
+    windows = [w for w in await asyncio.gather(
+        *(proxy.backends[n].context_window() for n in names)) if w is not None]
+    if windows:
+        entry["context_length"] = min(windows)
     if proxy.pool is not None:
         sizes = [proxy.pool.footprints[n] for n in names if n in proxy.pool.footprints]
         if sizes:
@@ -90,7 +96,8 @@ async def _models(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
     now = int(time.time())
     return web.json_response({"object": "list",
-                              "data": [_model_entry(proxy, m, now) for m in proxy.index]})
+                              "data": [await _model_entry(proxy, m, now)
+                                       for m in proxy.index]})
 
 
 async def _model(request: web.Request) -> web.Response:
@@ -99,11 +106,16 @@ async def _model(request: web.Request) -> web.Response:
     if model not in proxy.index:
         raise ApiError(404, f"model {model!r} is not served here; available: "
                        f"{sorted(proxy.index)}", param="model", code="model_not_found")
-    return web.json_response(_model_entry(proxy, model, int(time.time())))
+    return web.json_response(await _model_entry(proxy, model, int(time.time())))
 
 
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def _hello(request: web.Request) -> web.Response:
+    """Claude Code's reachability probe of its base URL (`HEAD /api/hello`): we are here."""
+    return web.json_response({})
 
 
 def _statuses(proxy: Proxy) -> list[dict]:
@@ -238,6 +250,7 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
+    app.router.add_get("/api/hello", _hello)             # GET and HEAD
     app.router.add_get("/ready", _ready)
     app.router.add_get("/status", _status)
     app.router.add_get("/metrics", _metrics)

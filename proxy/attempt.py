@@ -5,7 +5,7 @@ relay) read and write only it and the request's response state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixd.api.usage import Usage
@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from prefixd.proxy.routing.policy import Decision
     from prefixd.proxy.routing.slots import Placement
     from prefixd.proxy.translate.base import StreamTranslator
+
+
+@dataclass(frozen=True)
+class Clamp:
+    """The client's `max_tokens` cut to the room its prompt leaves in the backend's window."""
+
+    asked: int
+    sent: int
+    window: int
+
+    def header(self) -> str:
+        return f"clamped from {self.asked} to {self.sent} (window {self.window})"
 
 
 @dataclass(eq=False)       # identity-hashed: routing keeps the attempts in flight
@@ -33,11 +45,23 @@ class Attempt:
     message: dict[str, Any] | None = None        # the assistant's answer, for the lane
     usage: Usage | None = None                   # what the backend reported
     completed: bool = False                      # a 200 answer went out whole
+    clamp: Clamp | None = None                   # max_tokens cut to the window's room
+    _counted: list[tuple[dict, list[int] | None]] = field(default_factory=list, repr=False)
 
     @property
     def admitted(self) -> bool:
         """It holds its queue slot: the backend is (about to be) computing it."""
         return self.slot is not None
+
+    async def tokenize(self, body: dict) -> list[int] | None:
+        """`backend.tokenize(body)`, asked once per attempt for one body (the measure and
+        window stages both count the forwarded prompt)."""
+        for seen, ids in self._counted:
+            if seen is body:
+                return ids
+        ids = await self.backend.tokenize(body)
+        self._counted.append((body, ids))
+        return ids
 
     def release(self) -> None:
         """The attempt is over: its queue slot goes to the next request."""

@@ -92,6 +92,8 @@ class Exchange:
         out = {"X-Request-Id": self.trace.request_id}
         if self.attempt is not None:
             out["X-Prefixd-Backend"] = self.attempt.backend.name
+            if self.attempt.clamp is not None:
+                out["X-Prefixd-Max-Tokens"] = self.attempt.clamp.header()
         report = self.prepared.report if self.prepared is not None else None
         if report is not None:
             out["X-Prefixd-Prefix"] = header(report)

@@ -38,6 +38,7 @@ from prefixd.proxy.stages.relay import RelayStage
 from prefixd.proxy.stages.route import RouteStage
 from prefixd.proxy.stages.transfer import TransferStage
 from prefixd.proxy.stages.translate import TranslateStage
+from prefixd.proxy.stages.window import WindowStage
 from prefixd.proxy.trace import RequestTrace
 from prefixd.proxy.translate import AnthropicTranslator, ResponsesTranslator
 
@@ -126,7 +127,7 @@ def build_stages(proxy: Proxy) -> list[Stage]:
     per_attempt: list[Stage] = []
     if s.prefix_detect:
         per_attempt.append(MeasureStage(proxy.prefix))
-    per_attempt.append(QueueStage(proxy.queues))
+    per_attempt += [WindowStage(), QueueStage(proxy.queues)]
     if proxy.pool is not None:
         per_attempt.append(LoadStage(proxy.pool))
     if s.route_transfer_min_tokens and sum(

@@ -30,6 +30,7 @@ class RequestTrace:
     upstream_status: int | None = None
     completed: bool = False       # the last byte of the answer was sent
     transfer: str | None = None   # a prefix state moved in first: "<source>:<outcome>:<tokens>"
+    max_tokens: str | None = None  # clamped to the window's room: "<asked>-><sent>"
 
     def tokens(self) -> tuple[int | None, int | None, int | None]:
         u = self.usage or Usage()
@@ -43,7 +44,7 @@ class RequestTrace:
             "status": self.status, "queue_wait_s": _r(self.queue_wait), "ttft_s": _r(ttft),
             "duration_s": _r(time.monotonic() - self.started), "prompt_tokens": prompt,
             "cached_tokens": cached, "completion_tokens": completion,
-            "transfer": self.transfer, "error": self.error,
+            "transfer": self.transfer, "max_tokens": self.max_tokens, "error": self.error,
         }
 
     def finish(self, log_format: str) -> None:

@@ -183,9 +183,14 @@ async def _tokenize(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [
-        {"id": request.app[MODEL_NAME], "object": "model", "created": int(time.time()),
-         "owned_by": "prefixd"}]})
+    """The one model, with its context window (`context_length`, from its config) once it
+    is loaded and known: the proxy enforces it."""
+    model: dict = {"id": request.app[MODEL_NAME], "object": "model",
+                   "created": int(time.time()), "owned_by": "prefixd"}
+    loaded = request.app[GENERATOR].loaded
+    if loaded is not None and loaded.max_context is not None:
+        model["context_length"] = loaded.max_context
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def _health(request: web.Request) -> web.Response:

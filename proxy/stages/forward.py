@@ -63,14 +63,18 @@ def namespace_headers(ex: Exchange, backend: Backend) -> dict[str, str]:
 
 def forward_body(ex: Exchange) -> bytes:
     """The bytes the backend receives: the client's own bytes unless a stage changed the
-    body, with the served model's name in place of an omitted or aliased one and stream
-    usage requested."""
+    body, with the served model's name in place of an omitted or aliased one, `max_tokens`
+    cut to the window's room (the window stage's clamp) and stream usage requested."""
     assert ex.parsed is not None
     body, raw = ex.parsed.body, ex.parsed.raw
     if ex.prepared is not None and ex.prepared.changed:
         body = ex.prepared.body
     if ex.parsed.req.model != ex.model:           # omitted (the only one), or an alias
         body = {**body, "model": ex.model}
+    clamp = ex.attempt.clamp if ex.attempt is not None else None
+    if clamp is not None:
+        body = {**body, **{k: min(v, clamp.sent) for k in ("max_tokens", "max_completion_tokens")
+                           if isinstance(v := body.get(k), int)}}
     if body is not ex.parsed.body:                # untouched bodies keep the client's bytes
         raw = json.dumps(body, ensure_ascii=False).encode()
     if ex.stream and not ex.parsed.req.wants_usage:

@@ -46,5 +46,5 @@ class MeasureStage:
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         if ex.prepared is not None and ex.attempt is not None:
-            await self.prefix.measure(ex.prepared, ex.attempt.backend.tokenize)
+            await self.prefix.measure(ex.prepared, ex.attempt.tokenize)
         await call_next(ex)
