@@ -7,8 +7,8 @@ returns without it once it answered). A stage that must hold something while the
 on the answer does so after `call_next` returns. Switching a feature off leaves its stage out
 of the list, and nothing else.
 
-    parse → translate → canonicalize → detect → route ⟲ [measure → queue → load → transfer
-                                                          → forward → relay]
+    parse → translate → canonicalize → detect → route ⟲ [measure → window → queue → load
+                                                          → transfer → forward → relay]
 
 The request's stages run once. route is the failover loop: each try on a backend is an
 `Attempt` (`proxy/attempt.py`) run through the per-attempt stages, which touch only that
@@ -23,6 +23,7 @@ nothing is reset between attempts.
 | detect | `prepared` | `prepared.report`; after the answer: reconciles it with usage |
 | route | `parsed.req.model`, lane, render order | `model`, `attempt` (one per backend tried) |
 | measure | `prepared`, `attempt.backend` | exact token offsets (outside the queue slot) |
+| window | `attempt.backend`'s window, the forwarded body | a refusal, or `attempt.clamp` |
 | queue | `attempt.backend` | holds a slot (`attempt.queue_wait`); may start an SSE response |
 | load | `attempt.backend` (managed) | room in the memory budget, its worker started |
 | transfer | `attempt.transfer` | prefix state copied in (`attempt.transferred`) |
