@@ -34,6 +34,7 @@ class Clamp:
 class Attempt:
     decision: Decision
     backend: Backend
+    model: str = ""                              # the served model it is sent as
     again: bool = False                          # an earlier attempt's backend took nothing
     stream_out: StreamTranslator | None = None   # the client API's stream state, if any
     transfer: tuple[str, int] | None = None      # (source, tokens): copy that prefix in first
@@ -46,6 +47,7 @@ class Attempt:
     usage: Usage | None = None                   # what the backend reported
     completed: bool = False                      # a 200 answer went out whole
     clamp: Clamp | None = None                   # max_tokens cut to the window's room
+    prompt_tokens: int | None = None             # the prompt's size as counted before sending
     _counted: list[tuple[dict, list[int] | None]] = field(default_factory=list, repr=False)
 
     @property
@@ -54,12 +56,14 @@ class Attempt:
         return self.slot is not None
 
     async def tokenize(self, body: dict) -> list[int] | None:
-        """`backend.tokenize(body)`, asked once per attempt for one body (the measure and
-        window stages both count the forwarded prompt)."""
+        """`backend.tokenize(body)` under the served model's name (not the client's alias),
+        asked once per attempt for one body (the measure and window stages both count the
+        forwarded prompt)."""
         for seen, ids in self._counted:
             if seen is body:
                 return ids
-        ids = await self.backend.tokenize(body)
+        ids = await self.backend.tokenize({**body, "model": self.model} if self.model
+                                          else body)
         self._counted.append((body, ids))
         return ids
 

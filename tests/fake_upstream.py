@@ -27,7 +27,9 @@ from aiohttp import web
 
 
 class FakeUpstream:
-    def __init__(self) -> None:
+    def __init__(self, tokenizes: bool = False) -> None:
+        self.tokenizes = tokenizes              # answer /apply-template and /tokenize
+        self.templated: list[dict[str, Any]] = []   # bodies sent to /apply-template
         self.received: list[dict[str, Any]] = []
         self.active = 0
         self.max_active = 0
@@ -55,6 +57,9 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        if self.tokenizes:
+            app.router.add_post("/apply-template", self._apply_template)
+            app.router.add_post("/tokenize", self._tokenize)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port or 0)  # a restart: same port
@@ -82,6 +87,15 @@ class FakeUpstream:
         async with self.arrived:
             await asyncio.wait_for(self.arrived.wait_for(lambda: len(self.received) >= n),
                                    timeout)
+
+    async def _apply_template(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.templated.append(body)
+        return web.json_response({"prompt": json.dumps(body.get("messages"))})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        text = (await request.json()).get("content", "")
+        return web.json_response({"tokens": [ord(c) for c in text]})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake"}]})

@@ -345,3 +345,34 @@ async def test_a_backend_without_tokenize_endpoints_is_asked_once(upstream, star
             assert r.status == 200
             assert "verdict=MUTATED" in r.headers["X-Prefixd-Prefix"] or t == 0
     assert upstream.paths.count("/apply-template") == 1
+
+
+async def test_claude_codes_reachability_probe_is_answered(upstream, start_proxy, http):
+    """Claude Code 2.1.330 probes `HEAD /api/hello` on its base URL before it starts."""
+    proxy = await start_proxy(upstream.url, api_key="k")
+    async with http.head(f"http://127.0.0.1:{proxy.port}/api/hello") as r:
+        assert r.status == 200
+    async with http.get(f"http://127.0.0.1:{proxy.port}/api/hello") as r:
+        assert r.status == 200 and await r.json() == {}
+
+
+async def test_exact_offsets_are_asked_under_the_served_model_name(start_proxy, http):
+    """A mutated turn's exact token offsets come from the backend's /apply-template +
+    /tokenize, asked with the model the backend serves, not the client's alias for it."""
+    from fake_upstream import FakeUpstream
+
+    up = FakeUpstream(tokenizes=True)
+    await up.start()
+    try:
+        proxy = await start_proxy(up.url, model_aliases={"claude-*": "fake"})
+        for second in ("01", "02"):
+            body = {"model": "claude-sonnet-4", "messages": [
+                {"role": "system", "content": f"Agent. The time is 10:41:{second}. " * 4},
+                {"role": "user", "content": "hello"}]}
+            async with http.post(url(proxy), json=body) as r:
+                assert r.status == 200
+        assert r.headers["X-Prefixd-Prefix"].startswith("verdict=MUTATED")
+        assert up.templated, "no exact offsets were asked for"
+        assert {b["model"] for b in up.templated} == {"fake"}
+    finally:
+        await up.stop()

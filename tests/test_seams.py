@@ -5,7 +5,9 @@ typed contract (never by kind)."""
 from __future__ import annotations
 
 import ast
+import json
 import logging
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from prefixd.api.usage import Usage
 from prefixd.api.values import count
 from prefixd.backends.base import Backend, Capabilities
 from prefixd.metrics import REGISTRY
-from prefixd.proxy.routing.index import PrefixIndex
+from prefixd.proxy.routing.index import PrefixIndex, boundaries
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -138,3 +140,45 @@ def test_the_proxy_asks_backends_through_their_contract() -> None:
                     isinstance(node.args[1], ast.Constant) and node.args[1].value in CONTRACT:
                 found.append(f"{path.name}: {ast.unparse(node)}")
     assert found == []
+
+
+async def test_predicted_never_exceeds_the_prompt(upstream, start_proxy, http):
+    """An index entry recorded larger than this request's prompt (an earlier render of it: a
+    reply re-rendered shorter, a stored reply's own tokens) predicts at most the prompt."""
+    proxy = await start_proxy(upstream.url)
+    url = f"http://127.0.0.1:{proxy.port}{CHAT}"
+    body = turn(0, {"prompt_tokens": 300})
+    async with http.post(url, json=body) as r:
+        assert r.status == 200
+    router = proxy.proxy.router
+    chain = boundaries(router_segments(proxy, body))
+    router.prefixes.record("up", chain, time.monotonic(), exact_tokens=100_000)
+    async with http.post(url, json=body) as r:
+        header = r.headers["X-Prefixd-Prefix"]
+    predicted = int(header.split("predicted=")[1].split(";")[0])
+    assert 0 < predicted <= 300, header
+
+
+def router_segments(proxy, body: dict) -> list:
+    from prefixd.proxy.prefix.segments import flatten
+
+    return flatten({k: v for k, v in body.items() if k != "fake"})
+
+
+async def test_message_start_states_the_prompts_size(upstream, start_proxy, http):
+    """A Messages stream's `message_start` states the prompt's input tokens as prefixd counted
+    them before sending (it said 0): an estimate at first, the backend's own count once its
+    scale is learned."""
+    proxy = await start_proxy(upstream.url)
+    body = {"model": "fake", "stream": True, "max_tokens": 50, "system": SYSTEM,
+            "messages": [{"role": "user", "content": "question " * 40}]}
+    starts = []
+    for _ in range(2):
+        upstream.scripted.append({"usage": {"prompt_tokens": 777, "cached_tokens": 0}})
+        async with http.post(f"http://127.0.0.1:{proxy.port}/v1/messages", json=body) as r:
+            raw = (await r.read()).decode()
+        start = next(line for line in raw.splitlines()
+                     if line.startswith("data:") and '"message_start"' in line)
+        starts.append(json.loads(start[5:])["message"]["usage"]["input_tokens"])
+    assert 200 < starts[0] < 2000, starts          # ~ the characters / 4
+    assert starts[1] == 777, starts                 # the backend's count, learned

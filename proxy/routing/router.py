@@ -110,7 +110,22 @@ class Router:
         for name in self.index[model]:
             self._check_generation(name)
         held = self.prefixes.longest(chain, time.monotonic()) if chain.bounds else {}
-        return RouteView(model, lane, chain, held)
+        view = RouteView(model, lane, chain, held)
+        if held:
+            # no backend holds more of a prompt than the prompt: entries recorded for an
+            # earlier render (a reply re-rendered shorter, a stored reply's own tokens) are
+            # capped at this request's size
+            size = self.prompt_size(view) or 0
+            view = RouteView(model, lane, chain,
+                             {n: (min(t, size), own) for n, (t, own) in held.items()})
+        return view
+
+    def prompt_size(self, view: RouteView) -> int | None:
+        """The request's prompt tokens as estimated from its rendered size, on the model's
+        scale (its tokens per estimated token, learned from the backends' reports)."""
+        if not view.chain.bounds:
+            return None
+        return round(view.chain.bounds[-1].tokens * self._scale.get(view.model, 1.0))
 
     def decide(self, view: RouteView, exclude: list[str] | tuple[str, ...] = ()) -> Decision:
         """The backend for the next attempt (`exclude`: those that refused it already)."""

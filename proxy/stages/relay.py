@@ -73,6 +73,8 @@ class RelayStage:
         resp = ex.response
         assert resp is not None
         ex.trace.status = 200
+        if attempt.stream_out is not None:
+            attempt.stream_out.prompt_tokens = attempt.prompt_tokens
         rec = SSERecorder(strip_usage=ex.stream and not ex.parsed.req.wants_usage,
                           translate=attempt.stream_out)
         held = bytearray()     # what precedes the answer (a role-only chunk): held back

@@ -81,7 +81,7 @@ class RouteStage:
         if not refused:
             await self.router.wait_for_prefix(view, decision.name)
         translator = ex.api.translator
-        ex.attempt = Attempt(decision, self.router.backends[decision.name],
+        ex.attempt = Attempt(decision, self.router.backends[decision.name], view.model,
                              again=bool(refused) or kept is not None,
                              slot=kept.slot if kept is not None else None,
                              queue_wait=kept.queue_wait if kept is not None else None,
@@ -89,6 +89,7 @@ class RouteStage:
                              else None,
                              transfer=self.router.transfer_plan(view, decision.name))
         ex.trace.backend = decision.name
+        ex.attempt.prompt_tokens = self.router.prompt_size(view)
         report = ex.prepared.report if ex.prepared is not None else None
         if report is not None:
             report.predicted_cached_tokens = decision.predicted

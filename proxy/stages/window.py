@@ -54,6 +54,7 @@ class WindowStage:
         if window is not None and not _fits_unseen(ex, window, asked):
             count = await _count(ex)
             if count is not None:
+                attempt.prompt_tokens = count.tokens
                 attempt.clamp = decide(count, window, asked, attempt.backend.name,
                                        "messages" if ex.api.kind == "chat" else "prompt")
         if attempt.clamp is not None:

@@ -94,7 +94,8 @@ class AnthropicStream(BlockStream):
         self._started = True
         start: dict[str, Any] = {
             "id": self._id, "type": "message", "role": "assistant", "model": self._seq.model,
-            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None)}
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": usage(Usage(prompt=self.prompt_tokens))}
         return (sse("message_start", {"type": "message_start", "message": start})
                 + sse("ping", {"type": "ping"}))
 

@@ -23,7 +23,12 @@ class TranslateError(Exception):
 
 
 class StreamTranslator(ABC):
-    """One streamed answer: upstream chat chunks in, the client's SSE bytes out."""
+    """One streamed answer: upstream chat chunks in, the client's SSE bytes out.
+    `prompt_tokens`: the prompt's size as the proxy counted it before sending (exact, or an
+    estimate), for an API that states it when the answer starts; the upstream's own usage
+    replaces it at the end."""
+
+    prompt_tokens: int | None = None
 
     @abstractmethod
     def feed(self, chunk: dict) -> bytes:
