@@ -207,4 +207,6 @@ def _tools(req: ChatRequest, body: dict[str, Any]) -> list[dict[str, Any]] | Non
     function forces a call (`grammar.tool_constraint`)."""
     if req.tool_choice == "none":
         return None
+    if not body.get("tools") and req.tool_choice not in (None, "auto"):
+        raise bad("'tool_choice' forces a call, and 'tools' is empty", "tool_choice")
     return body.get("tools") or None

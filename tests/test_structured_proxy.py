@@ -1,0 +1,102 @@
+"""Structured output through the proxy: the Anthropic Messages API's `output_config.format`
+(Claude Code's session-title call) and the Responses API's `text.format` reach the backend as
+the chat body's `response_format` (translation, pure), and a managed tiny worker behind a real
+prefixd answers the official SDKs with JSON that validates (before, the Messages field was
+dropped and the worker refused `response_format` with a 400)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from schema_check import violation
+
+from prefixd.backends.managed import ManagedBackend
+from prefixd.backends.states import ProcState
+from prefixd.proxy.server import Server, make_proxy
+from prefixd.proxy.settings import Settings
+from prefixd.proxy.translate import AnthropicTranslator, ResponsesTranslator, TranslateError
+
+TITLE = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 24},
+    "kind": {"enum": ["question", "task"]}},
+    "required": ["title", "kind"], "additionalProperties": False}
+MESSAGES = {"model": "tiny", "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Name this conversation."}]}
+
+
+def test_messages_output_config_format_becomes_response_format() -> None:
+    fmt = {"type": "json_schema", "schema": TITLE}
+    for extra in ({"output_config": {"format": fmt, "effort": "low"}}, {"output_format": fmt}):
+        chat = AnthropicTranslator().request({**MESSAGES, **extra})
+        assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": TITLE, "strict": True}}
+    assert "response_format" not in AnthropicTranslator().request(
+        {**MESSAGES, "output_config": {"effort": "low"}})
+    with pytest.raises(TranslateError) as e:
+        AnthropicTranslator().request({**MESSAGES, "output_config": {"format": {
+            "type": "json_schema"}}})
+    assert e.value.param == "output_config.format.schema"
+
+
+def test_responses_text_format_becomes_response_format() -> None:
+    chat = ResponsesTranslator().request({"model": "tiny", "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "title", "schema": TITLE, "strict": True}}})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "title", "schema": TITLE, "strict": True}}
+
+
+@pytest.fixture
+async def prefixd(tiny_model_dir: Callable[[str], Path]) -> AsyncIterator[str]:
+    settings = Settings(_env_file=None, use_system_blas=False, backends=[
+        {"name": "tiny", "kind": "mlx", "model": str(tiny_model_dir("qwen3")),
+         "models": ["tiny"]}])
+    managed = ManagedBackend(settings.backends[0], settings)
+    server = Server(make_proxy(settings, [managed]))
+    await server.start("127.0.0.1", 0)
+    try:
+        await managed.wait_for(ProcState.READY, timeout=120)
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.shutdown(5.0)
+
+
+@pytest.mark.slow
+async def test_messages_output_config_answers_validate(prefixd: str) -> None:
+    async with anthropic.AsyncAnthropic(base_url=prefixd, api_key="x", max_retries=0,
+                                        timeout=60) as client:
+        for seed, streamed in ((0, False), (1, False), (2, True), (3, True)):
+            extra = {"output_config": {"format": {"type": "json_schema", "schema": TITLE}},
+                     "temperature": 1.0, "metadata": {"user_id": f"u{seed}"}}
+            if streamed:
+                async with client.messages.stream(**MESSAGES, extra_body=extra) as s:
+                    message = await s.get_final_message()
+            else:
+                message = await client.messages.create(**MESSAGES, extra_body=extra)
+            assert message.stop_reason == "end_turn"
+            text = "".join(b.text for b in message.content if b.type == "text")
+            assert violation(json.loads(text), TITLE) is None, text
+
+
+@pytest.mark.slow
+async def test_responses_text_format_answers_validate(prefixd: str) -> None:
+    fmt = {"type": "json_schema", "name": "title", "schema": TITLE, "strict": True}
+    async with openai.AsyncOpenAI(base_url=prefixd + "/v1", api_key="x", max_retries=0,
+                                  timeout=60) as client:
+        for streamed in (False, False, True, True):
+            if streamed:
+                stream = await client.responses.create(
+                    model="tiny", input="Name this conversation.", max_output_tokens=200,
+                    text={"format": fmt}, temperature=1.0, stream=True)  # type: ignore[arg-type]
+                done = [e async for e in stream if e.type == "response.completed"]
+                text = done[0].response.output_text
+            else:
+                resp = await client.responses.create(
+                    model="tiny", input="Name this conversation.", max_output_tokens=200,
+                    text={"format": fmt}, temperature=1.0)  # type: ignore[arg-type]
+                text = resp.output_text
+            assert violation(json.loads(text), TITLE) is None, text
