@@ -376,6 +376,35 @@ async def test_claude_code_through_prefixd_launch(agents: dict[str, Path],
     assert_prefix_survived(main_lane(lanes), len(steps) + 1)
 
 
+async def test_codex_exec_then_resume_through_prefixd_launch(agents: dict[str, Path],
+                                                            scripted: FakeUpstream,
+                                                            tmp_path: Path) -> None:
+    """`prefixd launch codex -- exec ...`, then `-- exec resume --last ...`: the resumed
+    session continues its lane; every request answered, every verdict right."""
+    home, proj, notes = workdir(tmp_path)
+    steps = codex_steps(notes)
+    scripted.responder = responder(steps, "exec_command", "cx")
+    async with serve(scripted_env(scripted), 60) as base:
+        env = base_env(home)
+        env["PATH"] = f"{agents['codex'].parent}:{env['PATH']}"
+        launch = [sys.executable, "-m", "prefixd.proxy.cli", "launch", "codex", "--url", base,
+                  "--api-key", KEY, "--", "exec", "--skip-git-repo-check"]
+        first = await run_agent([*launch, "Run echo hi, then cat notes.txt, then count its "
+                                 "lines."], env, proj, SCRIPTED_TIMEOUT)
+        scripted.responder = responder([], "exec_command", "cy")
+        again = await run_agent([*launch[:-2], "exec", "resume", "--last",
+                                 "--skip-git-repo-check", "Now say done."], env, proj,
+                                SCRIPTED_TIMEOUT)
+        lanes = await reports(base)
+    show("Codex exec + resume through prefixd launch", lanes)
+    assert first.rc == 0, first.stderr[-3000:]
+    assert again.rc == 0, again.stderr[-3000:]
+    wrong = [f"{lane} turn {r['turn']}: {report_header(r)}" for lane, history in lanes.items()
+             for r in history if r["verdict"] not in ("NEW", "APPEND")]
+    assert not wrong, "\n".join(wrong)
+    assert_prefix_survived(main_lane(lanes), len(steps) + 2)
+
+
 async def test_codex_scripted_tool_turns(agents: dict[str, Path], scripted: FakeUpstream,
                                          tmp_path: Path) -> None:
     home, proj, notes = workdir(tmp_path)
