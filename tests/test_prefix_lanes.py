@@ -11,7 +11,7 @@ from test_prefix_cases import messages_api, prepare
 
 from prefixd.api.usage import Usage
 from prefixd.metrics import REGISTRY
-from prefixd.proxy.prefix.lanes import LaneStore, session_id
+from prefixd.proxy.prefix.lanes import LaneStore, Shape, session_id
 from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.settings import Settings
 
@@ -95,7 +95,7 @@ def test_history_is_bounded() -> None:
 
 def test_store_never_drops_the_lane_in_use() -> None:
     store = LaneStore(idle_s=100, max_lanes=1, max_bytes=1024, history=2)
-    lane = store.resolve("a", "", 0.0)
+    lane = store.resolve("a", Shape("", frozenset(), "", True), 0.0)
     store.set_bytes(lane, 10_000)
     assert store.get("a") is lane
 
@@ -166,7 +166,9 @@ def test_a_side_call_without_tools_gets_its_own_lane_not_a_mutation() -> None:
     assert title.report.verdict.value == "NEW" and main.report.verdict.value == "NEW"
     again = prepare(st, body(SYSTEM + "Generate a concise title.", "<session>next</session>"),
                     CC)
-    assert again.lane == title.lane                  # the next title call: the title lane
+    # the next prompt's title call: a conversation of its own again, not a title "mutated"
+    assert again.lane not in (title.lane, main.lane)
+    assert again.report is not None and again.report.verdict.value == "NEW"
 
 
 def test_a_tool_added_to_the_conversation_is_still_its_mutation() -> None:
@@ -187,3 +189,22 @@ def test_a_sub_agent_with_mostly_other_tools_gets_its_own_lane() -> None:
                                                              tool("WebFetch")]), CC)
     assert sub.lane != main.lane
     assert sub.report is not None and sub.report.verdict.value == "NEW"
+
+
+def test_two_sub_agents_of_one_kind_are_two_conversations() -> None:
+    """Sub-agents of one type share the session id, the system prompt and the tools; each
+    starts with its own task: each its own lane, and each one's next turn continues it."""
+    st = PrefixTracker(Settings(_env_file=None), clock=Clock())
+    sub = SYSTEM + "You are a sub-agent. Do the task. " * 10
+    tools = [tool("Grep"), tool("Glob"), tool("Read")]
+    a = prepare(st, body(sub, "find the config loader", tools=tools), CC)
+    st.record_response(a, {"role": "assistant", "content": "found it"}, None)
+    b = prepare(st, body(sub, "count the tests", tools=tools), CC)
+    st.record_response(b, {"role": "assistant", "content": "42"}, None)
+    assert a.lane != b.lane and b.report is not None and b.report.verdict.value == "NEW"
+    a2 = {"model": "m", "tools": tools, "messages": [
+        {"role": "system", "content": sub}, {"role": "user", "content": "find the config loader"},
+        {"role": "assistant", "content": "found it"}, {"role": "user", "content": "and?"}]}
+    nxt = prepare(st, a2, CC)
+    assert nxt.lane == a.lane
+    assert nxt.report is not None and nxt.report.verdict.value == "APPEND"

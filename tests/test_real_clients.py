@@ -405,6 +405,46 @@ async def test_codex_exec_then_resume_through_prefixd_launch(agents: dict[str, P
     assert_prefix_survived(main_lane(lanes), len(steps) + 2)
 
 
+def sub_agent_responder():  # type: ignore[no-untyped-def]
+    """The main conversation (every tool, the Agent tool among them) starts a sub-agent, then
+    ends; the sub-agent (fewer tools) and side calls (none) answer at once."""
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        names = [t.get("function", {}).get("name") for t in body.get("tools") or []]
+        prompt = max(len(json.dumps(body)) // 4, 1)
+        if "Agent" in names and len(names) >= 25:
+            if _tool_results(body) == 0:
+                return _reply(content="Starting a sub-agent.", prompt=prompt, call=(
+                    "call_ag1", "Agent", {"description": "Say hi", "subagent_type":
+                                          "general-purpose",
+                                          "prompt": "Reply with the single word hi."}))
+            return _reply(FINAL, prompt=prompt)
+        return _reply("hi" if names else "ok", prompt=prompt)
+    return answer
+
+
+async def test_claude_code_sub_agent_and_title_calls_get_their_own_lanes(
+        agents: dict[str, Path], scripted: FakeUpstream, tmp_path: Path) -> None:
+    """A prompt that starts a sub-agent, non-essential traffic on: the title call, the
+    sub-agent and the main conversation each in a lane of its own, every verdict right."""
+    home, proj, _ = workdir(tmp_path)
+    scripted.responder = sub_agent_responder()
+    async with serve(scripted_env(scripted), 60) as base:
+        argv, env = claude(agents["claude"], base, "scripted", home,
+                           "Use a sub-agent to say hi.")
+        del env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"]
+        run = await run_agent(argv, env, proj, SCRIPTED_TIMEOUT)
+        lanes = await reports(base)
+    show("Claude Code, a sub-agent and a title call", lanes)
+    assert run.rc == 0, run.stderr[-3000:]
+    kinds = {len(b.get("tools") or []) for b in scripted.received}
+    assert len(kinds) >= 3, kinds                 # title (0), main, sub-agent: all sent
+    wrong = [f"{lane} turn {r['turn']}: {report_header(r)}" for lane, history in lanes.items()
+             for r in history if r["verdict"] not in ("NEW", "APPEND")]
+    assert not wrong, "\n".join(wrong)
+    assert len(lanes) >= 3
+    assert_prefix_survived(main_lane(lanes), 2)
+
+
 async def test_codex_scripted_tool_turns(agents: dict[str, Path], scripted: FakeUpstream,
                                          tmp_path: Path) -> None:
     home, proj, notes = workdir(tmp_path)

@@ -45,6 +45,7 @@ class LaneState:
     family: str                                  # volatile-stripped system text
     last_seen: float
     tools: frozenset[str] = frozenset()          # the names of its tools
+    head: str = ""                               # its first user message, volatile-stripped
     turn: int = 0
     raw: list[Segment] | None = None             # previous request as the client sent it
     fwd: list[Segment] | None = None             # previous request as forwarded
@@ -125,6 +126,27 @@ def system_family(segs: list[Segment]) -> str:
     return strip_volatile_lines(text)[:4096]      # the head tells families apart
 
 
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What tells a session's conversations apart: the system prompt's family, the tool set,
+    the first user message (volatile lines stripped), and whether the request starts a
+    conversation (one user message, no answer yet)."""
+
+    family: str
+    tools: frozenset[str]
+    head: str
+    starts: bool
+
+
+def shape(body: dict, segs: list[Segment]) -> Shape:
+    users = [s for s in segs if s.region == "messages" and s.role == "user"
+             and s.kind in ("text", "prompt")]
+    answered = any(s.region == "messages" and s.role in ("assistant", "tool") for s in segs)
+    head = strip_volatile_lines(users[0].text)[:4096] if users else ""
+    return Shape(system_family(segs), tool_set(body), head,
+                 len({s.msg for s in users}) == 1 and not answered)
+
+
 def tool_set(body: dict) -> frozenset[str]:
     """The names of a request's tools."""
     tools = body.get("tools")
@@ -134,11 +156,11 @@ def tool_set(body: dict) -> frozenset[str]:
 def same_tools(a: frozenset[str], b: frozenset[str]) -> bool:
     """Two tool sets of one conversation: equal, or mostly the same tools (one added or
     removed is the conversation's own change); none against some is a side call's."""
-    if a == b:
-        return True
-    if not a or not b:
-        return False
-    return len(a & b) / len(a | b) >= 0.5
+    return a == b or (bool(a) and bool(b) and _overlap(a, b) >= 0.5)
+
+
+def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
+    return len(a & b) / len(a | b) if a | b else 1.0
 
 
 def same_family(a: str, b: str) -> bool:
@@ -176,21 +198,29 @@ class LaneStore:
     def lanes(self) -> list[LaneState]:
         return list(self._lanes.values())
 
-    def resolve(self, base: str, family: str, now: float,
-                tools: frozenset[str] = frozenset()) -> LaneState:
-        """The lane for a request of session `base` with system family `family` and tools
-        `tools`: the session's lane it continues, else a new one."""
+    def resolve(self, base: str, shape: Shape, now: float) -> LaneState:
+        """The lane for a request of session `base`: the session's conversation it continues
+        (the same kind: system family and tools; the same first message, else the closest
+        kind), or a new one — also for a request that starts a conversation of a kind the
+        session already has, with another first message (a second sub-agent of one type)."""
         self.expire(now)
         ids = self._sessions.setdefault(base, [])
-        for lane_id in ids:
-            lane = self._lanes[lane_id]
-            if same_family(lane.family, family) and same_tools(lane.tools, tools):
-                self._lanes.move_to_end(lane_id)
-                lane.last_seen = now
-                lane.tools = tools
-                return lane
-        lane_id = base if not ids else f"{base}~{_digest(family, *sorted(tools))[:6]}"
-        lane = LaneState(lane_id, family, now, tools, history=deque(maxlen=self.history))
+        kin = [self._lanes[i] for i in ids if same_family(self._lanes[i].family, shape.family)
+               and same_tools(self._lanes[i].tools, shape.tools)]
+        same = [lane for lane in kin if lane.head == shape.head]
+        found = same or ([] if shape.starts else kin)
+        if found:
+            lane = max(found, key=lambda c: (c.family == shape.family,
+                                             _overlap(c.tools, shape.tools), c.last_seen))
+            self._lanes.move_to_end(lane.id)
+            lane.last_seen, lane.tools = now, shape.tools
+            return lane
+        lane_id = base if not ids else \
+            f"{base}~{_digest(shape.family, *sorted(shape.tools), shape.head)[:6]}"
+        while lane_id in self._lanes:                   # the same kind and head again, later
+            lane_id += "+"
+        lane = LaneState(lane_id, shape.family, now, shape.tools, shape.head,
+                         history=deque(maxlen=self.history))
         self._lanes[lane_id] = lane
         ids.append(lane_id)
         self.trim(keep=lane_id)

@@ -21,14 +21,7 @@ from prefixd.api.usage import Usage
 from prefixd.metrics import prefix as M
 from prefixd.proxy.prefix import canonicalize as C
 from prefixd.proxy.prefix.compare import Turn, compare, reconcile
-from prefixd.proxy.prefix.lanes import (
-    LaneState,
-    LaneStore,
-    base_key,
-    state_bytes,
-    system_family,
-    tool_set,
-)
+from prefixd.proxy.prefix.lanes import LaneState, LaneStore, base_key, shape, state_bytes
 from prefixd.proxy.prefix.observe import observe
 from prefixd.proxy.prefix.patterns import THINK, client_family
 from prefixd.proxy.prefix.report import PrefixReport
@@ -90,7 +83,7 @@ class PrefixTracker:
         raw = flatten(body)
         session = base_key(headers, body, raw, client)
         lane = self.store.resolve(f"{namespace[:8]}/{session}" if namespace else session,
-                                  system_family(raw), self.clock(), tool_set(body))
+                                  shape(body, raw), self.clock())
         if lane.turn == 0:
             lane.ratio = self.ratio
         lane.turn += 1
