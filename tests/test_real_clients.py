@@ -50,7 +50,8 @@ pytestmark = [
 ]
 
 NPM_DIR = Path(os.environ.get("PREFIXD_NPM_DIR", "~/.cache/prefixd/npm")).expanduser()
-PACKAGES = {"claude": "@anthropic-ai/claude-code@2.1.197", "codex": "@openai/codex@0.169.0"}
+PACKAGES = {"claude": "@anthropic-ai/claude-code@2.1.197", "codex": "@openai/codex@0.169.0",
+            "opencode": "opencode-ai@1.18.33"}
 KEY = "sk-local"
 DEFAULT_TIMEOUT = float(os.environ.get("PREFIXD_REAL_CLIENTS_TIMEOUT", "1800"))
 SCRIPTED_TIMEOUT = 300.0
@@ -443,6 +444,34 @@ async def test_claude_code_sub_agent_and_title_calls_get_their_own_lanes(
     assert not wrong, "\n".join(wrong)
     assert len(lanes) >= 3
     assert_prefix_survived(main_lane(lanes), 2)
+
+
+async def test_opencode_through_prefixd_launch(agents: dict[str, Path], scripted: FakeUpstream,
+                                               tmp_path: Path) -> None:
+    """`prefixd launch opencode -- run ...`: its title call in a lane of its own, the main
+    conversation's turns reuse their whole prefix (APPEND; OpenCode re-serializes the tool
+    arguments it echoes, which prefixd names: `tool_args_reserialized`)."""
+    home, proj, notes = workdir(tmp_path)
+    steps = [("bash", {"command": "echo hi", "description": "Print hi"}),
+             ("read", {"filePath": str(notes)})]
+    scripted.responder = responder(steps, "bash", "oc")
+    async with serve(scripted_env(scripted), 60) as base:
+        env = base_env(home)
+        env["PATH"] = f"{agents['opencode'].parent}:{env['PATH']}"
+        argv = [sys.executable, "-m", "prefixd.proxy.cli", "launch", "opencode", "--url", base,
+                "--api-key", KEY, "--", "run", "Run echo hi, then read notes.txt."]
+        run = await run_agent(argv, env, proj, SCRIPTED_TIMEOUT)
+        lanes = await reports(base)
+    show("OpenCode through prefixd launch", lanes)
+    assert run.rc == 0, run.stderr[-3000:]
+    assert FINAL in run.stdout
+    wrong = [f"{lane} turn {r['turn']}: {report_header(r)}" for lane, history in lanes.items()
+             for r in history if not r["verdict"].startswith(("NEW", "APPEND"))]
+    assert not wrong, "\n".join(wrong)
+    main = main_lane(lanes)
+    assert len(main) == len(steps) + 1 and all(r["reusable_tokens"] == r["prev_prompt_tokens"]
+                                               for r in main[1:])
+    assert len(lanes) >= 2                      # the title call's lane
 
 
 async def test_codex_scripted_tool_turns(agents: dict[str, Path], scripted: FakeUpstream,
