@@ -110,6 +110,7 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
 def _json_grammar(schema: dict[str, Any]) -> str:
     from llguidance import LLMatcher
 
+    # llguidance's stub types `overrides` as its own TypedDict; JSON_STYLE is that shape
     return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)  # type: ignore[arg-type]
 
 
