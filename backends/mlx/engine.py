@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,18 @@ class EngineConfig:
     def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:
         values = {f.name: getattr(settings, f.name) for f in fields(cls)}
         return cls(**{**values, **override})
+
+
+@dataclass(eq=False)
+class Turn:
+    """One request's own view of the Engine (several may be under way: `schedule.py`): its
+    stats and store entry (set when it starts), its live state, and the prefill pass size
+    its scheduler asks for (None: `prefill_chunk`)."""
+
+    slicer: Callable[[], int] | None = None
+    stats: PromptStats | None = None
+    entry: Entry | None = None
+    run: Run | None = None
 
 
 class Engine:
@@ -180,35 +192,57 @@ class Engine:
                  logits_processors: list | None = None, max_tokens: int,
                  boundaries: Sequence[int] = (),
                  should_stop: Callable[[], bool] = lambda: False,
-                 namespace: str = "") -> Iterator[int]:
+                 namespace: str = "", turn: Turn | None = None) -> Iterator[int]:
         """Restore, prefill (checkpointing), then yield sampled token ids until max_tokens.
 
         Stops early when `should_stop()` is true between prefill chunks or before a decode step,
         or when the caller closes the generator. On a normal end (max_tokens, or the caller
         closing the generator) the last yielded token is fed through the model once more, so
         the KV covers prompt + every generated token; then, on every exit, the tokens actually
-        in the KV state are committed. `self.last_stats` is this request's from its start
-        (cached and recomputed tokens once the prefill ended; the commit time at the end).
-        `namespace`: the request's cache partition (per-key isolation): it restores from and
-        is stored in that partition only.
+        in the KV state are committed. `turn` (or `self.last_stats`, the latest request's) gets
+        this request's stats from its start (cached and recomputed tokens once the prefill
+        ended; the commit time at the end) and its store entry. `namespace`: the request's
+        cache partition (per-key isolation): it restores from and is stored in that partition
+        only.
         """
+        steps = self.steps(prompt, sampler=sampler, logits_processors=logits_processors,
+                           max_tokens=max_tokens, boundaries=boundaries,
+                           should_stop=should_stop, namespace=namespace, turn=turn)
+        try:
+            for token in steps:
+                if token is not None:
+                    yield token
+        finally:
+            steps.close()
+
+    def steps(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
+              logits_processors: list | None = None, max_tokens: int,
+              boundaries: Sequence[int] = (),
+              should_stop: Callable[[], bool] = lambda: False,
+              namespace: str = "", turn: Turn | None = None) -> Generator[int | None, None, None]:
+        """`generate`, one forward pass per step: None after each prefill pass but the last,
+        then a token per decode step (`schedule.py` interleaves jobs this way). The prefill
+        passes are cut to `turn.slicer()` tokens when it is set."""
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
-        stats = self.last_stats = PromptStats(len(prompt))
+        turn = turn or Turn()
+        stats = turn.stats = self.last_stats = PromptStats(len(prompt))
         cache, start = self._restore(prompt, stats, namespace=namespace)
-        entry = None if self._unsupported else self.store.begin(prompt, namespace)
+        entry = turn.entry = None if self._unsupported else self.store.begin(prompt, namespace)
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
         run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop,
-                  self.inpass)
+                  self.inpass, turn.slicer)
+        turn.run = run
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
             self._capture(entry, run, pos, interval, stats, payload)
 
         try:
             t0 = time.perf_counter()
-            logits = run.prefill(*self._plan(len(prompt), start, boundaries), capture)
+            for _ in run.prefill_passes(*self._plan(len(prompt), start, boundaries), capture):
+                yield None
             stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
             if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
                 log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
@@ -217,8 +251,8 @@ class Engine:
                 self.inpass = None
             self.counts.request(stats, start, run.pos - start)
             self.tiers.prefilled(stats)
-            if logits is not None:
-                yield from run.decode(logits, sampler, logits_processors or [], max_tokens,
+            if run.logits is not None:
+                yield from run.decode(run.logits, sampler, logits_processors or [], max_tokens,
                                       stats)
         finally:
             t0 = time.perf_counter()

@@ -1,34 +1,37 @@
-"""The worker's single generation thread: the loaded model (`loading.py`), its Engine, and one
-job at a time.
+"""The worker's single generation thread: the loaded model (`loading.py`), its Engine, and the
+jobs it runs.
 
 Owns: every mlx call of the worker process. Model loading, Engine construction, generation and
 `Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one worker), so the
-Engine and its checkpoint store need no locks, and the executor's FIFO is the request queue.
-It runs `Job`s (`jobs.py`: a prompt in, events out, a cancel flag polled between decode
-steps) and hands the disk tier the writes that fall due while no request runs. Nothing here
-speaks HTTP: failures are `Failed` events or `WorkerClosed`, which `worker.py` and
-`respond.py` turn into responses.
+Engine and its checkpoint store need no locks. It runs `Job`s (`jobs.py`: a prompt in, events
+out, a cancel flag polled between forward passes) as `active.Active`s: with max_active 1 one at
+a time to its end (the executor's FIFO is the request queue); with more, one `schedule.drive`
+loop on the same thread interleaves up to max_active of them a forward pass at a time (its
+inbox is the queue; other calls on the thread wait until it has run every job). It hands the
+disk tier the writes that fall due while no request runs. Nothing here speaks HTTP: failures
+are `Failed` events or `WorkerClosed`, which `worker.py` and `respond.py` turn into responses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from prefixd.backends.mlx.active import Active
+from prefixd.backends.mlx.active import _reset_random_state as _reset_random_state  # tests
 from prefixd.backends.mlx.chat import Sampling
-from prefixd.backends.mlx.grammar_run import GrammarTokenizers, grammar_mask
-from prefixd.backends.mlx.jobs import Event, Failed, Finished, Job, WorkerClosed
+from prefixd.backends.mlx.grammar_run import GrammarTokenizers
+from prefixd.backends.mlx.jobs import Event, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import mlx_memory
-from prefixd.backends.mlx.output import LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.prompt import Prompt
-from prefixd.backends.mlx.restorable import digest
+from prefixd.backends.mlx.schedule import Schedule, drive, kv_bytes_per_token
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.mlx.stats import PromptStats, breakdown, observe
 
 log = logging.getLogger("prefixd.worker")
 
@@ -44,6 +47,9 @@ class Generator:
         self.stats = {"requests": 0, "cancelled": 0, "completion_tokens": 0}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-gen")
         self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
+        self._lock = threading.Lock()    # max_active > 1: the scheduler's inbox
+        self._inbox: list[Job] = []
+        self._driving = False            # a `_drive` loop is queued or running
         self._ticker: asyncio.Task[None] | None = None
         self.grammars = GrammarTokenizers()  # structured output's view of the tokenizer
 
@@ -122,7 +128,14 @@ class Generator:
         job = Job(prompt, sampling, max_tokens, logprobs, emit, queue, namespace=namespace)
         self._pending.add(job)
         try:
-            self._executor.submit(self._run, job)
+            if self.settings.max_active == 1:
+                self._executor.submit(self._run, job)
+            else:
+                with self._lock:
+                    self._inbox.append(job)
+                    idle, self._driving = not self._driving, True
+                if idle:
+                    self._executor.submit(self._drive)
         except RuntimeError:  # the executor is shut down
             raise WorkerClosed("the worker is shutting down") from None
         return job
@@ -151,20 +164,45 @@ class Generator:
             job.cancel()
 
     def _run(self, job: Job) -> None:
-        """One job, on the generation thread. Never raises, and always ends the job's events
-        (with `Finished` or `Failed`), so no handler waits forever."""
-        result: Event = Failed("generation failed")
+        """One job to its end, on the generation thread (max_active 1: the executor's FIFO
+        is the queue)."""
         job.queue_s = time.perf_counter() - job.submitted
-        try:
-            result = Finished("cancelled", 0, 0) if job.cancelled else self._generate(job)
-        except Exception as e:
-            log.exception("worker: generation failed")
-            result = Failed(f"generation failed: {type(e).__name__}: {e}")
-            _reset_random_state()
-        finally:
-            self._pending.discard(job)
-            self._after(result)
-            job._emit(result)  # last, so a client that saw the end also sees fresh cache_info
+        if job.cancelled:
+            self._end(job, Finished("cancelled", 0, 0))
+            return
+        active = self._start(job, None)
+        while not active.advance():
+            pass
+
+    def _drive(self) -> None:
+        """max_active > 1: run the submitted jobs a forward pass at a time (`schedule.py`)
+        until none is left."""
+        assert self.loaded is not None
+        engine, s = self.loaded.engine, self.settings
+        plan = Schedule(s.max_active, s.prefill_slice, s.prefill_chunk,
+                        int(s.active_kv_share * engine.config.cache_bytes),
+                        kv_bytes_per_token(engine.reference_leaves()))
+        drive(plan, self._take, self._start,
+              lambda job: self._end(job, Finished("cancelled", 0, 0)))
+
+    def _take(self, idle: bool) -> list[Job] | None:
+        with self._lock:
+            jobs, self._inbox = self._inbox, []
+            if idle and not jobs:
+                self._driving = False
+                return None
+            return jobs
+
+    def _start(self, job: Job, slicer: Callable[[], int] | None) -> Active:
+        assert self.loaded is not None
+        return Active(self.loaded, self.grammars, job, slicer, self._end)
+
+    def _end(self, job: Job, result: Event) -> None:
+        """Always the end of a job's events (`Finished` or `Failed`), so no handler waits
+        forever. Never raises."""
+        self._pending.discard(job)
+        self._after(result)
+        job._emit(result)  # last, so a client that saw the end also sees fresh cache_info
 
     def _after(self, result: Event) -> None:
         if isinstance(result, Finished):
@@ -181,55 +219,6 @@ class Generator:
                 self.memory = mlx_memory()
         except Exception:
             log.exception("worker: Engine.cache_info() failed")
-
-    def _generate(self, job: Job) -> Finished:
-        import mlx.core as mx
-
-        assert self.loaded is not None
-        engine, tokenizer = self.loaded.engine, self.loaded.tokenizer
-        s = job.sampling
-        if s.seed is not None:
-            mx.random.seed(s.seed)
-        mask = None if s.constraint is None else grammar_mask(
-            s.constraint, self.grammars, tokenizer, self.loaded.renderer.tool_format(),
-            job.prompt.tokens)
-        sampler, processors = sampling_functions(s, len(tokenizer), mask)
-        tap = None if job.logprobs is None else LogprobTap(sampler, job.logprobs, tokenizer)
-        text = TextOut(job._emit, s.stop, tokenizer.detokenizer)
-        eos = tokenizer.eos_token_ids
-        n, finish, t0 = 0, "length", time.perf_counter()
-        tokens = engine.generate(job.prompt.tokens, sampler=tap or sampler,
-                                 logits_processors=processors or None,
-                                 max_tokens=job.max_tokens, boundaries=job.prompt.boundaries,
-                                 should_stop=job._cancel.is_set, namespace=job.namespace)
-        try:
-            for token in tokens:
-                if token in eos:
-                    finish = "stop"
-                    break
-                n += 1
-                text.add(token, tap.take(token) if tap else None)
-                if text.stops.hit:
-                    finish = "stop"
-                    break
-                if job.cancelled:
-                    break
-        finally:
-            tokens.close()  # the Engine commits what is in the KV state on any exit
-        if job.cancelled:
-            finish = "cancelled"
-        else:
-            text.finish()
-        stats = engine.last_stats
-        before = {**job.prompt.timings, "queue": job.queue_s}
-        turn = observe_turn(stats, before, digest(engine.store))
-        cached = stats.cached_tokens if stats else 0
-        prefill_s = stats.lookup_s + stats.restore_s + stats.prefill_s if stats else 0.0
-        decode_s = time.perf_counter() - t0 - prefill_s
-        log.info("worker: prompt %d tokens (%d cached) in %.3fs; %d generated in %.3fs (%.1f/s); "
-                 "finish %s", len(job.prompt.tokens), cached, prefill_s, n, decode_s,
-                 n / decode_s if decode_s > 0 else 0.0, finish)
-        return Finished(finish, n, cached, turn)
 
     async def drain(self, timeout: float) -> bool:
         """Cancel every job and wait (at most `timeout` s) until the thread is idle. False if it
@@ -249,20 +238,3 @@ class Generator:
         if self.loaded is not None:  # stop the disk writer without waiting (persist waits)
             self._executor.submit(self.loaded.engine.close, 0.0)
         self._executor.shutdown(wait=False)
-
-
-def observe_turn(stats: PromptStats | None, before: dict[str, float],
-                 restorable: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Record the request's breakdown (metrics, DEBUG log) and return its JSON, with what the
-    worker can restore of its tokens now (`restorable.py`)."""
-    observe(stats, before)
-    return breakdown(stats, before, restorable)
-
-
-def _reset_random_state() -> None:
-    """An exception inside mlx-lm's compiled sampler leaves MLX's global random state as a
-    trace placeholder, and every later generation fails ("eval an array without a
-    primitive"): give it a fresh key."""
-    import mlx.core as mx
-
-    mx.random.seed(time.time_ns() & 0xFFFFFFFF)

@@ -79,11 +79,12 @@ def restorable(store: CheckpointStore, entry: Entry | None) -> dict[str, Any]:
             "any_prefix": bool(positions) and prefix_to >= positions[-1]}
 
 
-def digest(store: CheckpointStore) -> dict[str, Any] | None:
-    """`restorable` for the request just committed (`store.latest`); None if reading the store
-    failed (logged): a failure costs the digest, not the reply."""
+def digest(store: CheckpointStore, entry: Entry | None) -> dict[str, Any] | None:
+    """`restorable` for a request just committed (its own entry, `engine.Turn.entry`: other
+    jobs may have begun entries since); None if reading the store failed (logged): a failure
+    costs the digest, not the reply."""
     try:
-        return restorable(store, store.latest)
+        return restorable(store, entry)
     except Exception:
         log.exception("worker: the restorable digest failed; the reply goes without it")
         return None

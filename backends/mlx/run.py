@@ -30,8 +30,11 @@ class Run:
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
                  chunk: int, should_stop: Callable[[], bool],
-                 inpass: tuple[int, ...] | None = None) -> None:
+                 inpass: tuple[int, ...] | None = None,
+                 slicer: Callable[[], int] | None = None) -> None:
         self.model, self.cache, self.prompt, self.chunk = model, cache, prompt, chunk
+        self.slicer = slicer  # the pass size a scheduler asks for now (at most `chunk`)
+        self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
         self.start, self.should_stop = start, should_stop
         self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
         self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
@@ -71,19 +74,34 @@ class Run:
         """Run prompt[pos:] through the model, ending a pass at every mark and calling
         `capture` there; the last pass runs from `final` (or from where the prefill is, if
         beyond) to the end. The last token's logits, or None if should_stop() ended it."""
+        for _ in self.prefill_passes(marks, final, capture):
+            pass
+        return self.logits
+
+    def prefill_passes(self, marks: dict[int, bool], final: int,
+                       capture: Capture) -> Iterator[None]:
+        """`prefill`, one forward pass per step: it yields after each pass (a scheduler may
+        run other jobs' passes then; the live cache waits as it is) and leaves the last
+        token's logits in `logits` (None if should_stop() ended it). A pass is at most `chunk`
+        tokens, or `slicer()` when one is given (read before each pass); checkpoints land at
+        the same positions whatever the pass sizes (marks inside a pass are captured in it,
+        or the pass is cut there)."""
         n = len(self.prompt)
         final = min(max(final, self.pos), n - 1)
         cuts = [] if self.inpass else sorted(p for p in marks if self.pos < p < final)
+        self.logits = None
         while self.pos < final:
             if self.should_stop():
-                return None
-            end = min([final, self.pos + self.chunk, *(p for p in cuts if p > self.pos)])
+                return
+            size = min(self.chunk, self.slicer()) if self.slicer else self.chunk
+            end = min([final, self.pos + size, *(p for p in cuts if p > self.pos)])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
             self._pass(end, marks, capture)
             mx.clear_cache()
+            yield
         if self.should_stop():
-            return None
-        return self._pass(n, marks, capture, logits=True)
+            return
+        self.logits = self._pass(n, marks, capture, logits=True)
 
     def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
               logits: bool = False) -> mx.array:

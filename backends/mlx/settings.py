@@ -67,6 +67,19 @@ class WorkerSettings(BaseSettings):
                                  "before the prompt end (besides the end itself).")
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
                                "per step.")
+    max_active: int = Field(1, ge=1, description="Worker: jobs under way at once. 1: one job "
+                            "at a time, to its end, in arrival order. More: the worker "
+                            "interleaves them one forward pass at a time (a prefill slice or a "
+                            "decode step), so a short request does not wait behind a long "
+                            "prefill (docs/CHECKPOINTS.md, Scheduling).")
+    prefill_slice: int = Field(256, ge=16, description="Worker (max_active > 1): prefill this "
+                               "many tokens per pass while other jobs wait (a job alone takes "
+                               "whole prefill_chunk passes).")
+    active_kv_share: float = Field(
+        0.5, gt=0, description="Worker (max_active > 1): admit another job only while the "
+        "estimated live KV caches of the admitted jobs (prompt tokens x the model's KV bytes "
+        "per token) fit this share of cache_bytes; a job that does not fit waits (one job "
+        "alone always runs).")
     max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
                                     "request gives none.")
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "

@@ -1,0 +1,160 @@
+"""The worker's scheduler: with `max_active` > 1, several jobs are under way on the one
+generation thread, and it runs exactly one forward pass at a time (issue 26).
+
+Owns: which waiting job is admitted (at most `max_active`, and only while the estimated live
+caches of the admitted jobs fit `active_kv_bytes`: a job that does not fit waits; one job alone
+is always admitted), which admitted job's pass runs next, and how many tokens a prefill pass
+takes. Nothing here runs mlx: a job's passes are its `Task` (`generation.Active`, one
+`Engine.steps` step each), and `Generator` owns starting and ending jobs.
+
+Policy, between passes:
+- least remaining prefill first: a decoding job (0 left) before a prefilling one, a short
+  prompt before a long one; ties go to the job that ran least recently (decode steps of
+  running jobs are interleaved round-robin);
+- aging: a job that other jobs' passes skipped `AGE_LIMIT` times in a row runs next (the most
+  skipped first). So between two passes of an admitted job there are at most
+  `AGE_LIMIT + max_active - 1` passes of other jobs: nobody starves;
+- a prefill pass is `prefill_slice` tokens while any other job is admitted or waiting, and a
+  whole `prefill_chunk` when the job is alone. A paused prefill keeps its live cache as it is
+  (nothing is recomputed or copied), and its checkpoints land where they would unpaused
+  (placement is by position, `run.Run.prefill_passes`);
+- a cancelled job stops within one pass (its Engine generator commits what it computed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prefixd.backends.mlx.jobs import Job
+
+AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
+
+
+class Task(Protocol):
+    """One admitted job's passes (`generation.Active`)."""
+
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill (0 once decoding)."""
+        ...
+
+    def advance(self) -> bool:
+        """One forward pass; True when the job has ended (its result is set, never raises)."""
+        ...
+
+
+@dataclass(eq=False)
+class Slot:
+    """An admitted job: its estimated live cache, its task once started, its aging."""
+
+    job: Job
+    kv_bytes: int
+    task: Task | None = None
+    last: int = 0      # the tick of its last pass
+    skipped: int = 0   # other jobs' passes since its last
+
+    def remaining(self) -> int:
+        return self.task.remaining() if self.task else len(self.job.prompt.tokens)
+
+
+class Schedule:
+    """Pure policy over waiting and admitted jobs (no threads, no mlx)."""
+
+    def __init__(self, max_active: int, prefill_slice: int, prefill_chunk: int,
+                 active_kv_bytes: int, kv_bytes_per_token: int) -> None:
+        self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
+        self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
+            kv_bytes_per_token
+        self.waiting: deque[Job] = deque()
+        self.active: list[Slot] = []
+        self.tick = 0
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    def cancelled(self) -> list[Job]:
+        """Waiting jobs whose client left (taken out; they end without running)."""
+        gone = [j for j in self.waiting if j.cancelled]
+        self.waiting = deque(j for j in self.waiting if not j.cancelled)
+        return gone
+
+    def admit(self) -> list[Slot]:
+        """Admit waiting jobs in order while they fit (count and live-cache bytes)."""
+        out: list[Slot] = []
+        while self.waiting and len(self.active) < self.max_active:
+            cost = len(self.waiting[0].prompt.tokens) * self.per_token
+            used = sum(s.kv_bytes for s in self.active)
+            if self.active and used + cost > self.kv_budget:
+                break
+            slot = Slot(self.waiting.popleft(), cost)
+            self.active.append(slot)
+            out.append(slot)
+        return out
+
+    def pick(self) -> Slot:
+        """The admitted job whose pass runs next (see the module docstring)."""
+        aged = [s for s in self.active if s.skipped >= AGE_LIMIT]
+        if aged:
+            return max(aged, key=lambda s: (s.skipped, -s.last))
+        return min(self.active, key=lambda s: (s.remaining(), s.last))
+
+    def ran(self, slot: Slot) -> None:
+        self.tick += 1
+        slot.last, slot.skipped = self.tick, 0
+        for s in self.active:
+            if s is not slot:
+                s.skipped += 1
+
+    def slice(self) -> int:
+        """Tokens of the next prefill pass: a slice when anything else is admitted or waits."""
+        return self.slice_tokens if len(self.active) + len(self.waiting) > 1 else self.chunk
+
+    def remove(self, slot: Slot) -> None:
+        self.active.remove(slot)
+
+
+def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
+          start: Callable[[Job, Callable[[], int]], Task],
+          end: Callable[[Job], None]) -> None:
+    """Run jobs until none is admitted or waiting (on the generation thread). `take(idle)`:
+    the jobs submitted since, or None to stop (only when `idle` and none was submitted: the
+    caller decides that under its lock, so a job submitted then starts a new loop); `start`:
+    a job's task (never raises); `end(job)`: a job cancelled while it waited."""
+    while True:
+        jobs = take(schedule.idle())
+        if jobs is None:
+            return
+        for job in jobs:
+            schedule.add(job)
+        for job in schedule.cancelled():
+            end(job)
+        for slot in schedule.admit():
+            slot.job.queue_s = time.perf_counter() - slot.job.submitted
+        if not schedule.active:
+            continue
+        slot = schedule.pick()
+        if slot.task is None:
+            slot.task = start(slot.job, schedule.slice)
+        done = slot.task.advance()
+        schedule.ran(slot)
+        if done:
+            schedule.remove(slot)
+
+
+def kv_bytes_per_token(leaves: Sequence[Any]) -> int:
+    """Rough live-cache bytes per token of a model, from its cache leaves after a pass: the
+    keys and values of its attention layers (recurrent states are fixed-size; a sliding window
+    is counted as if unbounded: an overestimate)."""
+    total = 0
+    for c in leaves:
+        for arrays in (getattr(c, "keys", None), getattr(c, "values", None)):
+            for a in arrays if isinstance(arrays, tuple) else (arrays,):
+                if a is not None and getattr(a, "ndim", 0) == 4 and a.shape[2]:
+                    total += a.nbytes // a.shape[2]
+    return total

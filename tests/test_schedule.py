@@ -1,0 +1,182 @@
+"""The scheduler (`schedule.py`) over the real Engine on the five tiny architectures: jobs
+interleaved a forward pass at a time, with sliced prefills, give the serial outputs; their
+checkpoints land where an unsliced prefill puts them; warm == cold holds after them; a
+cancelled job stops within one pass. And the pure policy: shortest remaining prefill first,
+aging, admission by live-cache bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.engine import Engine, Turn
+from prefixd.backends.mlx.jobs import Job
+from prefixd.backends.mlx.prompt import Prompt
+from prefixd.backends.mlx.schedule import AGE_LIMIT, Schedule, drive
+from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings, _words
+
+BOUNDS = (60, 150, 220)
+
+
+def _job(tokens: Sequence[int]) -> Job:
+    return Job(Prompt(list(tokens), []), Sampling(temperature=0), 4, None, lambda e: None,
+               asyncio.Queue())
+
+
+class EngineTask:
+    """A job's `Engine.steps`, one per `advance` (what `active.Active` does, without text)."""
+
+    def __init__(self, engine: Engine, job: Job, slicer: Callable[[], int], log: list[str],
+                 name: str, bounds: Sequence[int] = ()) -> None:
+        self.turn = Turn(slicer)
+        self.job, self.log, self.name, self.tokens = job, log, name, []
+        self.steps = engine.steps(job.prompt.tokens, sampler=lambda lp: mx.argmax(lp, axis=-1),
+                                  max_tokens=4, boundaries=bounds,
+                                  should_stop=job._cancel.is_set, turn=self.turn)
+
+    def remaining(self) -> int:
+        run = self.turn.run
+        return len(self.job.prompt.tokens) if run is None else len(run.prompt) - run.pos
+
+    def advance(self) -> bool:
+        token = next(self.steps, -1)
+        self.log.append(f"{self.name}:{'prefill' if token is None else 'token'}")
+        if token is None:
+            return False
+        if token == -1:
+            self.log.append(f"{self.name}:end")
+            return True
+        self.tokens.append(token)
+        return False
+
+
+def _interleave(engine: Engine, jobs: dict[str, tuple[Job, Sequence[int]]], slice_: int = 5
+                ) -> tuple[dict[str, EngineTask], list[str]]:
+    log: list[str] = []
+    tasks: dict[str, EngineTask] = {}
+    schedule = Schedule(2, slice_, engine.config.prefill_chunk, 1 << 40, 1)
+    arrivals = [[job] for job, _ in jobs.values()]   # one per pass: the first starts alone
+    names = {id(job): (name, bounds) for name, (job, bounds) in jobs.items()}
+
+    def take(idle: bool) -> list[Job] | None:
+        out = arrivals.pop(0) if arrivals else []
+        return None if idle and not out else out
+
+    def start(job: Job, slicer: Callable[[], int]) -> EngineTask:
+        name, bounds = names[id(job)]
+        tasks[name] = EngineTask(engine, job, slicer, log, name, bounds)
+        return tasks[name]
+
+    drive(schedule, take, start, lambda job: log.append("cancelled-waiting"))
+    return tasks, log
+
+
+def test_interleaved_jobs_equal_serial_and_checkpoints_land_in_place(
+        model: CountingModel) -> None:
+    rng = random.Random(26)
+    long, short = _words(rng, 300), _words(rng, 12)
+    engine = Engine(model, _settings())
+    tasks, log = _interleave(engine, {"long": (_job(long), BOUNDS), "short": (_job(short), ())})
+    # the long one started first (alone: a whole chunk), the short one ran to its end while
+    # the long one was still prefilling
+    assert log[0] == "long:prefill"
+    assert log.index("short:end") < log.index("long:token")
+    assert "long:prefill" in log[log.index("short:end"):]
+    serial = Engine(model, _settings())
+    want_long = _run(serial, long, BOUNDS)
+    want_short = _run(serial, short)
+    assert tasks["long"].tokens == want_long[0]
+    assert tasks["short"].tokens == want_short[0]
+    # checkpoints at the positions an unsliced prefill puts them
+    alone = Engine(model, _settings())
+    _run(alone, long, BOUNDS)
+
+    def marks(e: Engine, tokens: list[int]) -> set[int]:
+        return {p for x in e.store.entries if x.tokens[:len(tokens)] == tokens
+                for p in x.checkpoints}
+
+    assert marks(engine, long) == marks(alone, long)
+    # warm == cold from the sliced prefill's state and checkpoints
+    for prompt in (long + want_long[0] + _words(rng, 7), long[:170] + _words(rng, 20)):
+        warm = _run(engine, prompt, BOUNDS)
+        assert warm[2].cached_tokens > 0
+        _assert_same(warm, _cold(model, prompt))
+
+
+def test_a_cancelled_job_stops_within_one_slice(model: CountingModel) -> None:
+    rng = random.Random(27)
+    long, short = _words(rng, 300), _words(rng, 40)
+    engine = Engine(model, _settings())
+    job = _job(long)
+    log: list[str] = []
+    task = EngineTask(engine, job, lambda: 5, log, "long", BOUNDS)
+    for _ in range(3):
+        assert task.advance() is False
+    assert task.turn.run is not None and task.turn.run.pos == 15
+    job.cancel()
+    assert task.advance() is True and log[-1] == "long:end"
+    # what it computed is committed (the store holds its first 15 tokens)
+    assert [len(e.tokens) for e in engine.store.entries] == [15]
+    warm = _run(engine, long[:15] + short)
+    assert warm[2].cached_tokens == 15
+    _assert_same(warm, _cold(model, long[:15] + short))
+
+
+class FakeTask:
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def remaining(self) -> int:
+        return self.left
+
+    def advance(self) -> bool:
+        self.left = max(0, self.left - 1)
+        return False
+
+
+def test_policy_shortest_prefill_first_with_aging() -> None:
+    schedule = Schedule(3, 256, 512, 1 << 30, 1)
+    for n in (5000, 10, 0):
+        schedule.add(_job([1] * max(n, 1)))
+    slots = schedule.admit()
+    for slot, left in zip(slots, (5000, 10, 0), strict=True):
+        slot.task = FakeTask(left)
+    picks: list[int] = []
+    for _ in range(2 * (AGE_LIMIT + 2)):
+        slot = schedule.pick()
+        picks.append(slots.index(slot))
+        schedule.ran(slot)
+    # decoding (0 left) and the short prefill go first; the long one waits at most
+    # AGE_LIMIT + max_active - 1 passes of others
+    assert picks[0] == 2
+    runs = [k for k, p in enumerate(picks) if p == 0]
+    gaps = [b - a - 1 for a, b in zip([-1, *runs[:-1]], runs, strict=True)]
+    assert gaps and max(gaps) <= AGE_LIMIT + 2
+    assert schedule.slice() == 256
+
+
+def test_admission_counts_live_cache_bytes() -> None:
+    schedule = Schedule(4, 256, 512, 1000, 10)   # 100 tokens of live cache
+    for n in (80, 30, 10):
+        schedule.add(_job([1] * n))
+    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [80]   # 30 would not fit
+    schedule.remove(schedule.active[0])
+    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [30, 10]
+    alone = Schedule(2, 256, 512, 10, 10)
+    alone.add(_job([1] * 500))
+    assert len(alone.admit()) == 1   # one job alone always runs
+    assert alone.slice() == 512
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next", "qwen3_5",
+                                        "falcon_h1"])
+def model(request: pytest.FixtureRequest) -> Any:
+    from prefixd.backends.mlx.tinymodels import build_model
+    return CountingModel(build_model(request.param, seed=3))
