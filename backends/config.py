@@ -24,7 +24,10 @@ class BackendConfig(BaseModel):
                             "another machine)")
     model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
     models: list[str] = Field(default_factory=list, description="model names this backend serves")
-    max_concurrency: Annotated[int, Field(ge=1)] = 1
+    max_concurrency: Annotated[int, Field(ge=1)] = Field(
+        1, description="requests sent to the backend at once (the rest queue in prefixd); a "
+        "managed mlx worker schedules that many together, one forward pass at a time, so a "
+        "short request does not wait behind a long prefill (its PREFIXD_MAX_ACTIVE)")
     queue_depth: Annotated[int, Field(ge=0)] = 64
     queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0

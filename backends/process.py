@@ -73,7 +73,8 @@ def run_transfer_secret() -> str:
 def worker_env(config: BackendConfig, settings: WorkerSettings,
                base: Mapping[str, str] | None = None, token: str | None = None,
                cache_bytes: int | None = None) -> dict[str, str]:
-    """The child's environment: ours, plus the worker settings, the parent pid (so the worker
+    """The child's environment: ours, plus the worker settings (`max_active`: the backend's
+    `max_concurrency`, the requests the proxy sends it at once), the parent pid (so the worker
     exits when we are gone, even after a SIGKILL), the run's transfer secret, the backend's own
     `worker_env` and the start's `token` (secrets in the environment, never on the command
     line that any user can read).
@@ -89,6 +90,8 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
     cache = config.cache_bytes if config.cache_bytes is not None else cache_bytes
     if cache is not None:
         env["PREFIXD_CACHE_BYTES"] = str(cache)
+    if config.max_concurrency > 1:      # the requests the proxy sends at once: the worker
+        env["PREFIXD_MAX_ACTIVE"] = str(config.max_concurrency)   # schedules them together
     if settings.transfer_secret is None:
         env[TRANSFER_SECRET_ENV] = run_transfer_secret()
     env = _with_blas(settings.use_system_blas, env)

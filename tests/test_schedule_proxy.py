@@ -1,0 +1,68 @@
+"""A managed worker with `max_concurrency` 2 (issue 26, the proxy's side): the proxy sends it
+two requests at once and the worker schedules them together, one forward pass at a time, so a
+short request sent while a long one runs (a long prompt, then a long answer) is answered
+before the long one ends; with 1 it waits behind the whole of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from tokenizers import Tokenizer
+
+from prefixd.backends.managed import ManagedBackend
+from prefixd.backends.states import ProcState
+from prefixd.proxy.server import Server, make_proxy
+from prefixd.proxy.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_a_short_request_is_not_held_behind_a_long_prefill(
+        concurrency: int, tiny_model_dir: Callable[[str], Path],
+        http: aiohttp.ClientSession) -> None:
+    settings = Settings(_env_file=None, prefix_detect=False, backends=[
+        {"name": "w", "kind": "mlx", "model": str(tiny_model_dir("qwen3")), "models": ["t"],
+         "max_concurrency": concurrency}])
+    backend = ManagedBackend(settings.backends[0], settings)
+    server = Server(make_proxy(settings, [backend]))
+    await server.start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    order: list[str] = []
+
+    tok = Tokenizer.from_file(str(tiny_model_dir("qwen3") / "tokenizer.json"))
+    no_end = {str(i): -100 for t in ("<|im_end|>", "<|endoftext|>")
+              if (i := tok.token_to_id(t)) is not None}
+
+    async def ask(name: str, text: str, max_tokens: int) -> None:
+        body = {"model": "t", "temperature": 0, "max_tokens": max_tokens, "stream": True,
+                "logit_bias": no_end, "messages": [{"role": "user", "content": text}]}
+        async with http.post(url, json=body) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if b'"content"' in line and b'"role"' not in line:
+                    order.append(f"{name}:first")
+                    break
+            await r.read()
+        order.append(f"{name}:end")
+
+    try:
+        await backend.wait_for(ProcState.READY, timeout=120)
+        long = asyncio.create_task(ask("long", "word " * 3000, 300))   # the window: 4096
+        queue = server.proxy.queues["w"]
+        for _ in range(500):                     # until the proxy has sent it (deadline)
+            if queue.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        await ask("short", "hi", 2)
+        await long
+    finally:
+        await server.shutdown(5.0)
+    if concurrency == 2:
+        assert order.index("short:end") < order.index("long:end"), order
+    else:
+        assert order.index("long:end") < order.index("short:first"), order
