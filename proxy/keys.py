@@ -1,14 +1,11 @@
 """The key a client presents, and the cache namespace it stands for under
-`PREFIXD_CACHE_ISOLATION=per_key` (an opaque digest: the key itself never leaves the proxy)."""
+`PREFIXD_CACHE_ISOLATION=per_key` (an opaque digest: the key itself never leaves the proxy;
+the header that carries it to a prefixd worker is `api.schema.NAMESPACE_HEADER`)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-
-from prefixd.api.schema import NAMESPACE_HEADER
-
-__all__ = ["NAMESPACE_HEADER", "cache_namespace", "presented_key"]
 
 
 def presented_key(headers: Mapping[str, str]) -> bytes:

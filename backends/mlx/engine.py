@@ -240,10 +240,15 @@ class Engine:
             self._capture(entry, run, pos, interval, stats, payload)
 
         try:
-            t0 = time.perf_counter()
+            # the prefill's own time: not the passes of other jobs run while it was paused
+            # (the prefill rate it feeds decides whether a disk load beats recomputing)
+            prefill_s, t0 = 0.0, time.perf_counter()
             for _ in run.prefill_passes(*self._plan(len(prompt), start, boundaries), capture):
+                prefill_s += time.perf_counter() - t0
                 yield None
-            stats.prefill_s, stats.segments = time.perf_counter() - t0, run.segments
+                t0 = time.perf_counter()
+            prefill_s += time.perf_counter() - t0
+            stats.prefill_s, stats.segments = prefill_s, run.segments
             if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
                 log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
                             "checkpoints from now on", run.tap_failure)

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixd.backends.mlx.active import Active
-from prefixd.backends.mlx.active import _reset_random_state as _reset_random_state  # tests
 from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
 from prefixd.backends.mlx.jobs import Event, Finished, Job, WorkerClosed
@@ -167,10 +166,7 @@ class Generator:
         """One job to its end, on the generation thread (max_active 1: the executor's FIFO
         is the queue)."""
         job.queue_s = time.perf_counter() - job.submitted
-        if job.cancelled:
-            self._end(job, Finished("cancelled", 0, 0))
-            return
-        active = self._start(job, None)
+        active = self._start(job, None)     # a job cancelled meanwhile ends at once
         while not active.advance():
             pass
 

@@ -70,18 +70,12 @@ class Run:
         self.broken = False
         return (last if last is not None else out), snaps
 
-    def prefill(self, marks: dict[int, bool], final: int, capture: Capture) -> mx.array | None:
-        """Run prompt[pos:] through the model, ending a pass at every mark and calling
-        `capture` there; the last pass runs from `final` (or from where the prefill is, if
-        beyond) to the end. The last token's logits, or None if should_stop() ended it."""
-        for _ in self.prefill_passes(marks, final, capture):
-            pass
-        return self.logits
-
     def prefill_passes(self, marks: dict[int, bool], final: int,
                        capture: Capture) -> Iterator[None]:
-        """`prefill`, one forward pass per step: it yields after each pass (a scheduler may
-        run other jobs' passes then; the live cache waits as it is) and leaves the last
+        """Run prompt[pos:] through the model, ending a pass at every mark and calling
+        `capture` there; the last pass runs from `final` (or from where the prefill is, if
+        beyond) to the end. One forward pass per step: it yields after each pass (a scheduler
+        may run other jobs' passes then; the live cache waits as it is) and leaves the last
         token's logits in `logits` (None if should_stop() ended it). A pass is at most `chunk`
         tokens, or `slicer()` when one is given (read before each pass); checkpoints land at
         the same positions whatever the pass sizes (marks inside a pass are captured in it,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from prefixd.api.errors import ApiError
-from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
+from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH, NAMESPACE_HEADER
 from prefixd.backends.base import (
     Backend,
     BackendError,
@@ -18,7 +18,6 @@ from prefixd.backends.base import (
 )
 from prefixd.proxy.bodies import with_field
 from prefixd.proxy.exchange import Exchange
-from prefixd.proxy.keys import NAMESPACE_HEADER
 from prefixd.proxy.routing.router import Router
 from prefixd.proxy.stages import Next
 
