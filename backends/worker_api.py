@@ -18,11 +18,11 @@ from prefixd.backends.mlx import seal
 
 
 async def worker_call(link: WorkerLink | None, path: str, payload: dict | None = None,
-                      text: bool = False) -> Any:
+                      text: bool = False, timeout_s: float = 10.0) -> Any:
     """GET (or POST `payload` to) a worker's `path`: its JSON (or text); None when the worker
     is not reachable now or cannot tell."""
     return None if link is None else await call(link.session, link.base + path, link.auth,
-                                                payload, text)
+                                                payload, text, timeout_s)
 
 
 async def tokenize(link: WorkerLink | None, body: dict) -> list[int] | None:
@@ -56,7 +56,7 @@ class WindowMemo:
             return self._seen[1]
         if link is None:
             return None
-        answer = await call(link.session, link.base + "/v1/models", link.auth, timeout_s=2.0)
+        answer = await worker_call(link, "/v1/models", timeout_s=2.0)
         if answer is None:
             return self._seen[1] if self._seen is not None else None
         self._seen = (generation, context_length(answer))
