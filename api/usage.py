@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefixd.api.values import count
+from prefixd.api.values import count, obj, seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,14 @@ class Usage:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return cls(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")),
                    count(cached), worker if isinstance(worker, dict) else None)
+
+    def behind_s(self) -> float | None:
+        """A prefixd worker's time behind other requests (its `queue`, waiting to start, and
+        `paused`, started but paused while theirs ran), seconds; None when not reported."""
+        timings = obj((self.worker or {}).get("timings_ms"))
+        parts = [seconds(timings.get(k)) for k in ("queue", "paused")]
+        known = [p for p in parts if p is not None]
+        return sum(known) / 1000 if known else None
 
     def as_dict(self) -> dict[str, Any]:
         """The OpenAI shape again (counts that were reported), for logs and tests."""

@@ -28,3 +28,10 @@ def obj(value: object) -> dict[str, Any]:
 def arr(value: object) -> list[Any]:
     """The value if it is a JSON array, else an empty one."""
     return value if isinstance(value, list) else []
+
+
+def seconds(value: object, limit: float = 1e7) -> float | None:
+    """A duration as reported (a JSON number, not `true`), from 0 below `limit`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0 <= value < limit else None

@@ -11,6 +11,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from prefixd.backends.mlx.settings import DEFAULT_ACTIVE
+
 
 class BackendConfig(BaseModel):
     """One backend, as an element of the `PREFIXD_BACKENDS` JSON list."""
@@ -24,10 +26,11 @@ class BackendConfig(BaseModel):
                             "another machine)")
     model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
     models: list[str] = Field(default_factory=list, description="model names this backend serves")
-    max_concurrency: Annotated[int, Field(ge=1)] = Field(
-        1, description="requests sent to the backend at once (the rest queue in prefixd); a "
-        "managed mlx worker schedules that many together, one forward pass at a time, so a "
-        "short request does not wait behind a long prefill (its PREFIXD_MAX_ACTIVE)")
+    max_concurrency: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="requests sent to the backend at once (the rest queue in prefixd). "
+        "Default: 1 for openai (one prefill at a time), 4 for mlx and prefixd workers, which "
+        "schedule that many together one forward pass at a time, so a short request does not "
+        "wait behind a long prefill (a managed worker's PREFIXD_MAX_ACTIVE; 1: serial)")
     queue_depth: Annotated[int, Field(ge=0)] = 64
     queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
@@ -55,8 +58,22 @@ class BackendConfig(BaseModel):
     retry_failed_s: Annotated[float, Field(gt=0)] = Field(
         60.0, description="mlx: a `failed` backend tries one new start this often (and "
         "when a request needs it)")
+    hosts: list[str] = Field(
+        default_factory=list, description="mlx: run the worker as a group of ranks on MLX's "
+        "distributed runtime, one per host (this machine first; loopback entries run here, "
+        "others over ssh: docs/DISTRIBUTED.md), e.g. [\"127.0.0.1\", \"10.0.0.2\"]; "
+        "supervised as one unit")
+    parallel: Literal["auto", "pipeline", "tensor"] = Field(
+        "auto", description="mlx (with hosts): how the model is split across them")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")
+
+    @property
+    def concurrency(self) -> int:
+        """`max_concurrency`, or its default for the kind."""
+        if self.max_concurrency is not None:
+            return self.max_concurrency
+        return 1 if self.kind == "openai" else DEFAULT_ACTIVE
 
     @model_validator(mode="after")
     def _kind_fields(self) -> BackendConfig:

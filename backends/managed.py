@@ -59,6 +59,8 @@ class ManagedBackend(BackendBase):
         a worker ready for `stable_s` resets the backoff; a request makes a failed backend
         try again at most once per `retry_min_s`."""
         self.name = config.name
+        if len(config.hosts) > 1:   # a group worker moves no prefix states (yet)
+            self.capabilities = Capabilities(restarts_itself=True, partitions_cache=True)
         self.models = list(config.models)
         self.config = config
         self.model_spec = config.model

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import functools
 import importlib.util
+import json
 import logging
 import os
 import secrets
@@ -90,8 +91,11 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
     cache = config.cache_bytes if config.cache_bytes is not None else cache_bytes
     if cache is not None:
         env["PREFIXD_CACHE_BYTES"] = str(cache)
-    if config.max_concurrency > 1:      # the requests the proxy sends at once: the worker
-        env["PREFIXD_MAX_ACTIVE"] = str(config.max_concurrency)   # schedules them together
+    # the requests the proxy sends at once: the worker schedules them together (1: serial)
+    env["PREFIXD_MAX_ACTIVE"] = str(config.concurrency)
+    if len(config.hosts) > 1:           # a group worker: it starts and stops its ranks
+        env["PREFIXD_GROUP_HOSTS"] = json.dumps(config.hosts)
+        env["PREFIXD_PARALLEL"] = config.parallel
     if settings.transfer_secret is None:
         env[TRANSFER_SECRET_ENV] = run_transfer_secret()
     env = _with_blas(settings.use_system_blas, env)

@@ -15,6 +15,11 @@ REQUEST_DURATION = Histogram("prefixd_request_duration_seconds",
 QUEUE_WAIT = Histogram("prefixd_queue_wait_seconds",
                        "Time a request waited for its backend slot.",
                        ["backend"], buckets=(0.001, *_LAT), registry=REGISTRY)
+WAITED = Histogram("prefixd_waited_behind_seconds",
+                   "Time a request spent waiting behind other requests: in prefixd's queue, "
+                   "then in a prefixd worker's (waiting to start, paused while others' "
+                   "forward passes ran).", ["backend"], buckets=(0.001, *_LAT),
+                   registry=REGISTRY)
 TTFT = Histogram("prefixd_time_to_first_token_seconds",
                  "Time from request arrival to the first streamed content chunk.",
                  ["backend", "model"], buckets=_LAT, registry=REGISTRY)

@@ -125,7 +125,8 @@ def _statuses(proxy: Proxy) -> list[dict]:
         q = proxy.queues[name]
         out.append({"name": name, "kind": st.kind, "state": st.state, "up": st.up,
                     "models": st.models, "queue_depth": q.waiting, "in_flight": q.in_flight,
-                    "max_concurrency": q.max_concurrency, "last_error": st.last_error,
+                    "max_concurrency": q.max_concurrency, **q.recent_waits(),
+                    "last_error": st.last_error,
                     **proxy.router.status(name),
                     **(proxy.pool.status(name) if proxy.pool and name in proxy.pool.backends
                        else {}), **st.detail})
@@ -143,6 +144,7 @@ def cache_summary(info: dict | None) -> dict | None:
             "hit_tokens_total": info.get("hit_tokens_total"),
             "recomputed_tokens_total": info.get("recomputed_tokens_total"),
             "misses": info.get("misses") or {},
+            "group": info.get("group"),
             "disk": _disk_summary(info.get("disk"))}
 
 

@@ -5,6 +5,7 @@ relay) read and write only it and the request's response state."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,17 @@ if TYPE_CHECKING:
     from prefixd.proxy.routing.policy import Decision
     from prefixd.proxy.routing.slots import Placement
     from prefixd.proxy.translate.base import StreamTranslator
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Copy `tokens` of a request's prefix from `source` first; `computing`: the end of the
+    source's request computing it (None when the source holds it already), which the copy
+    waits for (a worker exports what its finished requests left)."""
+
+    source: str
+    tokens: int
+    computing: asyncio.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,7 @@ class Attempt:
     model: str = ""                              # the served model it is sent as
     again: bool = False                          # an earlier attempt's backend took nothing
     stream_out: StreamTranslator | None = None   # the client API's stream state, if any
-    transfer: tuple[str, int] | None = None      # (source, tokens): copy that prefix in first
+    transfer: TransferPlan | None = None         # copy that prefix in first
     transferred: int = 0                         # tokens of prefix state copied in
     placement: Placement | None = None           # a llama-server's slot plan
     slot: Slot | None = None                     # its backend's queue slot, once held

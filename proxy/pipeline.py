@@ -57,7 +57,7 @@ class Proxy:
         self.settings = settings
         self.backends = {b.name: b for b in backends}
         self.configs = configs
-        self.queues = {b.name: BackendQueue(b.name, configs[b.name].max_concurrency,
+        self.queues = {b.name: BackendQueue(b.name, configs[b.name].concurrency,
                                             configs[b.name].queue_depth,
                                             configs[b.name].queue_timeout_s)
                        for b in backends}
@@ -102,6 +102,9 @@ class Proxy:
             if ex.trace.usage is None and ex.attempt is not None:
                 ex.trace.usage = ex.attempt.usage
             ex.trace.finish(self.settings.log_format)
+            waited, backend = ex.trace.waited(), ex.trace.backend
+            if waited is not None and backend in self.queues:
+                self.queues[backend].waited(waited)
 
 
     async def cut_inflight(self) -> int:

@@ -32,6 +32,8 @@ class QueueClosed(Exception):
     pass
 
 
+RECENT = 100  # requests whose time behind others the status page summarizes
+
 PositionCallback = Callable[[int], Awaitable[None]]
 
 
@@ -61,6 +63,19 @@ class BackendQueue:
         self._closed = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self._waits: deque[float] = deque(maxlen=RECENT)  # the last requests' time behind others
+
+    def waited(self, seconds: float) -> None:
+        """A request served here spent `seconds` behind others (this queue, then the
+        backend's own scheduler, as the request's trace adds them up)."""
+        self._waits.append(seconds)
+
+    def recent_waits(self) -> dict[str, float | int | None]:
+        """The last requests' time behind others, for the status page: median and worst."""
+        waits = sorted(self._waits)
+        return {"waited_n": len(waits),
+                "waited_p50_s": round(waits[len(waits) // 2], 3) if waits else None,
+                "waited_max_s": round(waits[-1], 3) if waits else None}
 
     @property
     def waiting(self) -> int:

@@ -96,19 +96,21 @@ class DeclaredSettings(WorkerSettings):
         description="Before a prefixd worker (managed or kind `prefixd`) serves a request, "
         "copy the request's prefix state from another worker of the same model that holds or "
         "is computing at least this many more of its tokens, instead of recomputing them "
-        "(0: never). Also the least a llama-server must be computing of a request's prefix for "
-        "the request to wait for it (`route_prefix_wait_s`; 256 when this is 0).")
+        "(0: never). Also the least a backend running several requests at once must be "
+        "computing of a request's prefix for the request to wait for it "
+        "(`route_prefix_wait_s`; 256 when this is 0).")
     route_transfer_timeout_s: float = Field(
         10.0, gt=0,
         description="How long a request waits for that copy, the source finishing its "
         "request in progress included; after that it is served without it.")
     route_prefix_wait_s: float = Field(
         30.0, ge=0,
-        description="A request for a llama-server with several slots that is computing at "
-        "least `route_transfer_min_tokens` tokens of the request's prefix it does not hold "
-        "yet (a burst of new conversations with one system prompt) waits at most this long "
-        "for that request to end, then restores the prefix from the server's RAM prompt "
-        "cache instead of computing it again in another slot (0: never wait).")
+        description="A request for a backend running several requests at once (a "
+        "llama-server with several slots, a prefixd worker with max_concurrency > 1) that is "
+        "computing at least `route_transfer_min_tokens` tokens of the request's prefix it "
+        "does not hold yet (a burst of sub-agents with one system prompt) waits at most this "
+        "long for that request to end, then restores the prefix from the backend's cache "
+        "instead of computing it again beside it (0: never wait).")
     route_index_entries: int = Field(
         100_000, ge=100,
         description="Prefix boundaries the routing index keeps per backend (least recently "

@@ -36,12 +36,21 @@ class RequestTrace:
         u = self.usage or Usage()
         return u.prompt, u.cached, u.completion
 
+    def waited(self) -> float | None:
+        """Time spent waiting behind other requests: in prefixd's queue for the backend, then
+        (a prefixd worker) in the worker's own queue and paused while others' passes ran."""
+        behind = self.usage.behind_s() if self.usage else None
+        if self.queue_wait is None and behind is None:
+            return None
+        return (self.queue_wait or 0.0) + (behind or 0.0)
+
     def fields(self) -> dict[str, Any]:
         prompt, cached, completion = self.tokens()
         ttft = (self.first_token_at - self.started) if self.first_token_at else None
         return {
             "request_id": self.request_id, "backend": self.backend, "model": self.model,
-            "status": self.status, "queue_wait_s": _r(self.queue_wait), "ttft_s": _r(ttft),
+            "status": self.status, "queue_wait_s": _r(self.queue_wait),
+            "waited_s": _r(self.waited()), "ttft_s": _r(ttft),
             "duration_s": _r(time.monotonic() - self.started), "prompt_tokens": prompt,
             "cached_tokens": cached, "completion_tokens": completion,
             "transfer": self.transfer, "max_tokens": self.max_tokens, "error": self.error,
@@ -54,6 +63,8 @@ class RequestTrace:
         m.REQUEST_DURATION.labels(backend, model).observe(f["duration_s"])
         if f["ttft_s"] is not None and self.status == 200:
             m.TTFT.labels(backend, model).observe(f["ttft_s"])
+        if f["waited_s"] is not None:
+            m.WAITED.labels(backend).observe(f["waited_s"])
         prompt, cached, completion = self.tokens()
         for counter, value in ((m.PROMPT_TOKENS, prompt), (m.CACHED_TOKENS, cached),
                                (m.COMPLETION_TOKENS, completion)):

@@ -354,9 +354,11 @@ def test_worker_command_and_env() -> None:
     assert worker_env(shared, SETTINGS, cache_bytes=999)["PREFIXD_CACHE_BYTES"] == "999"
     assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly
     assert env["PREFIXD_PREFILL_CHUNK"] == "64" and env["X"] == "1"
-    assert env["PREFIXD_MAX_ACTIVE"] == "1"                 # one request at a time
-    wide = cfg.model_copy(update={"max_concurrency": 3})
-    assert worker_env(wide, SETTINGS)["PREFIXD_MAX_ACTIVE"] == "3"   # the proxy sends 3
+    assert env["PREFIXD_MAX_ACTIVE"] == "4"                 # the default: 4 at once
+    for n in (1, 3):                                        # the proxy sends n at once
+        one = cfg.model_copy(update={"max_concurrency": n})
+        assert worker_env(one, SETTINGS)["PREFIXD_MAX_ACTIVE"] == str(n)
+    assert BackendConfig(name="o", url="http://127.0.0.1:1", models=["m"]).concurrency == 1
     assert "LD_PRELOAD" not in env
     assert TOKEN_ENV not in env                           # no token given: none set
     cfg = cfg.model_copy(update={"worker_env": {TOKEN_ENV: "from-config"}})

@@ -68,7 +68,7 @@ async def stalled(backend: ManagedBackend, pid: int) -> None:
 
 
 async def test_kill_9_mid_stream_while_five_wait(start: Start, http: aiohttp.ClientSession) -> None:
-    server, backend = await start()
+    server, backend = await start(max_concurrency=1)       # the others wait in prefixd's queue
     await backend.ensure_ready()
     pid1 = backend.status().detail["pid"]
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
@@ -225,7 +225,7 @@ async def test_a_request_sent_again_after_its_worker_died_keeps_its_place(
         start: Start, http: aiohttp.ClientSession) -> None:
     """Killed in its prefill with five requests queued behind it: the request is sent again
     before them (it had waited its turn), not after them."""
-    server, backend = await start()
+    server, backend = await start(max_concurrency=1)       # the others wait in prefixd's queue
     await backend.ensure_ready()
     pid1 = backend.status().detail["pid"]
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"

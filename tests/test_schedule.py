@@ -19,15 +19,15 @@ from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.engine import Engine, Turn
 from prefixd.backends.mlx.jobs import Job
 from prefixd.backends.mlx.prompt import Prompt
-from prefixd.backends.mlx.schedule import AGE_LIMIT, Schedule, drive
+from prefixd.backends.mlx.schedule import AGE_LIMIT, MIN_SLICE, Schedule, drive
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings, _words
 
 BOUNDS = (60, 150, 220)
 
 
-def _job(tokens: Sequence[int]) -> Job:
-    return Job(Prompt(list(tokens), []), Sampling(temperature=0), 4, None, lambda e: None,
-               asyncio.Queue())
+def _job(tokens: Sequence[int], max_tokens: int = 4) -> Job:
+    return Job(Prompt(list(tokens), []), Sampling(temperature=0), max_tokens, None,
+               lambda e: None, asyncio.Queue())
 
 
 class EngineTask:
@@ -173,6 +173,33 @@ def test_admission_counts_live_cache_bytes() -> None:
     alone.add(_job([1] * 500))
     assert len(alone.admit()) == 1   # one job alone always runs
     assert alone.slice() == 512
+
+
+def test_admission_counts_the_reply_too() -> None:
+    """A job's live cache grows by its reply: max_tokens counts against the budget."""
+    schedule = Schedule(4, 256, 512, 1000, 10)
+    schedule.add(_job([1] * 40))                   # (40 + 4) x 10 = 440 bytes
+    schedule.add(_job([1] * 10, max_tokens=60))    # (10 + 60) x 10 = 700: 1,140 > 1,000
+    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [40]
+    schedule.remove(schedule.active[0])
+    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [10]
+
+
+def test_a_slice_is_its_time_at_the_measured_prefill_rate() -> None:
+    rate: list[float | None] = [None]
+    schedule = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=250, prefill_rate=lambda: rate[0])
+    schedule.add(_job([1] * 4000))
+    schedule.admit()
+    assert schedule.slice() == 512                 # alone: whole chunks
+    schedule.add(_job([1] * 10))
+    assert schedule.slice() == 96                  # no rate measured yet: prefill_slice
+    for tps, tokens in ((1000.0, 250), (400.0, 100), (20.0, MIN_SLICE), (1e6, 512)):
+        rate[0] = tps
+        assert schedule.slice() == tokens, tps
+    fixed = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=0, prefill_rate=lambda: 1000.0)
+    fixed.add(_job([1] * 4000))
+    fixed.add(_job([1] * 10))
+    assert fixed.slice() == 96                     # prefill_slice_ms 0: token slices
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next", "qwen3_5",

@@ -1,11 +1,15 @@
 """A managed worker with `max_concurrency` 2 (issue 26, the proxy's side): the proxy sends it
 two requests at once and the worker schedules them together, one forward pass at a time, so a
 short request sent while a long one runs (a long prompt, then a long answer) is answered
-before the long one ends; with 1 it waits behind the whole of it."""
+before the long one ends; with 1 it waits behind the whole of it. Each request's log line and
+the status page show the time it spent behind others. Requests sharing a long prefix the
+worker is computing wait for it and restore it, instead of computing it again beside it."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +28,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("concurrency", [1, 2])
 async def test_a_short_request_is_not_held_behind_a_long_prefill(
         concurrency: int, tiny_model_dir: Callable[[str], Path],
-        http: aiohttp.ClientSession) -> None:
+        http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="prefixd.request")
     settings = Settings(_env_file=None, prefix_detect=False, backends=[
         {"name": "w", "kind": "mlx", "model": str(tiny_model_dir("qwen3")), "models": ["t"],
          "max_concurrency": concurrency}])
@@ -60,9 +65,62 @@ async def test_a_short_request_is_not_held_behind_a_long_prefill(
             await asyncio.sleep(0.01)
         await ask("short", "hi", 2)
         await long
+        async with http.get(f"http://127.0.0.1:{server.port}/status") as r:
+            status = (await r.json())["backends"][0]
     finally:
         await server.shutdown(5.0)
+    messages = [r.getMessage() for r in caplog.records if r.name == "prefixd.request"]
+    lines = {("long" if int(_field(m, "prompt_tokens")) > 1000 else "short"): m
+             for m in messages}
+    waited = {k: float(_field(v, "waited_s")) for k, v in lines.items()}
+    queued = {k: float(_field(v, "queue_wait_s")) for k, v in lines.items()}
+    assert status["waited_n"] == 2
+    assert status["waited_max_s"] == round(max(waited.values()), 3)
     if concurrency == 2:
         assert order.index("short:end") < order.index("long:end"), order
+        # the long one was paused while the short one's passes ran (in the worker)
+        assert waited["long"] > queued["long"]
     else:
         assert order.index("long:end") < order.index("short:first"), order
+        assert waited["short"] >= queued["short"] > 0     # behind the long one, in prefixd
+
+
+def _field(message: str, name: str) -> str:
+    found = re.search(rf"\b{name}=(\S+)", message)
+    assert found, (name, message)
+    return found.group(1)
+
+
+async def test_requests_sharing_a_long_prefix_wait_for_it_instead_of_computing_it_twice(
+        tiny_model_dir: Callable[[str], Path], http: aiohttp.ClientSession) -> None:
+    """Sub-agents with one long system prompt sent together: the second waits for the first
+    (which computes the prefix) and restores it, instead of computing it again beside it."""
+    settings = Settings(_env_file=None, prefix_detect=False, backends=[
+        {"name": "w", "kind": "mlx", "model": str(tiny_model_dir("qwen3")), "models": ["t"],
+         "max_concurrency": 2}])
+    backend = ManagedBackend(settings.backends[0], settings)
+    server = Server(make_proxy(settings, [backend]))
+    await server.start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    system = {"role": "system", "content": "rule " * 600}      # ~1,800 tokens
+
+    async def ask(task: str) -> dict:
+        body = {"model": "t", "temperature": 0, "max_tokens": 4,
+                "messages": [system, {"role": "user", "content": task}]}
+        async with http.post(url, json=body) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["usage"]
+
+    try:
+        await backend.wait_for(ProcState.READY, timeout=120)
+        first = asyncio.create_task(ask("find the bug in parser.py"))
+        queue = server.proxy.queues["w"]
+        for _ in range(500):                     # until the proxy has sent it (deadline)
+            if queue.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        second = await ask("write tests for lexer.py")
+        await first
+    finally:
+        await server.shutdown(5.0)
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 1500

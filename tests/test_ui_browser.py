@@ -53,7 +53,8 @@ async def test_overview_shows_backends_lanes_and_a_mutation(upstream, start_prox
     assert "ready" in llama.text and "qwen3-coder-30b" in llama.text
     cells = [td.text for td in dom.one("tr", data_backend="vllm-gpu").all("td")]
     assert cells[3] == "0" and cells[4] == "0 / 4"     # queued, in flight / max
-    assert cells[5:7] == ["—", "—"]          # no memory budget, no checkpoint store (openai)
+    assert cells[5].endswith(" ms") and " / " in cells[5]   # time behind others: median / worst
+    assert cells[6:8] == ["—", "—"]          # no memory budget, no checkpoint store (openai)
     assert "hidden" in dom.one(id="model-memory").attrs
 
     goose = dom.one("tr", data_lane=lanes["goose-7f3a"])
@@ -170,6 +171,7 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
         {"name": "q35", "kind": "mlx", "state": "ready", "up": True, "models": ["qwen3.5-9b"],
          "model": "/models/Qwen3.5-9B-4bit", "queue_depth": 2, "in_flight": 1,
          "max_concurrency": 1, "last_error": None, "footprint_bytes": 14_100_000_000,
+         "waited_n": 7, "waited_p50_s": 0.4, "waited_max_s": 75.0,
          "footprint_source": "measured", "memory_budget": 24_000_000_000,
          "cache": {"bytes_used": 1_240_000_000, "budget": 8_000_000_000, "entries": 3,
                    "checkpoints": 41, "hit_tokens_total": 183_420,
@@ -212,15 +214,17 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
         await runner.cleanup()
     q35 = [td.text for td in dom.one("tr", data_backend="q35").all("td")]
     assert q35[2] == "qwen3.5-9b/models/Qwen3.5-9B-4bit" and q35[3:5] == ["2", "1 / 1"]
-    assert q35[5] == "14.1 GB / 24.0 GBmeasured"
-    assert q35[6] == ("1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
+    assert q35[5] == "400 ms / 1.3 min"      # time behind others, last 7: median / worst
+    assert q35[6] == "14.1 GB / 24.0 GBmeasured"
+    assert q35[7] == ("1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
                       "disk 3.5 GB / 32.0 GB · 120 recordsmisses: 2 evicted")
-    assert q35[7] == ("2 conversations · 21,500 tokpredicted 52,000 / reported 51,200 cached"
+    assert q35[8] == ("2 conversations · 21,500 tokpredicted 52,000 / reported 51,200 cached"
                       " tok · 1 misslane-7f3a 18,000 toklane-11bc 3,500 tok")
     links = [a.attrs.get("href") for a in dom.one("tr", data_backend="q35").all("a")]
     assert links == ["#lane=lane-7f3a", "#lane=lane-11bc"]
     gone = [td.text for td in dom.one("tr", data_backend="gone").all("td")]
-    assert gone[1] == "failed" and gone[5] == "9.0 GB / 24.0 GBestimate · not loaded"
-    assert gone[6] == "—" and gone[7] == "—" and "out of memory" in gone[8]
+    assert gone[1] == "failed" and gone[5] == "—"    # no request served yet
+    assert gone[6] == "9.0 GB / 24.0 GBestimate · not loaded"
+    assert gone[7] == "—" and gone[8] == "—" and "out of memory" in gone[9]
     assert dom.one(id="model-memory").text.strip() == "models loaded: 14.1 GB of 24.0 GB (q35)"
     assert "detection is off" in dom.one(id="lanes-note").text

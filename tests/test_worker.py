@@ -334,7 +334,8 @@ async def test_cache_endpoint_counts_hits(client: TestClient) -> None:
     assert after["bytes_used"] <= after["bytes_budget"]
 
 
-async def test_concurrent_requests_take_turns(client: TestClient) -> None:
+async def test_concurrent_requests_decode_together_with_the_outputs_of_each_alone(
+        client: TestClient) -> None:
     bodies = [chat([{"role": "user", "content": f"Question {i}: the city river?"}],
                    max_tokens=24) for i in range(2)]
     solo = [(await post(client, b))["choices"][0]["message"]["content"] for b in bodies]
@@ -352,7 +353,8 @@ async def test_concurrent_requests_take_turns(client: TestClient) -> None:
 
     (a, ta), (b, tb) = await asyncio.gather(timed(bodies[0]), timed(bodies[1]))
     assert [a, b] == solo  # both answered, neither corrupted by the other
-    assert ta[-1] <= tb[0] or tb[-1] <= ta[0]  # one ran entirely before the other
+    # the default scheduler (max_active 4) decodes them together, a step each in turn
+    assert ta[0] < tb[-1] and tb[0] < ta[-1]
 
 
 async def test_client_disconnect_stops_generation(client: TestClient) -> None:

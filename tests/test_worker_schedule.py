@@ -23,7 +23,8 @@ LONG, SHORT = 3000, 12
 
 def _settings(max_active: int) -> WorkerSettings:
     return WorkerSettings(_env_file=None, max_tokens_default=6, use_system_blas=False,
-                          max_active=max_active, prefill_slice=64, checkpoint_interval=256)
+                          max_active=max_active, prefill_slice=64, prefill_slice_ms=0,
+                          checkpoint_interval=256)
 
 
 @pytest.fixture(scope="module", params=[1, 2])
@@ -90,3 +91,54 @@ async def test_a_cancelled_prefill_ends_within_a_slice(gen: Generator) -> None:
     if gen.settings.max_active == 2:
         assert end.finish_reason == "cancelled" and text == ""
     assert not gen._pending
+
+
+async def test_seeded_sampling_draws_the_same_tokens_interleaved(gen: Generator) -> None:
+    """Two seeded requests decoding together draw what each draws alone (each has its own
+    random key; MLX's global state would interleave their draws)."""
+    import asyncio
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (20, 30)]
+
+    def sampled(tokens: list[int], namespace: str) -> Job:
+        return gen.submit(Prompt(tokens, []), Sampling(temperature=1.5, seed=1234), 12,
+                          namespace=namespace)
+
+    alone = [(await _collect(sampled(p, "seed-alone"), "x", []))[0] for p in prompts]
+    together = await asyncio.gather(*(_collect(sampled(p, "seed-together"), f"j{i}", [])
+                                      for i, p in enumerate(prompts)))
+    assert [t for t, _ in together] == alone
+    assert alone[0] and alone[1]
+
+
+async def test_time_behind_others_is_reported(gen: Generator) -> None:
+    """`queue` (waiting to start) and `paused` (started, while others' passes ran): with 2
+    active the long job is paused at least for the short one's own passes; serial, the short
+    one queues at least for the long one's prefill."""
+    import asyncio
+
+    long, short = _prompts()
+    jobs = [_submit(gen, [9, *long], "behind"), _submit(gen, [9, *short], "behind")]
+    (_, lend), (_, send) = await asyncio.gather(_collect(jobs[0], "long", []),
+                                                _collect(jobs[1], "short", []))
+    assert lend.prefixd is not None and send.prefixd is not None
+    lt, st = lend.prefixd["timings_ms"], send.prefixd["timings_ms"]
+    if gen.settings.max_active == 2:
+        assert lt["paused"] >= st["prefill"] + st["first_token"] > 0
+    else:
+        assert lt["paused"] == st["paused"] == 0
+        assert st["queue"] >= lt["prefill"] > 0
+
+
+async def test_a_state_call_runs_between_passes(gen: Generator) -> None:
+    """An export or import (`Generator.call`) does not wait for every running job to end:
+    with 2 active it runs between two passes of a long prefill; serial, after the job."""
+    import asyncio
+
+    long, _ = _prompts()
+    job = _submit(gen, [11, *long], "call")
+    waiter = asyncio.ensure_future(_collect(job, "long", []))
+    under_way = await gen.call(lambda engine: job in gen._pending)   # on the thread
+    _, end = await waiter
+    assert under_way == (gen.settings.max_active == 2) and end.finish_reason == "length"

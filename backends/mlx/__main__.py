@@ -27,6 +27,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
+from prefixd.backends.mlx.follower import is_follower
+from prefixd.backends.mlx.follower import serve as follower_serve
 from prefixd.backends.mlx.generation import Generator
 from prefixd.backends.mlx.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -90,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                         format=stamp + "%(levelname)s %(name)s: %(message)s")
     parent = follow_parent()
     spec = args.model or settings.default_model
+    if is_follower():               # a group worker's rank > 0: no HTTP, the leader's journal
+        rc = follower_serve(settings, spec)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     name = args.served_name or (Path(spec).name if "/" in spec else spec)
     generator = Generator(settings)
     rc, drained = asyncio.run(_serve(args, settings, generator, spec, name, parent))

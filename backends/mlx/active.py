@@ -5,12 +5,15 @@ Owns: a job's sampler and grammar mask, its `engine.Turn` (its own stats and sto
 jobs under way together do not clobber each other), its end (`Finished` with the per-turn
 breakdown and the restorable digest, or `Failed`). Driven to its end at once (max_active 1,
 `generation.Generator._run`) or a pass at a time among others (`schedule.drive`); the same
-code either way.
+code either way. Each pass runs on two decisions taken before it (`step`): its prefill size
+and whether the job stops; a group worker's leader sends them to its followers (`journal`),
+whose copy of the job replays them (`follower.py`), so every rank runs the same passes.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -31,9 +34,12 @@ class Active:
     Nothing runs until the first `advance`, which restores and runs the first prefill pass."""
 
     def __init__(self, loaded: Loaded, grammars: GrammarTokenizers, job: Job,
-                 slicer: Callable[[], int] | None, end: Callable[[Job, Event], None]) -> None:
+                 slicer: Callable[[], int] | None, end: Callable[[Job, Event], None],
+                 journal: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.loaded, self.grammars, self.job, self._end = loaded, grammars, job, end
-        self.turn = Turn(slicer)
+        self.slicer, self.journal = slicer, journal
+        self.pass_tokens, self.stopping = sys.maxsize, False   # this pass's decisions
+        self.turn = Turn(lambda: self.pass_tokens)
         self.steps: Generator[int | None, None, None] | None = None
         self.n, self.finish, self.t0 = 0, "length", time.perf_counter()
 
@@ -44,6 +50,15 @@ class Active:
     def advance(self) -> bool:
         """One forward pass; True once the job has ended (its last event sent). Never
         raises: a failure ends the job with `Failed`."""
+        return self.step(self.slicer() if self.slicer else sys.maxsize, self.job.cancelled)
+
+    def step(self, tokens: int, stop: bool) -> bool:
+        """`advance` with its decisions given: a prefill pass of at most `tokens`, and whether
+        the job stops (its client left) before it. Journaled first (a group's followers
+        replay them)."""
+        self.pass_tokens, self.stopping = tokens, stop
+        if self.journal is not None:
+            self.journal({"op": "step", "job": self.job.id, "tokens": tokens, "stop": stop})
         try:
             if not self._step():
                 return False
@@ -58,12 +73,8 @@ class Active:
         return True
 
     def _begin(self) -> Generator[int | None, None, None]:
-        import mlx.core as mx
-
         engine, tokenizer, job = self.loaded.engine, self.loaded.tokenizer, self.job
         s = job.sampling
-        if s.seed is not None:
-            mx.random.seed(s.seed)
         mask = None if s.constraint is None else grammar_mask(
             s.constraint, self.grammars, tokenizer, self.loaded.renderer.tool_format(),
             job.prompt.tokens)
@@ -73,13 +84,16 @@ class Active:
         self.eos = tokenizer.eos_token_ids
         return engine.steps(job.prompt.tokens, sampler=self.tap or sampler,
                             logits_processors=processors or None, max_tokens=job.max_tokens,
-                            boundaries=job.prompt.boundaries, should_stop=job._cancel.is_set,
+                            boundaries=job.prompt.boundaries, should_stop=self._stopping,
                             namespace=job.namespace, turn=self.turn)
+
+    def _stopping(self) -> bool:
+        return self.stopping
 
     def _step(self) -> bool:
         """One step of the Engine; True when the job is done."""
         if self.steps is None:
-            if self.job.cancelled:
+            if self.stopping:
                 self.finish = "cancelled"
                 return True
             self.steps = self._begin()
@@ -96,19 +110,19 @@ class Active:
         if self.text.stops.hit:
             self.finish = "stop"
             return True
-        return self.job.cancelled
+        return self.stopping
 
     def _result(self) -> Finished:
         job = self.job
         if self.steps is None:     # cancelled before it started
             return Finished("cancelled", 0, 0)
         self.steps.close()  # the Engine commits what is in the KV state on any exit
-        if job.cancelled:
+        if self.stopping:
             self.finish = "cancelled"
         else:
             self.text.finish()
         stats, n, finish = self.turn.stats, self.n, self.finish
-        before = {**job.prompt.timings, "queue": job.queue_s}
+        before = {**job.prompt.timings, "queue": job.queue_s, "paused": job.paused_s}
         turn = observe_turn(stats, before, digest(self.loaded.engine.store, self.turn.entry))
         cached = stats.cached_tokens if stats else 0
         prefill_s = stats.lookup_s + stats.restore_s + stats.prefill_s if stats else 0.0

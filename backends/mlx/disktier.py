@@ -170,6 +170,10 @@ class TierGlue:
     def prefilled(self, stats: PromptStats) -> None:
         self.tiers.rates.prefilled(stats.recomputed_tokens, stats.prefill_s)
 
+    def prefill_rate(self) -> float | None:
+        """The measured prefill rate, tokens/s (None before the first prefill)."""
+        return self.tiers.rates.prefill_tps
+
     # --- writing ----------------------------------------------------------------------------
     def committed(self, entry: Entry) -> None:
         self.tiers.committed(entry, now())

@@ -8,7 +8,10 @@ per-request `PromptStats`, and the face other workers' states come in and go out
 and cache metrics are `cachecounts.py`; policy (placement, lookup, budget) lives in
 `placement.py` and `store.py`; per-class cache handling in `snapshot.py`; the disk tier behind
 `disktier.py`. Called from one thread only (the worker's single-thread executor), so nothing
-here locks.
+here locks. In a group worker (`group.py`) every rank runs the same Engine calls in lockstep on
+its own layers; the values a rank computes from its layers alone (sizes, trimmability, whether
+a restore worked, what the start-up probes found) go through `agree` so every rank's store
+decides as the leader's, and the prefill passes have the same shapes on every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx import probe, snapshot
+from prefixd.backends.mlx.agree import SOLO, Solo
 from prefixd.backends.mlx.cachecounts import CacheCounts
 from prefixd.backends.mlx.disktier import DiskSpec, TierGlue
 from prefixd.backends.mlx.placement import prefill_plan
@@ -72,9 +76,11 @@ class Engine:
     """One model, one checkpoint store, one generation at a time."""
 
     def __init__(self, model: nn.Module, config: EngineConfig,
-                 disk: DiskSpec | None = None, model_id: str | None = None) -> None:
+                 disk: DiskSpec | None = None, model_id: str | None = None,
+                 agree: Solo = SOLO) -> None:
         self.model = model
         self.config = config
+        self.agree = agree
         # what identifies the model's weights (`disktier.model_fingerprint`): states move
         # only between workers of the same one (`bundle.py`)
         self.model_id = model_id or (disk.model_id if disk else None)
@@ -87,18 +93,29 @@ class Engine:
             self.counts.fallback("kv_quant_unsupported")
         template = self.fresh_cache()
         self._unsupported = snapshot.unsupported(template)
+        if agree.any(bool(self._unsupported)) and not self._unsupported:
+            self._unsupported = "another rank of the group holds a cache it cannot snapshot"
         if self._unsupported:
             log.warning("prompt cache disabled for this model: %s; every prompt is prefilled "
                         "cold", self._unsupported)
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
+        # checkpoints are taken (at the same positions on every rank of a group)
+        self._checkpoints = agree.any(bool(self._snap_idx))
         # Windows as the only snapshotted layers: a checkpoint below the window trims back.
-        self._trim_below = snapshot.trimmable_below(template, self._snap_idx)
-        self.inpass = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
-                                          config.checkpoint_inpass)
-        self.interval, self.interval_choice = probe.pick_interval(
-            model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
-            budget=config.cache_bytes, chunk=config.prefill_chunk,
-            by_cost=config.checkpoint_interval_policy == "cost" and self.inpass is None)
+        self._trim_below = agree.min(snapshot.trimmable_below(template, self._snap_idx))
+        if agree.distributed:   # no timed probes, no in-pass capture: the same passes everywhere
+            self.inpass, self.interval_choice = None, None
+            self.interval = probe.group_interval(
+                model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
+                budget=config.cache_bytes, chunk=config.prefill_chunk, agree=agree)
+            self.reference_leaves()
+        else:
+            self.inpass = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
+                                              config.checkpoint_inpass)
+            self.interval, self.interval_choice = probe.pick_interval(
+                model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
+                budget=config.cache_bytes, chunk=config.prefill_chunk,
+                by_cost=config.checkpoint_interval_policy == "cost" and self.inpass is None)
         # estimated size of one checkpoint
         self.checkpoint_bytes = (self.interval_choice.checkpoint_bytes if self.interval_choice
                                  else None)
@@ -143,11 +160,15 @@ class Engine:
         self.tiers.used(match.entry)
         snap = match.checkpoint.payload if match.checkpoint else None
         try:
-            cache = snapshot.restore(match.entry.payload, snap, match.pos)
+            cache: list[Any] | None = snapshot.restore(match.entry.payload, snap, match.pos)
         except Exception:
             log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
-            self.counts.fallback("restore_error")
-            stats.fallback = "restore_error"
+            cache = None
+        # a group restores on every rank or on none: a rank that cannot makes the request cold
+        if not self.agree.all(cache is not None) or cache is None:
+            reason = "restore_error" if cache is None else "group_restore_error"
+            self.counts.fallback(reason)
+            stats.fallback = reason
             return self.fresh_cache(), 0
         stats.restore_s = time.perf_counter() - t1
         return cache, match.pos
@@ -269,7 +290,7 @@ class Engine:
     def _plan(self, n: int, start: int, boundaries: Sequence[int]) -> tuple[dict[int, bool], int]:
         """`placement.prefill_plan`. All-KV models take no checkpoints (the entry's KV trims
         to any prefix): their prefill is cut only by `prefill_chunk`."""
-        if not self._snap_idx:
+        if not self._checkpoints:
             return {}, n - 1
         return prefill_plan(n, start, boundaries, self.interval, self.config.checkpoint_tail,
                             trim_below=self._trim_below)
@@ -286,11 +307,15 @@ class Engine:
                 payload, size = snapshot.take(run.cache, self._snap_idx)
             else:
                 size = snapshot.payload_bytes(payload)
-            if self.store.add_checkpoint(entry, pos, payload, size, interval=interval,
-                                         trimmable=snapshot.snapshot_trimmable(payload)):
+            size = self.agree.max(size)    # a group budgets its largest rank's bytes
+            if self.store.add_checkpoint(
+                    entry, pos, payload, size, interval=interval,
+                    trimmable=self.agree.all(snapshot.snapshot_trimmable(payload))):
                 stats.checkpoints += 1
                 stats.checkpoint_bytes += size
         except Exception:
+            if self.agree.distributed:     # the ranks' stores would part: the group stops
+                raise
             log.exception("checkpoint at %d failed; continuing without it", pos)
             self.counts.fallback("checkpoint_error")
         stats.checkpoint_s += time.perf_counter() - t0
@@ -319,19 +344,23 @@ class Engine:
                 self.store.discard(entry)
                 return
             snapshot.trim_padding(run.cache)     # stored (and budgeted) without spare capacity
-            if self.store.finish(entry, run.tokens, run.cache, snapshot.nbytes(run.cache),
-                                 snapshot.trimmable(run.cache), self._end_snapshot):
+            if self.store.finish(entry, run.tokens, run.cache,
+                                 self.agree.max(snapshot.nbytes(run.cache)),
+                                 self.agree.all(snapshot.trimmable(run.cache)),
+                                 self._end_snapshot):
                 self.tiers.committed(entry)
         except Exception:
+            if self.agree.distributed:
+                raise
             log.exception("storing this request's prompt cache failed; the reply is unaffected")
             self.counts.fallback("commit_error")
             self.store.discard(entry)
 
     def _end_snapshot(self, entry: Entry) -> tuple[Any, int, bool] | None:
-        if not self._snap_idx:
+        if not self._checkpoints:
             return None
         payload, size = snapshot.take(entry.payload, self._snap_idx)
-        return payload, size, snapshot.snapshot_trimmable(payload)
+        return payload, self.agree.max(size), self.agree.all(snapshot.snapshot_trimmable(payload))
 
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""

@@ -7,24 +7,31 @@ Engine and its checkpoint store need no locks. It runs `Job`s (`jobs.py`: a prom
 out, a cancel flag polled between forward passes) as `active.Active`s: with max_active 1 one at
 a time to its end (the executor's FIFO is the request queue); with more, one `schedule.drive`
 loop on the same thread interleaves up to max_active of them a forward pass at a time (its
-inbox is the queue; other calls on the thread wait until it has run every job). It hands the
-disk tier the writes that fall due while no request runs. Nothing here speaks HTTP: failures
-are `Failed` events or `WorkerClosed`, which `worker.py` and `respond.py` turn into responses.
+inbox is the queue; a `call`, a state export or import, runs between two of its passes). It
+hands the disk tier the writes that fall due while no request runs. Nothing here speaks HTTP:
+failures are `Failed` events or `WorkerClosed`, which `worker.py` and `respond.py` turn into
+responses. A group worker's leader (`group.py`) journals every job it starts and every pass it
+runs to its followers, which replay them (`follower.py`); a sampled request without a seed gets
+one from the leader, so every rank draws the same tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from prefixd.backends.mlx.active import Active
 from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.follower import job_record
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
+from prefixd.backends.mlx.group import Leader
 from prefixd.backends.mlx.jobs import Event, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import mlx_memory
@@ -48,9 +55,13 @@ class Generator:
         self._pending: set[Job] = set()  # submitted and not finished; all cancelled on close
         self._lock = threading.Lock()    # max_active > 1: the scheduler's inbox
         self._inbox: list[Job] = []
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []  # for the drive loop
         self._driving = False            # a `_drive` loop is queued or running
         self._ticker: asyncio.Task[None] | None = None
         self.grammars = GrammarTokenizers()  # structured output's view of the tokenizer
+        self.leader: Leader | None = None    # a group worker's rank 0 (settings.group_hosts)
+        self.ranks: list[dict[str, Any]] = []  # its followers, as last asked (cache_info)
+        self._ids = 0
 
     async def load(self, spec: str) -> Loaded:
         """Load the model and build the Engine on the generation thread; then keep submitting
@@ -107,7 +118,12 @@ class Generator:
         return self._executor.submit(self._load, spec).result()
 
     def _load(self, spec: str) -> Loaded:
-        self.loaded = load(self.settings, spec)
+        agree = None
+        if len(self.settings.group_hosts) > 1:
+            self.leader = Leader(self.settings.group_hosts, ["--model", spec],
+                                 self.settings.group_port)
+            agree = self.leader.start()
+        self.loaded = load(self.settings, spec, *([agree] if agree else []))
         self.cache_info = self.loaded.engine.cache_info()
         self.memory = mlx_memory()
         return self.loaded
@@ -124,7 +140,11 @@ class Generator:
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 job.cancel()
 
-        job = Job(prompt, sampling, max_tokens, logprobs, emit, queue, namespace=namespace)
+        if self.leader is not None and sampling.temperature > 0 and sampling.seed is None:
+            sampling = replace(sampling, seed=secrets.randbits(63))   # the same on every rank
+        self._ids += 1
+        job = Job(prompt, sampling, max_tokens, logprobs, emit, queue, namespace=namespace,
+                  id=self._ids)
         self._pending.add(job)
         try:
             if self.settings.max_active == 1:
@@ -151,6 +171,13 @@ class Generator:
             finally:
                 self.cache_info = engine.cache_info()
 
+        between: Future[Any] = Future()
+        with self._lock:           # a drive loop under way runs it between two passes
+            queued = self._driving
+            if queued:
+                self._calls.append((run, between))
+        if queued:
+            return await asyncio.wrap_future(between)
         try:
             future = asyncio.get_running_loop().run_in_executor(self._executor, run)
         except RuntimeError:  # the executor is shut down
@@ -177,21 +204,34 @@ class Generator:
         engine, s = self.loaded.engine, self.settings
         plan = Schedule(s.max_active, s.prefill_slice, s.prefill_chunk,
                         int(s.active_kv_share * engine.config.cache_bytes),
-                        kv_bytes_per_token(engine.reference_leaves()))
+                        kv_bytes_per_token(engine.reference_leaves()), s.prefill_slice_ms,
+                        engine.tiers.prefill_rate)
         drive(plan, self._take, self._start,
               lambda job: self._end(job, Finished("cancelled", 0, 0)))
 
     def _take(self, idle: bool) -> list[Job] | None:
+        """The drive loop's inbox, between two passes: run the calls waiting, hand over the
+        jobs submitted (None, and the loop ends, when it is idle and nothing came)."""
         with self._lock:
             jobs, self._inbox = self._inbox, []
-            if idle and not jobs:
+            calls, self._calls = self._calls, []
+            if idle and not jobs and not calls:
                 self._driving = False
                 return None
-            return jobs
+        for run, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(run())
+                except BaseException as e:  # the caller's to handle (as run_in_executor does)
+                    future.set_exception(e)
+        return jobs
 
     def _start(self, job: Job, slicer: Callable[[], int] | None) -> Active:
         assert self.loaded is not None
-        return Active(self.loaded, self.grammars, job, slicer, self._end)
+        journal = self.leader.send if self.leader is not None else None
+        if journal is not None:
+            journal(job_record(job))
+        return Active(self.loaded, self.grammars, job, slicer, self._end, journal)
 
     def _end(self, job: Job, result: Event) -> None:
         """Always the end of a job's events (`Finished` or `Failed`), so no handler waits
@@ -213,6 +253,9 @@ class Generator:
                     engine.write_due()
                 self.cache_info = engine.cache_info()
                 self.memory = mlx_memory()
+                if self.leader is not None:
+                    self.ranks = [{**rank, **answer} for rank, answer in zip(
+                        self.leader.ranks(), self.leader.ask({"op": "info"}), strict=True)]
         except Exception:
             log.exception("worker: Engine.cache_info() failed")
 
@@ -229,6 +272,8 @@ class Generator:
 
     def close(self) -> None:
         self.cancel_all()
+        if self.leader is not None:
+            self.leader.close()
         if self._ticker is not None:
             self._ticker.cancel()
         if self.loaded is not None:  # stop the disk writer without waiting (persist waits)

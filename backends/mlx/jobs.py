@@ -54,8 +54,10 @@ class Job:
     _queue: asyncio.Queue[Event]
     _cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
-    queue_s: float = 0.0  # how long it waited for the generation thread
+    queue_s: float = 0.0   # how long it waited for the generation thread (to be admitted)
+    paused_s: float = 0.0  # admitted, how long other jobs' passes ran (max_active > 1)
     namespace: str = ""   # its cache partition (per-key isolation; "" shared)
+    id: int = 0           # the worker's number for it (a group's journal names jobs by it)
 
     def cancel(self) -> None:
         """Stop generating (idempotent; harmless once the job has finished)."""

@@ -1,6 +1,8 @@
 """Loading a model into the worker: resolving and converting it (`provision.py`), its Engine
 with the prompt cache's RAM budget and disk tier, and a warm-up pass. Runs on the generation
-thread (`generation.py`), which owns what it returns.
+thread (`generation.py`), which owns what it returns. In a group worker (`group.py`) every rank
+loads its shard (`distribute`: pipeline or tensor parallel, as mlx-lm provides them) and the
+same Engine, with the group's smallest RAM budget and no disk tier.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixd.backends.mlx.agree import SOLO, Solo
 from prefixd.backends.mlx.prompt import Renderer
 from prefixd.backends.mlx.settings import WorkerSettings
 
@@ -25,6 +28,7 @@ class Loaded:
     renderer: Renderer
     engine: Any
     max_context: int | None
+    parallel: str | None = None   # a group worker's split: pipeline or tensor
 
 
 def max_context(model: Any) -> int | None:
@@ -37,25 +41,62 @@ def max_context(model: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def load(settings: WorkerSettings, spec: str) -> Loaded:
-    """Resolve and load `spec`, build its Engine (RAM and disk budgets), warm it up."""
+def load(settings: WorkerSettings, spec: str, agree: Solo = SOLO) -> Loaded:
+    """Resolve and load `spec` (this rank's shard of it, in a group), build its Engine (RAM
+    and disk budgets), warm it up."""
     from prefixd.backends.mlx.engine import Engine, EngineConfig
     from prefixd.backends.mlx.provision import load_model, resolve_model
 
     target = resolve_model(spec, settings.cache_dir, progress=log.info)
     dequantize = wants_dequantize(settings.dequantize, spec)
+    group, mode = getattr(agree, "group", None), None
     model, tokenizer = load_model(target, settings.cache_dir, progress=log.info,
-                                  dequantize=dequantize)
+                                  dequantize=dequantize and group is None,
+                                  **({"lazy": True} if group is not None else {}))
+    if group is not None:
+        mode = distribute(model, group, settings.parallel)
+        if dequantize:
+            from prefixd.backends.mlx.provision import dequantize_model
+
+            dequantize_model(model)
+        log.info("worker: rank %d of %d holds its %s-parallel shard", agree.rank, agree.size,
+                 mode)
     from prefixd.backends.mlx.disktier import model_fingerprint
 
     model_id = model_fingerprint(target, dequantize)
-    engine = Engine(model, EngineConfig.from_settings(settings, cache_bytes=ram_budget(settings)),
-                    disk_spec(settings, model_id), model_id)
+    disk = None if agree.distributed else disk_spec(settings, model_id)
+    if agree.distributed and settings.disk_cache_bytes != 0:
+        log.warning("worker: a group worker keeps its prompt cache in RAM only (no disk tier "
+                    "yet: docs/DISTRIBUTED.md)")
+    engine = Engine(model, EngineConfig.from_settings(
+        settings, cache_bytes=agree.min(ram_budget(settings))), disk, model_id, agree)
     warm_up(model, engine.fresh_cache(), tokenizer)
-    loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model))
+    loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model), mode)
     log.info("worker: model %s loaded (%s, max context %s)", spec,
              type(model).__module__.rsplit(".", 1)[-1], loaded.max_context)
     return loaded
+
+
+def distribute(model: Any, group: Any, parallel: str) -> str:
+    """Keep this rank's shard of `model` (loaded lazily) and load its weights: "pipeline"
+    (consecutive layers per rank; mlx-lm's `pipeline`), "tensor" (every layer's heads split;
+    its `shard`), or "auto" (pipeline where the architecture has it, else tensor)."""
+    import mlx.core as mx
+
+    inner: Any = getattr(model, "model", None)
+    can = {"pipeline": hasattr(inner, "pipeline"), "tensor": hasattr(model, "shard")}
+    mode = parallel if parallel != "auto" else ("pipeline" if can["pipeline"] else "tensor")
+    if not can.get(mode):
+        offered = [m for m, ok in can.items() if ok] or ["none"]
+        raise ValueError(f"{type(model).__module__} cannot run {mode}-parallel in this mlx-lm "
+                         f"(it offers: {', '.join(offered)})")
+    if mode == "pipeline":
+        inner.pipeline(group)
+    else:
+        model.shard(group)
+    mx.eval(model.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # all loaded
+    return mode
 
 
 def ram_budget(settings: WorkerSettings) -> int:
@@ -110,6 +151,7 @@ def warm_up(model: Any, cache: list[Any], tokenizer: Any) -> None:
 
     try:
         logits = model(mx.array([[0] * 16]), cache=cache)[:, -1, :]
+        mx.eval(logits)   # one forward pass per graph (a group's ranks meet in each)
         lp = logits - mx.logsumexp(logits, keepdims=True)
         token = mx.array([0])
         for sampler in (make_sampler(0.0), make_sampler(0.7, 0.95, 0.05, top_k=20)):

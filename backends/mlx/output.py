@@ -27,17 +27,49 @@ def sampling_functions(s: Sampling, vocab: int, grammar: Any = None
     """mlx-lm's sampler and logits processors, then `grammar` (structured output's mask,
     `grammar_run.py`) last, so no bias or penalty can bring back a token it forbids. A `top_k`
     of the vocabulary's size or more keeps every token (mlx-lm raises on it, inside its
-    compiled sampler)."""
+    compiled sampler). A request with a `seed` samples from its own random key
+    (`SeededSampler`), so jobs interleaved on the thread cannot change each other's draws."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     top_k = s.top_k if 0 < s.top_k < vocab else 0
-    sampler = make_sampler(s.temperature, s.top_p, s.min_p, top_k=top_k)
+    sampler: Callable[[Any], Any] = make_sampler(s.temperature, s.top_p, s.min_p, top_k=top_k)
+    if s.seed is not None and s.temperature > 0:
+        sampler = SeededSampler(s, top_k, s.seed)
     processors = make_logits_processors(
         s.logit_bias, s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty)
     if grammar is not None:
         processors.append(grammar)
     return sampler, processors
+
+
+class SeededSampler:
+    """mlx-lm's sampling chain (top-p, min-p, top-k, then a categorical draw at the
+    temperature) with the job's own key instead of MLX's global random state: split once per
+    token exactly as the global state is, so a seeded request draws the tokens it would
+    alone (and as it did when the worker reseeded the global state) however many jobs run
+    between its steps."""
+
+    def __init__(self, s: Sampling, top_k: int, seed: int) -> None:
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self.methods: list[Callable[[Any], Any]] = []
+        if 0 < s.top_p < 1.0:
+            self.methods.append(lambda x: apply_top_p(x, s.top_p))
+        if s.min_p != 0.0:
+            self.methods.append(lambda x: apply_min_p(x, s.min_p))
+        if top_k > 0:
+            self.methods.append(lambda x: apply_top_k(x, top_k))
+        self.scale, self.key = 1.0 / s.temperature, mx.random.key(seed & 0xFFFFFFFFFFFFFFFF)
+
+    def __call__(self, logprobs: Any) -> Any:
+        import mlx.core as mx
+
+        for method in self.methods:
+            logprobs = method(logprobs)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * self.scale, key=draw)
 
 
 class LogprobTap:

@@ -131,3 +131,17 @@ def pick_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[in
         return auto_interval(0, budget), None  # no checkpoints are ever stored
     choice = choose_interval(model, fresh, snap_idx, budget, chunk, by_cost)
     return choice.interval, choice
+
+
+def group_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...], *,
+                   fixed: int | None, budget: int, chunk: int, agree: Any) -> int:
+    """A group worker's interval (`agree.Ring`): the same on every rank, with the same forward
+    pass on each whatever its layers, and no timing: by bytes, from the rank whose checkpoint
+    is largest."""
+    if fixed is not None:
+        return fixed
+    probe = fresh()
+    mx.eval(model(mx.array([[0]]), cache=probe))
+    snapshot.evaluate(probe)
+    size = agree.max(snapshot.checkpoint_bytes(probe, snap_idx, chunk) if snap_idx else 0)
+    return auto_interval(size, budget)

@@ -14,11 +14,16 @@ Policy, between passes:
 - aging: a job that other jobs' passes skipped `AGE_LIMIT` times in a row runs next (the most
   skipped first). So between two passes of an admitted job there are at most
   `AGE_LIMIT + max_active - 1` passes of other jobs: nobody starves;
-- a prefill pass is `prefill_slice` tokens while any other job is admitted or waiting, and a
-  whole `prefill_chunk` when the job is alone. A paused prefill keeps its live cache as it is
+- a prefill pass is a slice while any other job is admitted or waiting, and a whole
+  `prefill_chunk` when the job is alone. A slice is `prefill_slice_ms` of prefill at the
+  worker's measured prefill rate (`prefill_slice` tokens until one is measured), at least
+  `MIN_SLICE` tokens and at most a chunk: a waiting request's extra wait is one slice's time,
+  whatever the model and machine. A paused prefill keeps its live cache as it is
   (nothing is recomputed or copied), and its checkpoints land where they would unpaused
   (placement is by position, `run.Run.prefill_passes`);
-- a cancelled job stops within one pass (its Engine generator commits what it computed).
+- a cancelled job stops within one pass (its Engine generator commits what it computed);
+- a job's time admitted but paused while other jobs' passes ran is its `paused_s`, reported
+  beside its `queue_s` (time waiting to be admitted): together, its time behind others.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, Protocol
 from prefixd.backends.mlx.jobs import Job
 
 AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
+MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
 
 
 class Task(Protocol):
@@ -64,10 +70,12 @@ class Schedule:
     """Pure policy over waiting and admitted jobs (no threads, no mlx)."""
 
     def __init__(self, max_active: int, prefill_slice: int, prefill_chunk: int,
-                 active_kv_bytes: int, kv_bytes_per_token: int) -> None:
+                 active_kv_bytes: int, kv_bytes_per_token: int, slice_ms: float = 0.0,
+                 prefill_rate: Callable[[], float | None] = lambda: None) -> None:
         self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
         self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
             kv_bytes_per_token
+        self.slice_ms, self.rate = slice_ms, prefill_rate
         self.waiting: deque[Job] = deque()
         self.active: list[Slot] = []
         self.tick = 0
@@ -88,7 +96,8 @@ class Schedule:
         """Admit waiting jobs in order while they fit (count and live-cache bytes)."""
         out: list[Slot] = []
         while self.waiting and len(self.active) < self.max_active:
-            cost = len(self.waiting[0].prompt.tokens) * self.per_token
+            job = self.waiting[0]
+            cost = (len(job.prompt.tokens) + job.max_tokens) * self.per_token
             used = sum(s.kv_bytes for s in self.active)
             if self.active and used + cost > self.kv_budget:
                 break
@@ -113,7 +122,12 @@ class Schedule:
 
     def slice(self) -> int:
         """Tokens of the next prefill pass: a slice when anything else is admitted or waits."""
-        return self.slice_tokens if len(self.active) + len(self.waiting) > 1 else self.chunk
+        if len(self.active) + len(self.waiting) <= 1:
+            return self.chunk
+        rate = self.rate() if self.slice_ms > 0 else None
+        if not rate:
+            return self.slice_tokens
+        return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
 
     def remove(self, slot: Slot) -> None:
         self.active.remove(slot)
@@ -141,7 +155,12 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         slot = schedule.pick()
         if slot.task is None:
             slot.task = start(slot.job, schedule.slice)
+        t0 = time.perf_counter()
         done = slot.task.advance()
+        spent = time.perf_counter() - t0
+        for other in schedule.active:
+            if other is not slot:
+                other.job.paused_s += spent
         schedule.ran(slot)
         if done:
             schedule.remove(slot)

@@ -11,6 +11,11 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Requests a worker runs together by default (a managed backend's default max_concurrency):
+# an agent's main turn, its title call and a couple of sub-agents; their live caches are
+# bounded by active_kv_share, and memory for the forward pass stays that of one pass.
+DEFAULT_ACTIVE = 4
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -67,19 +72,39 @@ class WorkerSettings(BaseSettings):
                                  "before the prompt end (besides the end itself).")
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
                                "per step.")
-    max_active: int = Field(1, ge=1, description="Worker: jobs under way at once. 1: one job "
-                            "at a time, to its end, in arrival order. More: the worker "
+    max_active: int = Field(DEFAULT_ACTIVE, ge=1, description="Worker: jobs under way at "
+                            "once (a managed worker: its backend's max_concurrency). More "
+                            "than 1: the worker "
                             "interleaves them one forward pass at a time (a prefill slice or a "
                             "decode step), so a short request does not wait behind a long "
-                            "prefill (docs/CHECKPOINTS.md, Scheduling).")
-    prefill_slice: int = Field(256, ge=16, description="Worker (max_active > 1): prefill this "
-                               "many tokens per pass while other jobs wait (a job alone takes "
-                               "whole prefill_chunk passes).")
+                            "prefill, and memory stays that of one pass plus the jobs' caches "
+                            "(docs/CHECKPOINTS.md, Scheduling). 1: one job at a time, to its "
+                            "end, in arrival order.")
+    prefill_slice_ms: float = Field(
+        250.0, ge=0, description="Worker (max_active > 1): while other jobs wait, prefill in "
+        "slices of about this many milliseconds, sized from the measured prefill rate (at "
+        "least 32 tokens, at most prefill_chunk; a job alone takes whole prefill_chunk "
+        "passes). A request arriving during a long prefill waits about one slice. 0: slices "
+        "of prefill_slice tokens.")
+    prefill_slice: int = Field(256, ge=16, description="Worker (max_active > 1): the slice in "
+                               "tokens until a prefill rate is measured (or always, with "
+                               "prefill_slice_ms 0).")
     active_kv_share: float = Field(
         0.5, gt=0, description="Worker (max_active > 1): admit another job only while the "
-        "estimated live KV caches of the admitted jobs (prompt tokens x the model's KV bytes "
-        "per token) fit this share of cache_bytes; a job that does not fit waits (one job "
-        "alone always runs).")
+        "estimated live KV caches of the admitted jobs ((prompt tokens + max_tokens) x the "
+        "model's KV bytes per token) fit this share of cache_bytes; a job that does not fit "
+        "waits (one job alone always runs).")
+    group_hosts: list[str] = Field(
+        default_factory=list, description="Worker: run as a group of this many ranks on MLX's "
+        "distributed runtime (ring backend), one per host, this process (rank 0) on the first: "
+        "e.g. [\"127.0.0.1\", \"127.0.0.1\"], or [\"10.0.0.1\", \"10.0.0.2\"] (other hosts "
+        "over ssh, the same interpreter path; docs/DISTRIBUTED.md). Empty or one: one process.")
+    parallel: Literal["auto", "pipeline", "tensor"] = Field(
+        "auto", description="Worker (group): how the model is split: pipeline (consecutive "
+        "layers per rank), tensor (every layer's heads), auto (pipeline where mlx-lm has it).")
+    group_port: int = Field(32323, ge=1024, le=65000, description="Worker (group): the ring's "
+                            "first port on other hosts (rank r listens on group_port + r; "
+                            "loopback ranks take free ports).")
     max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
                                     "request gives none.")
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "

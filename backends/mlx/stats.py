@@ -7,7 +7,9 @@ restore of the request's tokens, from `restorable.py`), the stage histograms, an
 line. Stages, in request order:
 
 - `template`, `tokenize`, `boundaries`: building the prompt (beside generation, on a thread);
-- `queue`: waiting for the generation thread (another request was running);
+- `queue`: waiting for the generation thread (another request was running), `paused`: with
+  max_active > 1, admitted but paused while other requests' forward passes ran (between its
+  own, until its end): `queue` + `paused` is its time behind others;
 - `lookup`, `restore`: finding the cached prefix and rebuilding the live cache from it;
 - `prefill`: the forward passes over the prompt tokens not cached (`prefill_segments`: tokens
   and milliseconds of each pass), `checkpoint`: taking checkpoints between them;
@@ -25,7 +27,7 @@ from prefixd.metrics import worker as metrics
 
 log = logging.getLogger("prefixd.worker.cache")
 
-STAGES = ("template", "tokenize", "boundaries", "queue", "lookup", "restore", "prefill",
+STAGES = ("template", "tokenize", "boundaries", "queue", "paused", "lookup", "restore", "prefill",
           "checkpoint", "first_token", "commit")
 
 

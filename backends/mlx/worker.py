@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -206,9 +207,20 @@ async def _cache(request: web.Request) -> web.Response:
     resident memory now: the proxy's model pool measures a loaded model's footprint by it."""
     loaded = _loaded(request)
     generator = request.app[GENERATOR]
+    group = None if generator.leader is None else {
+        "hosts": generator.settings.group_hosts, "parallel": loaded.parallel,
+        "ranks": [{"rank": 0, "host": generator.settings.group_hosts[0], "pid": os.getpid(),
+                   "memory": memory_info(generator.memory)}, *generator.ranks]}
     return web.json_response({**generator.cache_info, "disk": loaded.engine.tiers.info(),
-                              "worker": dict(generator.stats),
+                              "worker": dict(generator.stats), "group": group,
                               "memory": memory_info(generator.memory)})
+
+
+def _single(request: web.Request) -> None:
+    """Prefix states move between single-process workers only (for now: docs/DISTRIBUTED.md)."""
+    if request.app[GENERATOR].leader is not None:
+        raise ApiError(501, "a group worker does not export or import prefix states",
+                       type_="server_error", code="group_worker")
 
 
 async def _export(request: web.Request) -> web.Response:
@@ -216,6 +228,7 @@ async def _export(request: web.Request) -> web.Response:
     restores (RAM or disk), as a bundle (`bundle.py`) with `X-Prefixd-Tokens: <pos>` and, with
     a transfer secret, its MAC (`cacheio.signed`); 404 when it holds none. Runs on the
     generation thread, after the request in progress."""
+    _single(request)
     raw = await request.read()
     body = decode_json(raw)
     if not isinstance(body, dict):
@@ -238,6 +251,7 @@ async def _export(request: web.Request) -> web.Response:
 async def _import(request: web.Request) -> web.Response:
     """A signed bundle another worker of this model exported → stored in this worker's prompt
     cache, or refused with a named 4xx before anything is stored (`cacheio.py`)."""
+    _single(request)
     return await cacheio.import_state(request, _loaded(request), request.app[GENERATOR],
                                       request.app[SETTINGS].transfer_secret)
 

@@ -26,7 +26,7 @@ from prefixd.api.errors import ApiError
 from prefixd.api.usage import Usage
 from prefixd.backends.base import Backend, BackendUnavailable
 from prefixd.metrics import proxy as m
-from prefixd.proxy.attempt import Attempt
+from prefixd.proxy.attempt import Attempt, TransferPlan
 from prefixd.proxy.queue import BackendQueue
 from prefixd.proxy.routing.index import Chain, PrefixIndex, Restorable
 from prefixd.proxy.routing.inflight import InFlight
@@ -166,21 +166,25 @@ class Router:
         return True
 
     # --- transfers and the prefix wait ----------------------------------------------------------
-    def transfer_plan(self, view: RouteView, target: str) -> tuple[str, int] | None:
-        """(source, tokens) when another worker of the model holds or is computing at least
+    def transfer_plan(self, view: RouteView, target: str) -> TransferPlan | None:
+        """The copy to make when another worker of the model holds or is computing at least
         `transfer_min_tokens` more of this request's prefix than `target` (both must move
         state: prefixd workers); None otherwise."""
         if not self.transfer_min_tokens or not view.chain.bounds or \
                 not self.backends[target].capabilities.moves_state:
             return None
-        have = {}
+        have, computing = {}, {}
         for n in self.index[view.model]:
             b = self.backends[n]
             if n == target or (b.capabilities.moves_state and b.status().up
                                and (n, target) not in self._incompatible):
-                have[n] = max(view.held.get(n, (0, False))[0],
-                              self._computing(view, n)[0])
-        return transfer_source(target, have, self.transfer_min_tokens)
+                held = view.held.get(n, (0, False))[0]
+                tokens, done = self._computing(view, n)
+                have[n] = max(held, tokens)
+                if tokens > held:
+                    computing[n] = done
+        plan = transfer_source(target, have, self.transfer_min_tokens)
+        return None if plan is None else TransferPlan(*plan, computing.get(plan[0]))
 
     def transferred(self, source: str, target: str, tokens: int,
                     incompatible: bool = False) -> None:
@@ -196,19 +200,21 @@ class Router:
         tokens, done = self.inflight.computing(name, view.chain)
         return round(tokens * self._scale.get(view.model, 1.0)), done
 
-    async def wait_for_prefix(self, view: RouteView, name: str) -> None:
-        """A llama-server (slots, several at once) computing a long prefix of this request
-        that it does not hold yet: wait (at most `prefix_wait_s`) until that request ends, so
-        this one restores the prefix from the server's RAM prompt cache instead of computing
-        it again in another slot (slots share no KV; an idle slot is saved when a task
-        starts)."""
-        if not self.prefix_wait_s or self.backends[name].slot_info() is None or \
-                self.queues[name].max_concurrency <= 1:
-            return
+    async def wait_for_prefix(self, view: RouteView, name: str) -> bool:
+        """A backend running several requests at once (a llama-server's slots, a prefixd
+        worker's scheduler) computing a long prefix of this request that it does not hold
+        yet: wait (at most `prefix_wait_s`) until that request ends, so this one restores the
+        prefix from the backend's cache instead of computing it again beside it (slots share
+        no KV; a worker's entry becomes restorable when its request ends). True if it
+        waited (what the backends hold has changed since `view`)."""
+        backend = self.backends[name]
+        if not self.prefix_wait_s or self.queues[name].max_concurrency <= 1 or \
+                (backend.slot_info() is None and backend.worker() is None):
+            return False
         tokens, done = self._computing(view, name)
         held = view.held.get(name, (0, False))[0]
         if done is None or tokens - held < (self.transfer_min_tokens or WAIT_MIN_TOKENS):
-            return
+            return False
         try:
             async with asyncio.timeout(self.prefix_wait_s):
                 await done.wait()
@@ -216,6 +222,7 @@ class Router:
         except TimeoutError:
             outcome = "timeout"
         m.PREFIX_WAITS.labels(name, outcome).inc()
+        return True
 
     # --- an attempt from start to end -----------------------------------------------------------
     async def begin(self, view: RouteView, attempt: Attempt, request_id: str) -> None:

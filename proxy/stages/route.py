@@ -36,9 +36,7 @@ class RouteStage:
         view = self.router.view(ex.model, prepared.lane if prepared is not None else None,
                                 boundaries(prepared.segments if prepared is not None else [],
                                            namespace=ex.namespace))
-        attempt = await self._attempts(ex, view)
-        if attempt.completed:
-            self.router.learn(view, attempt)
+        await self._attempts(ex, view)
         await call_next(ex)
 
     async def _attempts(self, ex: Exchange, view: RouteView) -> Attempt:
@@ -47,12 +45,14 @@ class RouteStage:
         restarted = False
         kept: Attempt | None = None
         while True:
-            attempt = await self._start(ex, view, refused, kept)
+            attempt, view = await self._start(ex, view, refused, kept)
             kept = None
             try:
                 await self.router.begin(view, attempt, ex.trace.request_id)
                 try:
                     await self._run_attempt(ex)
+                    if attempt.completed:   # learned before it ends: no request routed in
+                        self.router.learn(view, attempt)   # between sees neither
                 finally:
                     await self.router.end(attempt)
                 return attempt
@@ -74,12 +74,14 @@ class RouteStage:
                     attempt.release()
 
     async def _start(self, ex: Exchange, view: RouteView, refused: list[str],
-                     kept: Attempt | None) -> Attempt:
-        """The next attempt; `kept`: the one before, on the backend this one gets again (its
-        restarted worker), whose queue slot it takes over."""
+                     kept: Attempt | None) -> tuple[Attempt, RouteView]:
+        """The next attempt, and the request's view of the index for it (read again after
+        waiting for a prefix another request was computing: it is held now); `kept`: the
+        attempt before, on the backend this one gets again (its restarted worker), whose
+        queue slot it takes over."""
         decision = self.router.decide(view, exclude=refused)
-        if not refused:
-            await self.router.wait_for_prefix(view, decision.name)
+        if not refused and await self.router.wait_for_prefix(view, decision.name):
+            view = self.router.view(view.model, view.lane, view.chain)
         translator = ex.api.translator
         ex.attempt = Attempt(decision, self.router.backends[decision.name], view.model,
                              again=bool(refused) or kept is not None,
@@ -93,4 +95,4 @@ class RouteStage:
         report = ex.prepared.report if ex.prepared is not None else None
         if report is not None:
             report.predicted_cached_tokens = decision.predicted
-        return ex.attempt
+        return ex.attempt, view

@@ -1,19 +1,22 @@
 """transfer: before a prefixd worker serves a request, copy in the prefix state another worker
 of the same model holds or is computing (planned by the router as the attempt's `transfer`), so the
 prefix is computed once across workers instead of once per worker. Runs once the request has
-its slot (the target is idle), before it is sent; the export waits behind the source's
-request in progress, bounded by `PREFIXD_ROUTE_TRANSFER_TIMEOUT_S`. Any failure only costs the
+its slot, before it is sent; the copy waits for the source's request computing the prefix to
+end (a worker exports what its finished requests left), all bounded by
+`PREFIXD_ROUTE_TRANSFER_TIMEOUT_S`. Any failure only costs the
 copy: the request is then served as it would have been without it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
 from prefixd.backends.base import BackendError, BackendUnavailable
 from prefixd.backends.worker_api import move_state
 from prefixd.metrics import proxy as m
-from prefixd.proxy.attempt import Attempt
+from prefixd.proxy.attempt import Attempt, TransferPlan
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.routing.router import Router
 from prefixd.proxy.stages import Next
@@ -31,20 +34,24 @@ class TransferStage:
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.attempt is not None
         if ex.attempt.transfer is not None:
-            await self._move(ex, ex.attempt, *ex.attempt.transfer)
+            await self._move(ex, ex.attempt, ex.attempt.transfer)
         await call_next(ex)
 
-    async def _move(self, ex: Exchange, attempt: Attempt, source: str, expected: int) -> None:
-        target = attempt.backend
+    async def _move(self, ex: Exchange, attempt: Attempt, plan: TransferPlan) -> None:
+        target, source, expected = attempt.backend, plan.source, plan.tokens
         try:
             await target.ensure_ready()
         except (BackendUnavailable, BackendError):
             return                       # the forward stage reports it
         t0 = time.monotonic()
+        if plan.computing is not None:   # the source's request computing it ends first
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.timeout_s):
+                    await plan.computing.wait()
+        left = max(0.1, self.timeout_s - (time.monotonic() - t0))
         # the request's cache partition on both ends (per-key isolation)
         moved = await move_state(self.router.backends[source].worker(), target.worker(),
-                                 forward_body(ex), self.timeout_s,
-                                 namespace_headers(ex, target))
+                                 forward_body(ex), left, namespace_headers(ex, target))
         m.TRANSFERS.labels(source, target.name, moved.outcome).inc()
         m.TRANSFER_SECONDS.labels(target.name).observe(time.monotonic() - t0)
         m.TRANSFER_BYTES.labels(target.name).inc(moved.nbytes)

@@ -3,7 +3,7 @@
 // No build step: an ES module the browser loads as is.
 
 import {
-  DASH, REUSING, el, num, plural, bytes, idle, sent,
+  DASH, REUSING, el, num, plural, bytes, idle, secs, sent,
   badge, verdicts, bars, meter, turnCard, ruleBook,
 } from "./render.js";
 
@@ -59,7 +59,10 @@ function cacheCell(c) {
       `${plural(count(c.checkpoints), "checkpoint")} · ${num(c.hit_tokens_total)} hit tok`),
     c.disk ? el("div", { class: "muted small" }, `disk ${bytes(c.disk.bytes_used)} / ` +
       `${bytes(c.disk.budget)} · ${plural(c.disk.records, "record")}`) : null,
-    misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null);
+    misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null,
+    c.group ? el("div", { class: "muted small" }, `group, ${c.group.parallel || DASH}-parallel: ` +
+      (c.group.ranks || []).map((r) => `rank ${r.rank} ${r.host} ` +
+        bytes((r.memory || {}).rss_bytes)).join(" · ")) : null);
 }
 
 // A managed model's footprint against the memory budget (estimated until its worker measured
@@ -107,6 +110,9 @@ function backendRow(b) {
       b.model && b.model !== models ? el("div", { class: "muted small" }, b.model) : null),
     el("td", { class: "num" }, num(b.queue_depth)),
     el("td", { class: "num" }, `${num(b.in_flight)} / ${num(b.max_concurrency)}`),
+    el("td", { class: "num", title: b.waited_n ? `time behind other requests, last ` +
+      `${b.waited_n}: median / worst (prefixd's queue, then the worker's)` : "" },
+      b.waited_n ? `${secs(b.waited_p50_s)} / ${secs(b.waited_max_s)}` : DASH),
     el("td", {}, memoryCell(b)),
     el("td", {}, cacheCell(b.cache)),
     el("td", {}, indexCell(b.index)),
@@ -142,7 +148,7 @@ async function loadOverview() {
   return () => {
     const backends = status.backends || [];
     $("#backends tbody").replaceChildren(...(backends.length ? backends.map(backendRow)
-      : [emptyRow(8, "no backends")]));
+      : [emptyRow(10, "no backends")]));
     $("#model-memory").hidden = !status.model_memory;
     $("#model-memory").replaceChildren(...modelMemory(status.model_memory));
     const note = $("#lanes-note");

@@ -29,6 +29,11 @@ export function bytes(n) {
   while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
   return `${n >= 100 || i === 0 ? Math.round(n) : n.toFixed(1)} ${units[i]}`;
 }
+export function secs(s) {
+  if (typeof s !== "number") return DASH;
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  return s < 60 ? `${s.toFixed(1)} s` : `${(s / 60).toFixed(1)} min`;
+}
 export function idle(s) {
   if (typeof s !== "number") return DASH;
   if (s < 60) return `${Math.round(s)} s`;

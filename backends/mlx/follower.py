@@ -1,0 +1,129 @@
+"""A follower rank of a group worker (`group.py`): no HTTP, no decisions. It joins the ring,
+connects to its leader, loads its shard of the model with the same Engine, then replays the
+leader's journal in order: each job as the leader started it, each pass with the leader's
+decisions (its prefill size, whether the job stops), so its forward passes, checkpoints,
+restores and evictions are the leader's on its own layers (the values only a rank knows are
+agreed inside the Engine, `agree.py`). Replies and text are computed and dropped.
+
+Owns: the follower's jobs under way (by the leader's job id) and its answers to the leader's
+questions (`info`: its memory and cache). Ends when the leader says so, when its channel
+closes (exit 0), or on any failure (exit 3: the leader then stops the group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+from prefixd.backends.mlx.active import Active
+from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.grammar import Constraint
+from prefixd.backends.mlx.grammar_run import GrammarTokenizers
+from prefixd.backends.mlx.group import (
+    CONTROL_ENV,
+    RANK_ENV,
+    RING_ENV,
+    SECRET_ENV,
+    Channel,
+    connect,
+    join_ring,
+)
+from prefixd.backends.mlx.jobs import Event, Job
+from prefixd.backends.mlx.loading import Loaded, load
+from prefixd.backends.mlx.memory import memory_info, mlx_memory
+from prefixd.backends.mlx.prompt import Prompt
+from prefixd.backends.mlx.settings import WorkerSettings
+
+log = logging.getLogger("prefixd.worker.group")
+
+
+def is_follower() -> bool:
+    return bool(os.environ.get(RANK_ENV))
+
+
+def serve(settings: WorkerSettings, spec: str) -> int:
+    """Run as a follower until the leader ends; the exit status."""
+    from prefixd.backends.mlx.agree import Ring
+
+    rank = int(os.environ[RANK_ENV])
+    try:
+        group = join_ring(os.environ[RING_ENV], rank)
+        channel = connect(os.environ[CONTROL_ENV], os.environ[SECRET_ENV], rank)
+        loaded = load(settings, spec, Ring(group))
+    except Exception:
+        log.exception("worker: rank %d could not join its group", rank)
+        return 3
+    log.info("worker: rank %d of %d ready", rank, group.size())
+    try:
+        Follower(loaded, channel).run()
+    except EOFError:
+        log.info("worker: rank %d: the leader is gone; exiting", rank)
+        return 0
+    except Exception:
+        log.exception("worker: rank %d failed", rank)
+        return 3
+    return 0
+
+
+class Follower:
+    """The journal's replay: jobs by id, each advanced a pass per `step`."""
+
+    def __init__(self, loaded: Loaded, channel: Channel) -> None:
+        self.loaded, self.channel = loaded, channel
+        self.grammars = GrammarTokenizers()
+        self.jobs: dict[int, Active] = {}
+
+    def run(self) -> None:
+        while True:
+            message = self.channel.recv()
+            op = message.get("op")
+            if op == "exit":
+                return
+            if op == "job":
+                job = job_from(message)
+                self.jobs[job.id] = Active(self.loaded, self.grammars, job, None, _dropped)
+            elif op == "step":
+                active = self.jobs[message["job"]]
+                if active.step(int(message["tokens"]), bool(message["stop"])):
+                    del self.jobs[message["job"]]
+            elif op == "info":
+                engine = self.loaded.engine
+                self.channel.send({"memory": memory_info(mlx_memory()),
+                                   "cache_bytes": engine.store.bytes_used,
+                                   "jobs": len(self.jobs)})
+            else:
+                raise ValueError(f"unknown journal entry {op!r}")
+
+
+def _dropped(job: Job, event: Event) -> None:
+    """A follower's job ends silently (the leader answers the client)."""
+
+
+def job_record(job: Job) -> dict[str, Any]:
+    """What a follower needs to run `job` exactly as the leader does (the journal's `job`)."""
+    s = job.sampling
+    sampling = {**s.__dict__, "stop": list(s.stop),
+                "logit_bias": None if s.logit_bias is None else list(s.logit_bias.items()),
+                "constraint": None if s.constraint is None else {
+                    **s.constraint.__dict__, "tools": [list(t) for t in s.constraint.tools]}}
+    return {"op": "job", "id": job.id, "tokens": job.prompt.tokens,
+            "boundaries": job.prompt.boundaries, "max_tokens": job.max_tokens,
+            "logprobs": job.logprobs, "namespace": job.namespace, "sampling": sampling}
+
+
+def job_from(record: dict[str, Any]) -> Job:
+    """`job_record` back into a Job (its events go nowhere)."""
+    raw = dict(record["sampling"])
+    constraint = raw.pop("constraint")
+    bias = raw.pop("logit_bias")
+    sampling = replace(Sampling(), **{**raw, "stop": tuple(raw["stop"])},
+                       logit_bias=None if bias is None else {int(k): v for k, v in bias},
+                       constraint=None if constraint is None else Constraint(
+                           **{**constraint, "tools": tuple((n, p) for n, p in
+                                                           constraint["tools"])}))
+    return Job(Prompt(list(record["tokens"]), list(record["boundaries"])), sampling,
+               int(record["max_tokens"]), record["logprobs"], lambda event: None,
+               asyncio.Queue(), namespace=str(record["namespace"]), id=int(record["id"]))

@@ -1,0 +1,181 @@
+"""A worker that is a group (issue 28): two ranks on loopback on MLX's ring backend, the leader
+serving HTTP and journaling every pass to its follower, compared with one process on the same
+model: a hybrid split pipeline-parallel (qwen3_next), a full-attention model split
+tensor-parallel (qwen3). Every turn of a conversation reuses exactly the tokens one process
+reuses and answers the same; warm == cold; a follower that dies ends the leader (its
+supervisor restarts the group as one); stopping the leader stops its follower."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.worker_process import running_worker
+
+pytestmark = pytest.mark.slow
+KEY = "group-test-key"
+LOOPBACK_PAIR = json.dumps(["127.0.0.1", "127.0.0.1"])
+
+
+def _post(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _get(url: str, path: str) -> dict[str, Any]:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _conversation(url: str, turns: int = 4, **extra: Any) -> list[tuple[str, int, int]]:
+    """(reply, prompt tokens, cached tokens) per turn of an append-only conversation."""
+    messages = [{"role": "system", "content": "You answer briefly. " * 30}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: " + "why? " * 20})
+        body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0,
+                **extra}
+        answer = _post(url, body)
+        reply = answer["choices"][0]["message"]["content"]
+        usage = answer["usage"]
+        out.append((reply, usage["prompt_tokens"],
+                    usage["prompt_tokens_details"]["cached_tokens"]))
+        messages.append({"role": "assistant", "content": reply})
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
+def pair(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
+         ) -> Iterator[tuple[str, str, str]]:
+    """(a one-process worker's URL, a two-rank group's URL, the architecture)."""
+    model = tiny_model_dir(request.param)
+    with running_worker(model, KEY) as one, \
+            running_worker(model, KEY, PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as group:
+        yield one, group, request.param
+
+
+def test_a_group_reuses_and_answers_as_one_process(pair: tuple[str, str, str]) -> None:
+    one, group, arch = pair
+    alone, together = _conversation(one), _conversation(group)
+    assert together == alone
+    assert all(cached > 0 for _, _, cached in together[1:])   # turns after the first reuse
+    info = _get(group, "/v1/cache")["group"]
+    assert [r["rank"] for r in info["ranks"]] == [0, 1] and info["hosts"] == ["127.0.0.1"] * 2
+    assert info["parallel"] == ("pipeline" if arch == "qwen3_next" else "tensor")
+    assert all(r["memory"] for r in info["ranks"])          # each host's memory, counted
+
+
+def test_warm_equals_cold_and_seeded_sampling_matches(pair: tuple[str, str, str]) -> None:
+    one, group, _ = pair
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0.9, "seed": 77,
+            "messages": [{"role": "user", "content": "Tell me about rivers. " * 15}]}
+    cold = _post(group, body)
+    warm = _post(group, body)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cold["choices"][0]["message"] == \
+        warm["choices"][0]["message"] == _post(one, body)["choices"][0]["message"]
+
+
+def test_a_group_refuses_to_move_prefix_states(pair: tuple[str, str, str]) -> None:
+    _, group, _ = pair
+    req = urllib.request.Request(group + "/v1/cache/export", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}]}).encode(), {
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 501 and b"group_worker" in e.value.read()
+
+
+def _worker_pids(port: str) -> tuple[psutil.Process, list[psutil.Process]]:
+    leader = next(p for p in psutil.process_iter(["cmdline"])
+                  if p.info["cmdline"] and "--port" in p.info["cmdline"]
+                  and port in p.info["cmdline"])
+    return leader, leader.children()
+
+
+def test_a_dead_follower_ends_the_leader_and_a_stopped_leader_its_follower(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    model = tiny_model_dir("qwen3_next")
+    with running_worker(model, KEY, PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as url:
+        leader, followers = _worker_pids(url.rsplit(":", 1)[1])
+        assert len(followers) == 1
+        os.kill(followers[0].pid, signal.SIGKILL)
+        assert leader.wait(60) == 3           # ends itself: a supervisor restarts the group
+    with running_worker(model, KEY, PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as url:
+        leader, followers = _worker_pids(url.rsplit(":", 1)[1])
+        _post(url, {"model": "tiny", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}]})
+        leader.terminate()
+        leader.wait(60)
+        deadline = time.monotonic() + 30
+        while followers[0].is_running() and followers[0].status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the follower outlived its leader"
+            time.sleep(0.1)
+
+
+async def test_a_managed_group_shows_its_ranks_and_restarts_as_one(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    """A backend naming its hosts: prefixd starts the group, /status lists its ranks and each
+    one's memory; a follower killed mid-request restarts the whole group and the request is
+    answered by it (sent again), not lost."""
+    import asyncio
+
+    import aiohttp
+
+    from prefixd.backends.managed import ManagedBackend
+    from prefixd.backends.states import ProcState
+    from prefixd.proxy.server import Server, make_proxy
+    from prefixd.proxy.settings import Settings
+
+    settings = Settings(_env_file=None, prefix_detect=False, backends=[
+        {"name": "big", "kind": "mlx", "model": str(tiny_model_dir("qwen3_next")),
+         "models": ["big"], "hosts": ["127.0.0.1", "127.0.0.1"], "parallel": "pipeline"}])
+    backend = ManagedBackend(settings.backends[0], settings)
+    assert not backend.capabilities.moves_state
+    server = Server(make_proxy(settings, [backend]))
+    await server.start("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        await backend.wait_for(ProcState.READY, timeout=120)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "big", "max_tokens": 3, "temperature": 0,
+                    "messages": [{"role": "user", "content": "hello"}]}
+            async with http.post(base + "/v1/chat/completions", json=body) as r:
+                first = await r.json()
+            async with http.get(base + "/status") as r:
+                group = (await r.json())["backends"][0]["cache"]["group"]
+            assert group["parallel"] == "pipeline"
+            assert [r["rank"] for r in group["ranks"]] == [0, 1]
+            assert all(r["memory"]["rss_bytes"] > 0 for r in group["ranks"])
+
+            leader = psutil.Process(backend.status().detail["pid"])
+            follower = leader.children()[0]
+            long = {**body, "max_tokens": 400, "logit_bias": {}, "messages": [
+                {"role": "user", "content": "word " * 1500}]}
+            task = asyncio.create_task(http.post(base + "/v1/chat/completions", json=long))
+            queue = server.proxy.queues["big"]
+            for _ in range(500):                    # until the proxy has sent it (deadline)
+                if queue.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+            follower.kill()
+            async with await task as r:
+                assert r.status == 200, await r.text()
+            assert backend.status().detail["pid"] != leader.pid     # a new group
+            async with http.post(base + "/v1/chat/completions", json=body) as r:
+                assert (await r.json())["choices"] == first["choices"]
+    finally:
+        await server.shutdown(10.0)
+    assert psutil.Process().children(recursive=True) == []   # no rank outlives prefixd
