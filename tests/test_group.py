@@ -39,9 +39,10 @@ def _get(url: str, path: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def _conversation(url: str, turns: int = 4, **extra: Any) -> list[tuple[str, int, int]]:
-    """(reply, prompt tokens, cached tokens) per turn of an append-only conversation."""
-    messages = [{"role": "system", "content": "You answer briefly. " * 30}]
+def _conversation(url: str, turns: int = 4, **extra: Any) -> list[tuple[str, int, int, int]]:
+    """(reply, prompt tokens, cached tokens, prefill passes) per turn of an append-only
+    conversation (checkpoints taken inside passes: as many passes as one process runs)."""
+    messages = [{"role": "system", "content": "You answer briefly. " * 150}]
     out = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn}: " + "why? " * 20})
@@ -51,7 +52,8 @@ def _conversation(url: str, turns: int = 4, **extra: Any) -> list[tuple[str, int
         reply = answer["choices"][0]["message"]["content"]
         usage = answer["usage"]
         out.append((reply, usage["prompt_tokens"],
-                    usage["prompt_tokens_details"]["cached_tokens"]))
+                    usage["prompt_tokens_details"]["cached_tokens"],
+                    len(answer["prefixd"]["prefill_segments"])))
         messages.append({"role": "assistant", "content": reply})
     return out
 
@@ -70,7 +72,7 @@ def test_a_group_reuses_and_answers_as_one_process(pair: tuple[str, str, str]) -
     one, group, arch = pair
     alone, together = _conversation(one), _conversation(group)
     assert together == alone
-    assert all(cached > 0 for _, _, cached in together[1:])   # turns after the first reuse
+    assert all(cached > 0 for _, _, cached, _ in together[1:])   # later turns reuse
     info = _get(group, "/v1/cache")["group"]
     assert [r["rank"] for r in info["ranks"]] == [0, 1] and info["hosts"] == ["127.0.0.1"] * 2
     assert info["parallel"] == ("pipeline" if arch == "qwen3_next" else "tensor")
@@ -176,6 +178,58 @@ async def test_a_managed_group_shows_its_ranks_and_restarts_as_one(
             assert backend.status().detail["pid"] != leader.pid     # a new group
             async with http.post(base + "/v1/chat/completions", json=body) as r:
                 assert (await r.json())["choices"] == first["choices"]
+            ranks = [psutil.Process(backend.status().detail["pid"])]
+            ranks += ranks[0].children()
     finally:
         await server.shutdown(10.0)
-    assert psutil.Process().children(recursive=True) == []   # no rank outlives prefixd
+    assert len(ranks) == 2 and not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                       for p in ranks)      # no rank outlives prefixd
+
+
+def test_a_restarted_group_is_warm_from_every_ranks_disk_tier(
+        tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """A conversation's first turn, the group stopped (each rank writes its own layers' states
+    to its disk tier) and started again: the next turn restores from disk as one process's
+    does, with the same reply."""
+    model = tiny_model_dir("qwen3_next")
+    first = [{"role": "system", "content": "You answer briefly. " * 150},
+             {"role": "user", "content": "Question: " + "why? " * 20}]
+
+    def turns(url: str) -> list[dict[str, Any]]:
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+        a = _post(url, {**body, "messages": first})
+        return [a, {**body, "messages": [*first, a["choices"][0]["message"],
+                                          {"role": "user", "content": "And then?"}]}]
+
+    got = {}
+    for name, extra in (("one", {}), ("group", {"PREFIXD_GROUP_HOSTS": LOOPBACK_PAIR})):
+        cache = str(tmp_path / name)
+        with running_worker(model, KEY, PREFIXD_CACHE_DIR=cache, **extra) as url:
+            _, second = turns(url)
+        with running_worker(model, KEY, PREFIXD_CACHE_DIR=cache, **extra) as url:
+            got[name] = _post(url, second)
+    one, group = got["one"], got["group"]
+    assert group["prefixd"]["cache"]["tier"] == one["prefixd"]["cache"]["tier"] == "disk"
+    assert group["usage"] == one["usage"] and group["usage"]["prompt_tokens_details"][
+        "cached_tokens"] > 0
+    assert group["choices"] == one["choices"]
+
+
+def test_the_scheduler_interleaves_requests_in_a_group_as_in_one_process(
+        pair: tuple[str, str, str]) -> None:
+    """Requests under way together (issue 26's scheduler, a forward pass at a time, its
+    decisions journaled): the same replies and cached tokens as one process gives them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    one, group, _ = pair
+    bodies = [{"model": "tiny", "max_tokens": n, "temperature": 0, "messages": [
+        {"role": "user", "content": text}]} for n, text in
+        ((24, "Summarize the river report. " * 120), (6, "title?"), (10, "list three birds"))]
+
+    def together(url: str) -> list[tuple[str, int]]:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda b: _post(url, b), bodies))
+        return [(a["choices"][0]["message"]["content"],
+                 a["usage"]["prompt_tokens_details"]["cached_tokens"]) for a in answers]
+
+    assert together(group) == together(one)

@@ -45,6 +45,9 @@ class EngineTask:
         run = self.turn.run
         return len(self.job.prompt.tokens) if run is None else len(run.prompt) - run.pos
 
+    def pass_rate(self) -> float | None:
+        return None
+
     def advance(self) -> bool:
         token = next(self.steps, -1)
         self.log.append(f"{self.name}:{'prefill' if token is None else 'token'}")
@@ -130,11 +133,14 @@ def test_a_cancelled_job_stops_within_one_slice(model: CountingModel) -> None:
 
 
 class FakeTask:
-    def __init__(self, left: int) -> None:
-        self.left = left
+    def __init__(self, left: int, rate: float | None = None) -> None:
+        self.left, self.rate = left, rate
 
     def remaining(self) -> int:
         return self.left
+
+    def pass_rate(self) -> float | None:
+        return self.rate
 
     def advance(self) -> bool:
         self.left = max(0, self.left - 1)
@@ -189,17 +195,20 @@ def test_a_slice_is_its_time_at_the_measured_prefill_rate() -> None:
     rate: list[float | None] = [None]
     schedule = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=250, prefill_rate=lambda: rate[0])
     schedule.add(_job([1] * 4000))
-    schedule.admit()
-    assert schedule.slice() == 512                 # alone: whole chunks
-    schedule.add(_job([1] * 10))
-    assert schedule.slice() == 96                  # no rate measured yet: prefill_slice
+    (slot,) = schedule.admit()
+    assert schedule.slice(slot) == 96              # no rate measured yet: prefill_slice
     for tps, tokens in ((1000.0, 250), (400.0, 100), (20.0, MIN_SLICE), (1e6, 512)):
-        rate[0] = tps
-        assert schedule.slice() == tokens, tps
+        rate[0] = tps                              # the worker's rate (alone too)
+        assert schedule.slice(slot) == tokens, tps
+    slot.task = FakeTask(3000, rate=50.0)          # its own last pass: 50 tokens/s, deep in
+    assert schedule.slice(slot) == MIN_SLICE       # its prompt: 12.5 tokens -> the floor
+    slot.task = FakeTask(3000, rate=800.0)
+    assert schedule.slice(slot) == 200
     fixed = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=0, prefill_rate=lambda: 1000.0)
     fixed.add(_job([1] * 4000))
+    assert fixed.slice() == 512                    # prefill_slice_ms 0: whole chunks alone,
     fixed.add(_job([1] * 10))
-    assert fixed.slice() == 96                     # prefill_slice_ms 0: token slices
+    assert fixed.slice() == 96                     # token slices while others wait
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next", "qwen3_5",

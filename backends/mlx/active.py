@@ -47,6 +47,14 @@ class Active:
         run = self.turn.run
         return len(self.job.prompt.tokens) if run is None else len(run.prompt) - run.pos
 
+    def pass_rate(self) -> float | None:
+        """Tokens per second of its last prefill pass (None before its first)."""
+        run = self.turn.run
+        if run is None or not run.segments:
+            return None
+        tokens, seconds = run.segments[-1]
+        return tokens / seconds if seconds > 0 else None
+
     def advance(self) -> bool:
         """One forward pass; True once the job has ended (its last event sent). Never
         raises: a failure ends the job with `Failed`."""

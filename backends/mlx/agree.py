@@ -31,6 +31,10 @@ class Solo:
     def any(self, value: bool) -> bool:
         return value
 
+    def leader(self, value: int) -> int:
+        """The leader's `value` (what it decided), on every rank."""
+        return value
+
 
 class Ring(Solo):
     """Every rank of an MLX distributed group: a value is the group's max / min."""
@@ -58,6 +62,9 @@ class Ring(Solo):
 
     def any(self, value: bool) -> bool:
         return bool(self._reduce(int(value), "max"))
+
+    def leader(self, value: int) -> int:
+        return self._reduce(value if self.rank == 0 else -1, "max")   # values are >= 0
 
 
 SOLO = Solo()

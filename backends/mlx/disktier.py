@@ -20,12 +20,14 @@ from typing import Any
 
 from mlx_lm.models.cache import RotatingKVCache
 
-from prefixd.backends.mlx import diskfmt, snapshot
+from prefixd.backends.mlx import chain, diskfmt, snapshot
+from prefixd.backends.mlx.agree import SOLO, Solo
 from prefixd.backends.mlx.diskindex import open_tier
+from prefixd.backends.mlx.diskrec import Record
 from prefixd.backends.mlx.persist import LoadError, load_record
 from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.store import CheckpointStore, Entry
-from prefixd.backends.mlx.tiers import Tiers, now
+from prefixd.backends.mlx.tiers import Decision, Tiers, now
 from prefixd.metrics import worker as metrics
 
 log = logging.getLogger("prefixd.worker.disk")
@@ -90,7 +92,8 @@ def cache_key(spec: DiskSpec, shape: list[str], kv_bits: int | None) -> str:
 
 class TierGlue:
     def __init__(self, store: CheckpointStore, template: list[Any], spec: DiskSpec | None,
-                 snap_idx: tuple[int, ...], config: Any) -> None:
+                 snap_idx: tuple[int, ...], config: Any, agree: Solo = SOLO) -> None:
+        self.agree = agree
         leaves = snapshot.leaves(template)
         kv_idx = [i for i in range(len(leaves)) if i not in snap_idx]
         self.tiers = Tiers(None, kv_idx, snap_idx, spec.write_delay if spec else 0.0)
@@ -123,10 +126,43 @@ class TierGlue:
         d = self.tiers.decide(prompt, ram_pos, namespace)
         stats.known_tokens, stats.miss = d.known, d.reason
         stats.tier = "ram" if ram_pos else None
+        if self.agree.distributed:     # the leader's choice, each rank's own record of it
+            return self._group_restore(prompt, ram_pos, stats, fresh, tally, d)
         if d.disk is None:
             tally(stats, ram_pos)
             return None
         rec, pos = d.disk
+        loaded = self._load(rec, pos, fresh, stats)
+        if loaded is None:
+            tally(stats, ram_pos)
+            return None
+        tally(stats, pos)
+        return loaded
+
+    def _group_restore(self, prompt: list[int], ram_pos: int, stats: PromptStats,
+                       fresh: Callable[[], list[Any]], tally: Callable[..., None],
+                       d: Decision) -> Restore | None:
+        """A group's disk restore: the leader decides the position; every rank loads its own
+        record of that prefix (its layers); unless every rank did, none uses it and the
+        request restores from RAM (the same on every rank), the miss named `group_disk`."""
+        pos = self.agree.leader(d.disk[1] if d.disk is not None else 0)
+        if not pos:
+            tally(stats, ram_pos)
+            return None
+        found = self.disk.lookup(chain.as_tokens(prompt[:pos + 1])) if self.disk else None
+        loaded = self._load(found[0], pos, fresh, stats) \
+            if found is not None and found[1] == pos else None
+        if not self.agree.all(loaded is not None):
+            stats.tier = "ram" if ram_pos else None
+            stats.miss = stats.miss or "group_disk"
+            tally(stats, ram_pos)
+            return None
+        tally(stats, pos)
+        return loaded
+
+    def _load(self, rec: Record, pos: int, fresh: Callable[[], list[Any]],
+              stats: PromptStats) -> Restore | None:
+        """`rec` loaded at `pos` (a damaged record is removed), or None with `stats.miss`."""
         t0 = time.perf_counter()
         try:
             cache, nbytes = load_record(self.disk, rec, pos, fresh())
@@ -138,14 +174,12 @@ class TierGlue:
             if e.reason != "disk_evicted":
                 self.disk.discard(rec, e.reason, e.path)
             stats.miss = e.reason
-            tally(stats, ram_pos)
             return None
         seconds = time.perf_counter() - t0
         stats.disk_load_s, stats.tier = seconds, "disk"
         self.tiers.rates.read(nbytes, seconds)
         metrics.TIER_LOAD_SECONDS.labels("disk").observe(seconds)
         metrics.TIER_READ_BYTES.inc(nbytes)
-        tally(stats, pos)
         return Restore(cache, pos)
 
     def _count(self, stats: PromptStats, restored: int) -> None:
@@ -182,8 +216,16 @@ class TierGlue:
     def next_due(self) -> float | None:
         return self.tiers.next_due()
 
-    def flush_due(self) -> int:
-        n = self.tiers.flush_due(now())
+    def due(self) -> list[int]:
+        """The store positions of the entries due to be written now (a group's leader
+        journals them: its followers write the same entries)."""
+        entries = self.tiers.ready(now())
+        return [i for i, e in enumerate(self.store.entries) if e in set(entries)]
+
+    def flush(self, positions: list[int]) -> int:
+        """Write the entries at these store positions (`due`)."""
+        n = self.tiers.flush([self.store.entries[i] for i in positions
+                              if i < len(self.store.entries)])
         self._gauges()
         return n
 

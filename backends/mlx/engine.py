@@ -2,16 +2,17 @@
 with checkpoints, decode, and commit what the KV state holds back to the checkpoint store.
 
 Owns: the prefill/decode loop (so prefill chunks can end exactly at checkpoint positions), the
-restore decision and its fallbacks, taking checkpoints, the commit at the end of a request,
-per-request `PromptStats`, and the face other workers' states come in and go out through
-(`bundle.py`). What this model's cache supports is probed at start (`probe.py`); the counts
-and cache metrics are `cachecounts.py`; policy (placement, lookup, budget) lives in
-`placement.py` and `store.py`; per-class cache handling in `snapshot.py`; the disk tier behind
-`disktier.py`. Called from one thread only (the worker's single-thread executor), so nothing
-here locks. In a group worker (`group.py`) every rank runs the same Engine calls in lockstep on
-its own layers; the values a rank computes from its layers alone (sizes, trimmability, whether
-a restore worked, what the start-up probes found) go through `agree` so every rank's store
-decides as the leader's, and the prefill passes have the same shapes on every rank.
+restore decision and its fallbacks, taking checkpoints and the commit at the end of a request
+(`checkpointing.py`, a mixin), per-request `PromptStats`, and the face other workers' states
+come in and go out through (`bundle.py`). What this model's cache supports is probed at start
+(`probe.py`); the counts and cache metrics are `cachecounts.py`; policy (placement, lookup,
+budget) lives in `placement.py` and `store.py`; per-class cache handling in `snapshot.py`;
+the disk tier behind `disktier.py`. Called from one thread only (the worker's single-thread
+executor), so nothing here locks. In a group worker (`group.py`) every rank runs the same
+Engine calls in lockstep on its own layers; the values a rank computes from its layers alone
+(sizes, trimmability, whether a restore worked, what the start-up probes found) go through
+`agree` so every rank's store decides as the leader's, and the prefill passes have the same
+shapes on every rank.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx import probe, snapshot
 from prefixd.backends.mlx.agree import SOLO, Solo
 from prefixd.backends.mlx.cachecounts import CacheCounts
+from prefixd.backends.mlx.checkpointing import Checkpointing
 from prefixd.backends.mlx.disktier import DiskSpec, TierGlue
-from prefixd.backends.mlx.placement import prefill_plan
 from prefixd.backends.mlx.run import Run
 from prefixd.backends.mlx.stats import PromptStats
 from prefixd.backends.mlx.store import CheckpointStore, Entry
@@ -72,7 +73,7 @@ class Turn:
     run: Run | None = None
 
 
-class Engine:
+class Engine(Checkpointing):
     """One model, one checkpoint store, one generation at a time."""
 
     def __init__(self, model: nn.Module, config: EngineConfig,
@@ -103,8 +104,10 @@ class Engine:
         self._checkpoints = agree.any(bool(self._snap_idx))
         # Windows as the only snapshotted layers: a checkpoint below the window trims back.
         self._trim_below = agree.min(snapshot.trimmable_below(template, self._snap_idx))
-        if agree.distributed:   # no timed probes, no in-pass capture: the same passes everywhere
-            self.inpass, self.interval_choice = None, None
+        if agree.distributed:   # no timed probes: the same passes on every rank
+            self.inpass = probe.group_inpass(model, self.fresh_cache, self._snap_idx,
+                                             config.checkpoint_inpass, agree)
+            self.interval_choice = None
             self.interval = probe.group_interval(
                 model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
                 budget=config.cache_bytes, chunk=config.prefill_chunk, agree=agree)
@@ -121,7 +124,7 @@ class Engine:
                                  else None)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
-                              self._snap_idx, config)
+                              self._snap_idx, config, agree)
         self.counts.budget(config.cache_bytes)
         self.counts.gauges(self.store)
 
@@ -270,6 +273,8 @@ class Engine:
                 t0 = time.perf_counter()
             prefill_s += time.perf_counter() - t0
             stats.prefill_s, stats.segments = prefill_s, run.segments
+            if self.agree.any(bool(run.tap_failure)) and not run.tap_failure:
+                run.tap_failure = "on another rank of the group"
             if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
                 log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
                             "checkpoints from now on", run.tap_failure)
@@ -285,82 +290,6 @@ class Engine:
             self._commit(entry, run)
             self.counts.gauges(self.store)
             stats.commit_s = time.perf_counter() - t0
-
-    # --- checkpoints and commit ---------------------------------------------------------------
-    def _plan(self, n: int, start: int, boundaries: Sequence[int]) -> tuple[dict[int, bool], int]:
-        """`placement.prefill_plan`. All-KV models take no checkpoints (the entry's KV trims
-        to any prefix): their prefill is cut only by `prefill_chunk`."""
-        if not self._checkpoints:
-            return {}, n - 1
-        return prefill_plan(n, start, boundaries, self.interval, self.config.checkpoint_tail,
-                            trim_below=self._trim_below)
-
-    def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
-                 stats: PromptStats, payload: snapshot.Snapshot | None = None) -> None:
-        """Checkpoint at `pos`: `payload` (taken inside the pass), else the live cache, which is
-        at `pos`. A failure costs the checkpoint, not the reply."""
-        if entry is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            if payload is None:
-                payload, size = snapshot.take(run.cache, self._snap_idx)
-            else:
-                size = snapshot.payload_bytes(payload)
-            size = self.agree.max(size)    # a group budgets its largest rank's bytes
-            if self.store.add_checkpoint(
-                    entry, pos, payload, size, interval=interval,
-                    trimmable=self.agree.all(snapshot.snapshot_trimmable(payload))):
-                stats.checkpoints += 1
-                stats.checkpoint_bytes += size
-        except Exception:
-            if self.agree.distributed:     # the ranks' stores would part: the group stops
-                raise
-            log.exception("checkpoint at %d failed; continuing without it", pos)
-            self.counts.fallback("checkpoint_error")
-        stats.checkpoint_s += time.perf_counter() - t0
-
-    def _capture_restored(self, entry: Entry, cache: list[Any], pos: int) -> None:
-        """Keep the state loaded from disk in RAM too (as a checkpoint of the new entry)."""
-        if self._snap_idx:
-            payload, size = snapshot.take(cache, self._snap_idx)
-            self.store.add_checkpoint(entry, pos, payload, size,
-                                      trimmable=snapshot.snapshot_trimmable(payload))
-
-    def _commit(self, entry: Entry | None, run: Run) -> None:
-        """Store what the KV state holds (the last yielded token fed first, unless should_stop()
-        ended the request); drop the entry if the state is unknown or nothing is new. Never
-        raises: the reply has been sent, so a failure here costs the cache entry, not the reply
-        (logged and counted as `fallback="commit_error"`)."""
-        if entry is None:
-            return
-        try:
-            if self.store.budget:
-                run.feed_pending()
-        except Exception:  # the run is broken now, so the entry is discarded below
-            log.exception("feeding the last generated token failed; not caching this request")
-        try:
-            if run.broken or not run.advanced:  # unknown state, or nothing the store lacks
-                self.store.discard(entry)
-                return
-            snapshot.trim_padding(run.cache)     # stored (and budgeted) without spare capacity
-            if self.store.finish(entry, run.tokens, run.cache,
-                                 self.agree.max(snapshot.nbytes(run.cache)),
-                                 self.agree.all(snapshot.trimmable(run.cache)),
-                                 self._end_snapshot):
-                self.tiers.committed(entry)
-        except Exception:
-            if self.agree.distributed:
-                raise
-            log.exception("storing this request's prompt cache failed; the reply is unaffected")
-            self.counts.fallback("commit_error")
-            self.store.discard(entry)
-
-    def _end_snapshot(self, entry: Entry) -> tuple[Any, int, bool] | None:
-        if not self._checkpoints:
-            return None
-        payload, size = snapshot.take(entry.payload, self._snap_idx)
-        return payload, self.agree.max(size), self.agree.all(snapshot.snapshot_trimmable(payload))
 
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""
@@ -386,7 +315,15 @@ class Engine:
 
     def write_due(self) -> int:
         """Submit the writes that are due; how many entries."""
-        return self.tiers.flush_due()
+        return self.tiers.flush(self.tiers.due())
+
+    def due_writes(self) -> list[int]:
+        """The store positions of the entries due to be written (a group's leader journals
+        them, and every rank then `write`s them)."""
+        return self.tiers.due()
+
+    def write(self, positions: list[int]) -> int:
+        return self.tiers.flush(positions)
 
     def persist(self) -> None:
         """Submit everything not yet on disk (at shutdown); `close` waits for it."""

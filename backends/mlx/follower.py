@@ -89,6 +89,12 @@ class Follower:
                 active = self.jobs[message["job"]]
                 if active.step(int(message["tokens"]), bool(message["stop"])):
                     del self.jobs[message["job"]]
+            elif op == "write":             # the entries the leader hands its disk writer
+                self.loaded.engine.write([int(i) for i in message["entries"]])
+            elif op == "persist":           # at shutdown: what this rank's disk tier lacks
+                engine = self.loaded.engine
+                engine.persist()
+                self.channel.send({"done": engine.close(float(message["timeout"]))})
             elif op == "info":
                 engine = self.loaded.engine
                 self.channel.send({"memory": memory_info(mlx_memory()),

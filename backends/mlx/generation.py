@@ -32,7 +32,7 @@ from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.follower import job_record
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
 from prefixd.backends.mlx.group import Leader
-from prefixd.backends.mlx.jobs import Event, Finished, Job, WorkerClosed
+from prefixd.backends.mlx.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import mlx_memory
 from prefixd.backends.mlx.prompt import Prompt
@@ -82,7 +82,7 @@ class Generator:
             if engine is None or due is None or due > time.monotonic():
                 continue
             try:
-                await loop.run_in_executor(self._executor, engine.write_due)
+                await loop.run_in_executor(self._executor, self._write_due)
             except RuntimeError:          # the executor is shut down
                 return
             except Exception:
@@ -99,8 +99,13 @@ class Generator:
         t0 = time.perf_counter()
 
         def run() -> bool:
+            if self.leader is not None:     # every rank writes what it lacks, at once
+                self.leader.send({"op": "persist", "timeout": timeout})
             engine.persist()
-            return engine.close(timeout)
+            done = engine.close(timeout)
+            if self.leader is not None:
+                done = all([done, *(a.get("done") for a in self.leader.answers(timeout + 5))])
+            return done
 
         try:
             done = await loop.run_in_executor(self._executor, run)
@@ -236,6 +241,8 @@ class Generator:
     def _end(self, job: Job, result: Event) -> None:
         """Always the end of a job's events (`Finished` or `Failed`), so no handler waits
         forever. Never raises."""
+        if self.leader is not None and isinstance(result, Failed) and "[ring]" in result.message:
+            self.leader.fail(f"a forward pass lost its peers ({result.message})")
         self._pending.discard(job)
         self._after(result)
         job._emit(result)  # last, so a client that saw the end also sees fresh cache_info
@@ -250,7 +257,7 @@ class Generator:
                 engine = self.loaded.engine
                 due = engine.next_write_due()
                 if due is not None and due <= time.monotonic():
-                    engine.write_due()
+                    self._write_due()
                 self.cache_info = engine.cache_info()
                 self.memory = mlx_memory()
                 if self.leader is not None:
@@ -258,6 +265,16 @@ class Generator:
                         self.leader.ranks(), self.leader.ask({"op": "info"}), strict=True)]
         except Exception:
             log.exception("worker: Engine.cache_info() failed")
+
+    def _write_due(self) -> int:
+        """Hand the disk writer the entries due (on the generation thread); a group's leader
+        journals which, so every rank writes the same entries of its own layers."""
+        assert self.loaded is not None
+        engine = self.loaded.engine
+        positions = engine.due_writes()
+        if positions and self.leader is not None:
+            self.leader.send({"op": "write", "entries": positions})
+        return engine.write(positions) if positions else 0
 
     async def drain(self, timeout: float) -> bool:
         """Cancel every job and wait (at most `timeout` s) until the thread is idle. False if it

@@ -191,13 +191,17 @@ class Leader:
             while True:
                 replies.put(channel.recv())
         except (EOFError, OSError, GroupError, ValueError) as e:
-            if self.closing:
-                return
-            log.error("worker: rank %d of the group is gone (%s); stopping the group so it "
-                      "can be restarted as one", rank, e)
-            self.close()
-            logging.shutdown()
-            os._exit(3)
+            if not self.closing:
+                self.fail(f"rank {rank} of the group is gone ({e})")
+
+    def fail(self, why: str) -> None:
+        """The group is broken: stop the followers and end this process (status 3) before
+        anything answers a client, so the supervisor restarts the group as one unit and sends
+        the requests in flight again. Never returns."""
+        log.error("worker: %s; stopping the group so it can be restarted as one", why)
+        self.close()
+        logging.shutdown()
+        os._exit(3)
 
     def send(self, message: dict[str, Any]) -> None:
         """A journal entry to every follower (in order; they run it as they get it)."""
@@ -208,6 +212,10 @@ class Leader:
     def ask(self, message: dict[str, Any], timeout: float = 30.0) -> list[dict[str, Any]]:
         """`send`, then every follower's answer (in rank order)."""
         self.send(message)
+        return self.answers(timeout)
+
+    def answers(self, timeout: float) -> list[dict[str, Any]]:
+        """Every follower's answer to what was sent last (in rank order)."""
         return [q.get(timeout=timeout) for q in self.replies]
 
     def close(self) -> None:

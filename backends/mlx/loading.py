@@ -64,10 +64,9 @@ def load(settings: WorkerSettings, spec: str, agree: Solo = SOLO) -> Loaded:
     from prefixd.backends.mlx.disktier import model_fingerprint
 
     model_id = model_fingerprint(target, dequantize)
-    disk = None if agree.distributed else disk_spec(settings, model_id)
-    if agree.distributed and settings.disk_cache_bytes != 0:
-        log.warning("worker: a group worker keeps its prompt cache in RAM only (no disk tier "
-                    "yet: docs/DISTRIBUTED.md)")
+    if agree.distributed:   # each rank's disk tier holds its own shard's states
+        model_id += f":rank{agree.rank}of{agree.size}:{mode}"
+    disk = disk_spec(settings, model_id)
     engine = Engine(model, EngineConfig.from_settings(
         settings, cache_bytes=agree.min(ram_budget(settings))), disk, model_id, agree)
     warm_up(model, engine.fresh_cache(), tokenizer)

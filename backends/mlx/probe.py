@@ -145,3 +145,19 @@ def group_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[i
     snapshot.evaluate(probe)
     size = agree.max(snapshot.checkpoint_bytes(probe, snap_idx, chunk) if snap_idx else 0)
     return auto_interval(size, budget)
+
+
+def group_inpass(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...],
+                 enabled: bool, agree: Any) -> tuple[int, ...] | None:
+    """`inpass_leaves` for a group: the same probe passes on every rank, and in-pass capture
+    on every rank or none (a rank with nothing to snapshot gets `()`: its passes are not cut
+    either)."""
+    if not enabled:
+        return None
+    why = tap.verify(model, fresh, snap_idx, every_pass=True) if snap_idx else \
+        tap.verify(model, fresh, (), every_pass=True)
+    if not agree.all(why is None):
+        log.info("checkpoints cut prefill passes in this group (in-pass capture: %s)",
+                 why or "refused on another rank")
+        return None
+    return snap_idx

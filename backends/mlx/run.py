@@ -22,6 +22,8 @@ from prefixd.backends.mlx.stats import PromptStats
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
 # checkpoint payload when the pass computed it (an in-pass mark), else None: take it from the
 # live cache, which is at that position).
+# a checkpoint inside a pass whose tap failed: not taken (a group's ranks all skip it)
+LOST: Any = {"lost": True}
 Capture = Callable[[int, bool, "snapshot.Snapshot | None"], None]
 
 
@@ -59,7 +61,7 @@ class Run:
         """The model over `tokens`; with `logits`, the last position's, evaluated together with
         the cache and the checkpoints at `offsets` inside the pass (one sync)."""
         self.broken = True
-        recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass else None
+        recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass is not None else None
         with tap.tapping(recorder):
             out = self.model(mx.array(tokens)[None], cache=self.cache)
         last = out[:, -1, :] if logits else None
@@ -82,7 +84,8 @@ class Run:
         or the pass is cut there)."""
         n = len(self.prompt)
         final = min(max(final, self.pos), n - 1)
-        cuts = [] if self.inpass else sorted(p for p in marks if self.pos < p < final)
+        cuts = [] if self.inpass is not None else sorted(p for p in marks
+                                                          if self.pos < p < final)
         self.logits = None
         while self.pos < final:
             if self.should_stop():
@@ -106,8 +109,8 @@ class Run:
         out, snaps = self._forward(self.prompt[start:end], logits, inner)
         self.segments.append((end - start, time.perf_counter() - t0))
         self.pos = end
-        for r, snap in snaps.items():
-            capture(start + r, marks[start + r], snap)
+        for r in inner if self.inpass is not None else ():   # a failed tap loses them all
+            capture(start + r, marks[start + r], snaps.get(r, LOST))
         if end in marks:
             capture(end, marks[end], None)
         return out

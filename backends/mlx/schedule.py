@@ -14,11 +14,14 @@ Policy, between passes:
 - aging: a job that other jobs' passes skipped `AGE_LIMIT` times in a row runs next (the most
   skipped first). So between two passes of an admitted job there are at most
   `AGE_LIMIT + max_active - 1` passes of other jobs: nobody starves;
-- a prefill pass is a slice while any other job is admitted or waiting, and a whole
-  `prefill_chunk` when the job is alone. A slice is `prefill_slice_ms` of prefill at the
-  worker's measured prefill rate (`prefill_slice` tokens until one is measured), at least
-  `MIN_SLICE` tokens and at most a chunk: a waiting request's extra wait is one slice's time,
-  whatever the model and machine. A paused prefill keeps its live cache as it is
+- a prefill pass is a slice of about `prefill_slice_ms`: as many tokens as the job's own last
+  pass ran in that time (its rate at its depth in the prompt, which falls as the prompt grows;
+  the worker's measured prefill rate for its first pass; `prefill_slice` tokens before any is
+  measured), at least `MIN_SLICE` tokens and at most `prefill_chunk`. Alone too: a request
+  that arrives finds the pass under way at most one slice long. So its extra wait is about one
+  slice, whatever the model, the machine and the depth of the prefill under way. With
+  `prefill_slice_ms` 0, slices are `prefill_slice` tokens while others wait, whole chunks
+  alone. A paused prefill keeps its live cache as it is
   (nothing is recomputed or copied), and its checkpoints land where they would unpaused
   (placement is by position, `run.Run.prefill_passes`);
 - a cancelled job stops within one pass (its Engine generator commits what it computed);
@@ -45,6 +48,10 @@ class Task(Protocol):
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill (0 once decoding)."""
+        ...
+
+    def pass_rate(self) -> float | None:
+        """Tokens per second of its last prefill pass (None before its first)."""
         ...
 
     def advance(self) -> bool:
@@ -120,11 +127,12 @@ class Schedule:
             if s is not slot:
                 s.skipped += 1
 
-    def slice(self) -> int:
-        """Tokens of the next prefill pass: a slice when anything else is admitted or waits."""
-        if len(self.active) + len(self.waiting) <= 1:
-            return self.chunk
-        rate = self.rate() if self.slice_ms > 0 else None
+    def slice(self, slot: Slot | None = None) -> int:
+        """Tokens of `slot`'s next prefill pass (see the module docstring)."""
+        if self.slice_ms <= 0:
+            return self.slice_tokens if len(self.active) + len(self.waiting) > 1 else self.chunk
+        rate = slot.task.pass_rate() if slot is not None and slot.task is not None else None
+        rate = rate or self.rate()
         if not rate:
             return self.slice_tokens
         return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
@@ -154,7 +162,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
             continue
         slot = schedule.pick()
         if slot.task is None:
-            slot.task = start(slot.job, schedule.slice)
+            slot.task = start(slot.job, lambda s=slot: schedule.slice(s))
         t0 = time.perf_counter()
         done = slot.task.advance()
         spent = time.perf_counter() - t0

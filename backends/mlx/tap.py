@@ -217,36 +217,46 @@ def install() -> None:
                     setattr(mod, fn, _hook_recurrence(current, spec))
 
 
-def verify(model: Any, fresh: Callable[[], list[Any]], indices: tuple[int, ...]) -> str | None:
+def verify(model: Any, fresh: Callable[[], list[Any]], indices: tuple[int, ...],
+           every_pass: bool = False) -> str | None:
     """Why in-pass checkpoints cannot be trusted for `model`, or None when a tapped pass over a
-    short prompt gives, at two offsets, the checkpoints that passes cut there give."""
-    if not indices:
+    short prompt gives, at two offsets, the checkpoints that passes cut there give.
+    `every_pass`: run all three forward passes whatever is found on the way (a group's ranks
+    meet in each pass, whatever their layers: `probe.group_inpass`)."""
+    if not indices and not every_pass:
         return "nothing to snapshot"
     install()
     tokens = [(i * 7919) % 97 + 3 for i in range(24)]
     cuts = (9, 17)
+    why: str | None = None
     try:
         tapped_cache = fresh()
         tap = Tap(cuts, len(tokens))
         with tapping(tap):
             model(mx.array(tokens)[None], cache=tapped_cache)
         got = tap.payloads(tapped_cache, indices)
-        if tap.failed:
-            return tap.failed
+        why = tap.failed
+        if why and not every_pass:
+            return why
         mx.eval(tap.arrays(got), [leaf.state for leaf in snapshot.leaves(tapped_cache)])
         cut_cache, start = fresh(), 0
         for r in cuts:
             model(mx.array(tokens[start:r])[None], cache=cut_cache)
             snapshot.evaluate(cut_cache)
             want, _ = snapshot.take(cut_cache, indices)
-            for i in indices:
+            for i in indices if why is None else ():
                 why = _differs(got[r][i].state, want[i].state)
                 if why:
-                    return f"leaf {i} at {r}: {why}"
+                    why = f"leaf {i} at {r}: {why}"
+                    if not every_pass:
+                        return why
+                    break
             start = r
     except Exception as exc:  # an architecture the hooks do not fit
+        if every_pass:
+            raise            # a group cannot tell how far the other ranks got
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return why
 
 
 def _differs(a: Any, b: Any) -> str | None:

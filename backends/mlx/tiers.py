@@ -113,13 +113,16 @@ class Tiers:
     def next_due(self) -> float | None:
         return min(self.due.values(), default=None)
 
-    def flush_due(self, now: float) -> int:
-        """Submit the jobs of entries idle for `write_delay`; how many were submitted."""
-        ready = [e for e, t in self.due.items() if t <= now]
-        for e in ready:
-            del self.due[e]
-            self._write(e, "idle")
-        return len(ready)
+    def ready(self, now: float) -> list[Entry]:
+        """The entries idle for `write_delay` (due to be written now)."""
+        return [e for e, t in self.due.items() if t <= now]
+
+    def flush(self, entries: Sequence[Entry]) -> int:
+        """Submit the jobs of these due entries; how many were submitted."""
+        for e in entries:
+            if self.due.pop(e, None) is not None and self.disk is not None:
+                self._write(e, "idle")
+        return len(entries)
 
     def flush_all(self, entries: Sequence[Entry]) -> None:
         self.due.clear()
