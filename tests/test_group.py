@@ -63,8 +63,9 @@ def pair(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
          ) -> Iterator[tuple[str, str, str]]:
     """(a one-process worker's URL, a two-rank group's URL, the architecture)."""
     model = tiny_model_dir(request.param)
-    with running_worker(model, KEY) as one, \
-            running_worker(model, KEY, PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as group:
+    fixed = {"PREFIXD_PREFILL_SLICE_MS": "0"}   # pass sizes by tokens, not by time: comparable
+    with running_worker(model, KEY, **fixed) as one, \
+            running_worker(model, KEY, PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR, **fixed) as group:
         yield one, group, request.param
 
 

@@ -31,6 +31,7 @@ Policy, between passes:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -162,7 +163,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
             continue
         slot = schedule.pick()
         if slot.task is None:
-            slot.task = start(slot.job, lambda s=slot: schedule.slice(s))
+            slot.task = start(slot.job, functools.partial(schedule.slice, slot))
         t0 = time.perf_counter()
         done = slot.task.advance()
         spent = time.perf_counter() - t0

@@ -81,11 +81,11 @@ class WorkerSettings(BaseSettings):
                             "(docs/CHECKPOINTS.md, Scheduling). 1: one job at a time, to its "
                             "end, in arrival order.")
     prefill_slice_ms: float = Field(
-        250.0, ge=0, description="Worker (max_active > 1): while other jobs wait, prefill in "
-        "slices of about this many milliseconds, sized from the measured prefill rate (at "
-        "least 32 tokens, at most prefill_chunk; a job alone takes whole prefill_chunk "
-        "passes). A request arriving during a long prefill waits about one slice. 0: slices "
-        "of prefill_slice tokens.")
+        250.0, ge=0, description="Worker (max_active > 1): prefill in passes of about this "
+        "many milliseconds, sized from the job's own last pass (its rate at its depth; at "
+        "least 32 tokens, at most prefill_chunk), so a request arriving during a long prefill "
+        "waits about one such pass. 0: slices of prefill_slice tokens while other jobs wait, "
+        "whole prefill_chunk passes alone.")
     prefill_slice: int = Field(256, ge=16, description="Worker (max_active > 1): the slice in "
                                "tokens until a prefill rate is measured (or always, with "
                                "prefill_slice_ms 0).")
