@@ -96,19 +96,32 @@ def measured_footprint(info: dict | None) -> int | None:
     """A loaded model's footprint from its worker's GET /v1/cache: the memory it holds now
     (the larger of the process's resident set and MLX's live + cached buffers, which on Apple
     silicon need not all show in the resident set) plus the room its prompt cache may still
-    grow by (`bytes_budget - bytes_used`). None when the worker does not report its memory."""
+    grow by (`bytes_budget - bytes_used`). A group worker's is that of its ranks on this
+    machine (the first host's and loopback ones; each holds a cache of that budget): the
+    others count against their own hosts' memory. None when the worker does not report its
+    memory."""
     if not isinstance(info, dict):
         return None
-    memory = info.get("memory")
-    if not isinstance(memory, dict):
-        return None
-    rss = _int(memory.get("rss_bytes"))
-    mlx = _int(memory.get("mlx_active_bytes")) + _int(memory.get("mlx_cache_bytes"))
-    held = max(rss, mlx)
+    group = info.get("group")
+    ranks = group.get("ranks") if isinstance(group, dict) else None
+    hosts = group.get("hosts") if isinstance(group, dict) else None
+    if isinstance(ranks, list) and ranks and isinstance(hosts, list) and hosts:
+        here = {hosts[0], "127.0.0.1", "localhost", "::1"}
+        local = [r for r in ranks if isinstance(r, dict) and r.get("host") in here]
+    else:
+        local = [info]
+    held = sum(_held(r.get("memory")) for r in local)
     if held <= 0:
         return None
     room = max(0, _int(info.get("bytes_budget")) - _int(info.get("bytes_used")))
-    return held + room
+    return held + room * len(local)
+
+
+def _held(memory: object) -> int:
+    if not isinstance(memory, dict):
+        return 0
+    rss = _int(memory.get("rss_bytes"))
+    return max(rss, _int(memory.get("mlx_active_bytes")) + _int(memory.get("mlx_cache_bytes")))
 
 
 def _int(value: object) -> int:

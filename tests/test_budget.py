@@ -90,6 +90,15 @@ def test_footprint_estimate(tmp_path: Path):
     ({"memory": {"rss_bytes": 0}}, None),
     ({"memory": {"rss_bytes": True}}, None),
     (None, None),
+    # a group worker: its ranks on this machine (the first host's, loopback), each with room
+    # for its cache; a rank on another host counts against that host's memory
+    ({"bytes_budget": 1000, "bytes_used": 400, "memory": {"rss_bytes": 5000},
+      "group": {"hosts": ["10.0.0.1", "10.0.0.2", "127.0.0.1"], "ranks": [
+          {"rank": 0, "host": "10.0.0.1", "memory": {"rss_bytes": 5000}},
+          {"rank": 1, "host": "10.0.0.2", "memory": {"rss_bytes": 9000}},
+          {"rank": 2, "host": "127.0.0.1", "memory": {"rss_bytes": 3000,
+                                                      "mlx_active_bytes": 4000}}]}},
+     5000 + 4000 + 2 * 600),
 ])
 def test_measured_footprint(info, footprint):
     assert measured_footprint(info) == footprint
