@@ -131,8 +131,8 @@ def test_a_dead_follower_ends_the_leader_and_a_stopped_leader_its_follower(
 async def test_a_managed_group_shows_its_ranks_and_restarts_as_one(
         tiny_model_dir: Callable[[str], Path]) -> None:
     """A backend naming its hosts: prefixd starts the group, /status lists its ranks and each
-    one's memory; a follower killed mid-request restarts the whole group and the request is
-    answered by it (sent again), not lost."""
+    one's memory; a follower killed mid-request restarts the whole group and the requests in
+    flight and queued are answered by it (sent again), none lost."""
     import asyncio
 
     import aiohttp
@@ -167,15 +167,23 @@ async def test_a_managed_group_shows_its_ranks_and_restarts_as_one(
             follower = leader.children()[0]
             long = {**body, "max_tokens": 400, "logit_bias": {}, "messages": [
                 {"role": "user", "content": "word " * 1500}]}
-            task = asyncio.create_task(http.post(base + "/v1/chat/completions", json=long))
             queue = server.proxy.queues["big"]
+
+            async def ask(b: dict) -> int:
+                async with http.post(base + "/v1/chat/completions", json=b) as r:
+                    await r.read()
+                    return r.status
+
+            # the long one in flight, three more beside or behind it (max_concurrency 4)
+            tasks = [asyncio.create_task(ask(long))]
             for _ in range(500):                    # until the proxy has sent it (deadline)
                 if queue.in_flight:
                     break
                 await asyncio.sleep(0.01)
+            tasks += [asyncio.create_task(ask({**body, "max_tokens": 2 + i})) for i in range(3)]
+            await asyncio.sleep(0.05)
             follower.kill()
-            async with await task as r:
-                assert r.status == 200, await r.text()
+            assert await asyncio.gather(*tasks) == [200] * 4     # none lost
             assert backend.status().detail["pid"] != leader.pid     # a new group
             async with http.post(base + "/v1/chat/completions", json=body) as r:
                 assert (await r.json())["choices"] == first["choices"]
