@@ -143,28 +143,31 @@ class FakeTask:
         return self.rate
 
     def advance(self) -> bool:
-        self.left = max(0, self.left - 1)
+        self.left = max(0, self.left - 256)   # a pass of prefill_slice tokens
         return False
 
 
-def test_policy_shortest_prefill_first_with_aging() -> None:
-    schedule = Schedule(3, 256, 512, 1 << 30, 1)
-    for n in (5000, 10, 0):
+def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
+    schedule = Schedule(4, 256, 512, 1 << 30, 1)
+    for n in (5000, 10, 0, 300):
         schedule.add(_job([1] * max(n, 1)))
     slots = schedule.admit()
-    for slot, left in zip(slots, (5000, 10, 0), strict=True):
+    for slot, left in zip(slots, (5000, 10, 0, 300), strict=True):
         slot.task = FakeTask(left)
     picks: list[int] = []
-    for _ in range(2 * (AGE_LIMIT + 2)):
+    for _ in range(2 * (AGE_LIMIT + 3)):
         slot = schedule.pick()
         picks.append(slots.index(slot))
+        assert slot.task is not None
+        slot.task.advance()
         schedule.ran(slot)
-    # decoding (0 left) and the short prefill go first; the long one waits at most
+    # the short prompt one pass from its first token first, then decoding (the job that
+    # was decoding, then that one in turn), before the longer prefills, which wait at most
     # AGE_LIMIT + max_active - 1 passes of others
-    assert picks[0] == 2
+    assert picks[:4] == [1, 2, 1, 2]
     runs = [k for k, p in enumerate(picks) if p == 0]
     gaps = [b - a - 1 for a, b in zip([-1, *runs[:-1]], runs, strict=True)]
-    assert gaps and max(gaps) <= AGE_LIMIT + 2
+    assert gaps and max(gaps) <= AGE_LIMIT + 3
     assert schedule.slice() == 256
 
 

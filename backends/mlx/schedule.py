@@ -8,9 +8,11 @@ takes. Nothing here runs mlx: a job's passes are its `Task` (`generation.Active`
 `Engine.steps` step each), and `Generator` owns starting and ending jobs.
 
 Policy, between passes:
-- least remaining prefill first: a decoding job (0 left) before a prefilling one, a short
-  prompt before a long one; ties go to the job that ran least recently (decode steps of
-  running jobs are interleaved round-robin);
+- the soonest first token, then least remaining prefill: a job one short pass from its first
+  token (at most `prefill_slice` tokens left: a title call, a chat turn) runs first; then
+  decoding jobs (0 left); then the other prefills, the shortest first. Ties go to the job that
+  ran least recently (decode steps of running jobs are interleaved round-robin). So a short
+  request that arrives waits for the pass under way and nothing else;
 - aging: a job that other jobs' passes skipped `AGE_LIMIT` times in a row runs next (the most
   skipped first). So between two passes of an admitted job there are at most
   `AGE_LIMIT + max_active - 1` passes of other jobs: nobody starves;
@@ -119,7 +121,13 @@ class Schedule:
         aged = [s for s in self.active if s.skipped >= AGE_LIMIT]
         if aged:
             return max(aged, key=lambda s: (s.skipped, -s.last))
-        return min(self.active, key=lambda s: (s.remaining(), s.last))
+        return min(self.active, key=self._rank)
+
+    def _rank(self, s: Slot) -> tuple[int, int, int]:
+        left = s.remaining()
+        if 0 < left <= self.slice_tokens:
+            return 0, left, s.last      # its next pass gives its first token
+        return (1 if left == 0 else 2), left, s.last
 
     def ran(self, slot: Slot) -> None:
         self.tick += 1
