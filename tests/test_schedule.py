@@ -207,6 +207,12 @@ def test_a_slice_is_its_time_at_the_measured_prefill_rate() -> None:
     assert schedule.slice(slot) == MIN_SLICE       # its prompt: 12.5 tokens -> the floor
     slot.task = FakeTask(3000, rate=800.0)
     assert schedule.slice(slot) == 200
+    slot.task = FakeTask(90, rate=50.0)            # the long prompt's last 90 tokens: deep,
+    assert schedule.slice(slot) == MIN_SLICE       # so by time
+    schedule.add(_job([1] * 90))
+    (short,) = schedule.admit()
+    short.task = FakeTask(90)                      # a short prompt's rest: one pass, however
+    assert schedule.slice(short) == 96             # slow the passes deep in another prompt
     fixed = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=0, prefill_rate=lambda: 1000.0)
     fixed.add(_job([1] * 4000))
     assert fixed.slice() == 512                    # prefill_slice_ms 0: whole chunks alone,

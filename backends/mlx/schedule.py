@@ -19,13 +19,14 @@ Policy, between passes:
 - a prefill pass is a slice of about `prefill_slice_ms`: as many tokens as the job's own last
   pass ran in that time (its rate at its depth in the prompt, which falls as the prompt grows;
   the worker's measured prefill rate for its first pass; `prefill_slice` tokens before any is
-  measured), at least `MIN_SLICE` tokens and at most `prefill_chunk`. Alone too: a request
-  that arrives finds the pass under way at most one slice long. So its extra wait is about one
-  slice, whatever the model, the machine and the depth of the prefill under way. With
-  `prefill_slice_ms` 0, slices are `prefill_slice` tokens while others wait, whole chunks
-  alone. A paused prefill keeps its live cache as it is
-  (nothing is recomputed or copied), and its checkpoints land where they would unpaused
-  (placement is by position, `run.Run.prefill_passes`);
+  measured), at least `MIN_SLICE` tokens and at most `prefill_chunk`; a short prompt (at most
+  `prefill_chunk` tokens, at most `prefill_slice` of them left) prefills the rest in one pass.
+  Alone too: a request that arrives finds the pass under way at most one slice long, so its
+  extra wait is about one slice, whatever the model, the machine and the depth of the prefill
+  under way. With `prefill_slice_ms` 0, slices are `prefill_slice` tokens while others wait,
+  whole chunks alone. A paused prefill keeps its live cache as it is (nothing is recomputed or
+  copied), and its checkpoints land where they would unpaused (placement is by position,
+  `run.Run.prefill_passes`);
 - a cancelled job stops within one pass (its Engine generator commits what it computed);
 - a job's time admitted but paused while other jobs' passes ran is its `paused_s`, reported
   beside its `queue_s` (time waiting to be admitted): together, its time behind others.
@@ -140,6 +141,9 @@ class Schedule:
         """Tokens of `slot`'s next prefill pass (see the module docstring)."""
         if self.slice_ms <= 0:
             return self.slice_tokens if len(self.active) + len(self.waiting) > 1 else self.chunk
+        if slot is not None and 0 < slot.remaining() <= self.slice_tokens and \
+                len(slot.job.prompt.tokens) <= self.chunk:
+            return self.slice_tokens    # a short prompt's prefill: one pass to its first token
         rate = slot.task.pass_rate() if slot is not None and slot.task is not None else None
         rate = rate or self.rate()
         if not rate:
