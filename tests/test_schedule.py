@@ -171,6 +171,26 @@ def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
     assert schedule.slice() == 256
 
 
+def test_aging_by_time_lets_cheap_decode_steps_run_before_an_expensive_slice() -> None:
+    """With slices sized by time, aging is too: a long prefill waits AGE_LIMIT slices' time
+    (not AGE_LIMIT passes) of others' passes, so twenty 40 ms decode steps do not make it
+    preempt a short prompt's prefill; a second of passes at 250 ms each does."""
+    schedule = Schedule(3, 256, 512, 1 << 30, 1, slice_ms=250, prefill_rate=lambda: 1000.0)
+    for n in (5000, 0):
+        schedule.add(_job([1] * max(n, 1)))
+    long, decoding = schedule.admit()
+    long.task, decoding.task = FakeTask(5000), FakeTask(0)
+    for _ in range(20):                          # 0.8 s of decode steps
+        assert schedule.pick() is decoding
+        schedule.ran(decoding, 0.04)
+    schedule.add(_job([1] * 60))
+    (short,) = schedule.admit()
+    short.task = FakeTask(60)
+    assert schedule.pick() is short              # the long one is not aged yet
+    schedule.ran(short, 1.25)                    # 2.05 s kept: AGE_LIMIT x 250 ms passed
+    assert schedule.pick() is long
+
+
 def test_admission_counts_live_cache_bytes() -> None:
     schedule = Schedule(4, 256, 512, 1000, 10)   # 100 tokens of live cache
     for n in (80, 30, 10):

@@ -13,9 +13,12 @@ Policy, between passes:
   decoding jobs (0 left); then the other prefills, the shortest first. Ties go to the job that
   ran least recently (decode steps of running jobs are interleaved round-robin). So a short
   request that arrives waits for the pass under way and nothing else;
-- aging: a job that other jobs' passes skipped `AGE_LIMIT` times in a row runs next (the most
-  skipped first). So between two passes of an admitted job there are at most
-  `AGE_LIMIT + max_active - 1` passes of other jobs: nobody starves;
+- aging: a job that other jobs' passes kept waiting `AGE_LIMIT` slices' time in a row
+  (`AGE_LIMIT` x `prefill_slice_ms`: 2 s by default; with `prefill_slice_ms` 0, `AGE_LIMIT`
+  passes) runs next, the longest kept first. So between two passes of an admitted job there
+  are at most that much of other jobs' passes plus one pass of each other job (`max_active` -
+  1 passes): nobody starves. Counted in time, a run of cheap decode steps does not age a long
+  prefill as fast as its own expensive slices would;
 - a prefill pass is a slice of about `prefill_slice_ms`: as many tokens as the job's own last
   pass ran in that time (its rate at its depth in the prompt, which falls as the prompt grows;
   the worker's measured prefill rate for its first pass; `prefill_slice` tokens before any is
@@ -72,6 +75,7 @@ class Slot:
     task: Task | None = None
     last: int = 0      # the tick of its last pass
     skipped: int = 0   # other jobs' passes since its last
+    kept: float = 0.0  # seconds of other jobs' passes since its last
 
     def remaining(self) -> int:
         return self.task.remaining() if self.task else len(self.job.prompt.tokens)
@@ -119,9 +123,13 @@ class Schedule:
 
     def pick(self) -> Slot:
         """The admitted job whose pass runs next (see the module docstring)."""
-        aged = [s for s in self.active if s.skipped >= AGE_LIMIT]
+        if self.slice_ms > 0:
+            limit = AGE_LIMIT * self.slice_ms / 1000
+            aged = [s for s in self.active if s.kept >= limit]
+        else:
+            aged = [s for s in self.active if s.skipped >= AGE_LIMIT]
         if aged:
-            return max(aged, key=lambda s: (s.skipped, -s.last))
+            return max(aged, key=lambda s: (s.kept, s.skipped, -s.last))
         return min(self.active, key=self._rank)
 
     def _rank(self, s: Slot) -> tuple[int, int, int]:
@@ -130,12 +138,14 @@ class Schedule:
             return 0, left, s.last      # its next pass gives its first token
         return (1 if left == 0 else 2), left, s.last
 
-    def ran(self, slot: Slot) -> None:
+    def ran(self, slot: Slot, seconds: float = 0.0) -> None:
+        """`slot`'s pass ran, for `seconds`: the others were kept waiting that long."""
         self.tick += 1
-        slot.last, slot.skipped = self.tick, 0
+        slot.last, slot.skipped, slot.kept = self.tick, 0, 0.0
         for s in self.active:
             if s is not slot:
                 s.skipped += 1
+                s.kept += seconds
 
     def slice(self, slot: Slot | None = None) -> int:
         """Tokens of `slot`'s next prefill pass (see the module docstring)."""
@@ -182,7 +192,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         for other in schedule.active:
             if other is not slot:
                 other.job.paused_s += spent
-        schedule.ran(slot)
+        schedule.ran(slot, spent)
         if done:
             schedule.remove(slot)
 
