@@ -12,8 +12,7 @@ Policy, between passes:
   token (at most `prefill_slice` tokens left: a title call, a chat turn) runs first; then
   decoding jobs (0 left); then the other prefills, the shortest first. Ties go to the job that
   ran least recently (decode steps of running jobs are interleaved round-robin). So a short
-  request that arrives waits for the pass under way and nothing else (once its prefill has
-  started, not even for an aged job: it is at most one pass from its first token);
+  request that arrives waits for the pass under way and nothing else;
 - aging: a job that other jobs' passes kept waiting `AGE_LIMIT` slices' time in a row
   (`AGE_LIMIT` x `prefill_slice_ms`: 2 s by default; with `prefill_slice_ms` 0, `AGE_LIMIT`
   passes) runs next, the longest kept first. So between two passes of an admitted job there
@@ -124,10 +123,6 @@ class Schedule:
 
     def pick(self) -> Slot:
         """The admitted job whose pass runs next (see the module docstring)."""
-        due = [s for s in self.active if s.task is not None and self._rank(s)[0] == 0
-               and s.task.remaining() < len(s.job.prompt.tokens)]
-        if due:                     # a short prompt already under way: its first token first
-            return min(due, key=self._rank)
         if self.slice_ms > 0:
             limit = AGE_LIMIT * self.slice_ms / 1000
             aged = [s for s in self.active if s.kept >= limit]
