@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixd.backends.mlx.group import is_loopback
+
 PROCESS_OVERHEAD = 300 * 2**20      # interpreter, mlx runtime, tokenizer: measured ~250 MiB
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
 MIN_SHARE = 256 * 2**20  # a smaller cache share is not worth keeping models loaded together
@@ -106,8 +108,8 @@ def measured_footprint(info: dict | None) -> int | None:
     ranks = group.get("ranks") if isinstance(group, dict) else None
     hosts = group.get("hosts") if isinstance(group, dict) else None
     if isinstance(ranks, list) and ranks and isinstance(hosts, list) and hosts:
-        here = {hosts[0], "127.0.0.1", "localhost", "::1"}
-        local = [r for r in ranks if isinstance(r, dict) and r.get("host") in here]
+        local = [r for r in ranks if isinstance(r, dict) and
+                 (r.get("host") == hosts[0] or is_loopback(str(r.get("host"))))]
     else:
         local = [info]
     held = sum(_held(r.get("memory")) for r in local)

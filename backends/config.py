@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from prefixd.backends.mlx.settings import DEFAULT_ACTIVE
+from prefixd.backends.mlx.settings import DEFAULT_ACTIVE, Parallel
 
 
 class BackendConfig(BaseModel):
@@ -63,7 +63,7 @@ class BackendConfig(BaseModel):
         "distributed runtime, one per host (this machine first; loopback entries run here, "
         "others over ssh: docs/DISTRIBUTED.md), e.g. [\"127.0.0.1\", \"10.0.0.2\"]; "
         "supervised as one unit")
-    parallel: Literal["auto", "pipeline", "tensor"] = Field(
+    parallel: Parallel = Field(
         "auto", description="mlx (with hosts): how the model is split across them")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")

@@ -441,10 +441,7 @@ def run_a(config: str, model_dir: Path, tokenizer: Any, args: argparse.Namespace
           f"short TTFT ms {[round(r.ttft * 1000) for r in reqs[1:]]} (alone "
           f"{[round(solo[r.label].ttft * 1000) for r in reqs[1:]]}); peak "
           f"{live.hwm / 2**20:.0f} MiB", flush=True)
-    return {"requests": [_row(r, solo[r.label]) for r in reqs], "peak_rss": live.hwm,
-            "peak_rss_sampled": live.peak_sampled, "ready_rss": live.ready_rss,
-            "rss": _thin(live.samples), "cache_entries": _entries(cache),
-            "load": os.getloadavg()[0]}
+    return _outcome(live, reqs, solo, cache)
 
 
 def run_b(config: str, model_dir: Path, tokenizer: Any, args: argparse.Namespace
@@ -479,6 +476,12 @@ def run_b(config: str, model_dir: Path, tokenizer: Any, args: argparse.Namespace
           f"{[(r.label, round(r.ttft * 1000)) for r in reqs]} alone "
           f"{[round(solo[r.label].ttft * 1000) for r in reqs]}; peak "
           f"{live.hwm / 2**20:.0f} MiB", flush=True)
+    return _outcome(live, reqs, solo, cache)
+
+
+def _outcome(live: Any, reqs: list[Req], solo: dict[str, Req],
+             cache: dict[str, Any]) -> dict[str, Any]:
+    """A scenario's record: every request against itself alone, the server's memory."""
     return {"requests": [_row(r, solo[r.label]) for r in reqs], "peak_rss": live.hwm,
             "peak_rss_sampled": live.peak_sampled, "ready_rss": live.ready_rss,
             "rss": _thin(live.samples), "cache_entries": _entries(cache),

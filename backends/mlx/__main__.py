@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.follower import is_follower
 from prefixd.backends.mlx.follower import serve as follower_serve
 from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.group import is_loopback
 from prefixd.backends.mlx.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.mlx.worker import TOKEN_ENV, create_app
@@ -38,16 +38,6 @@ from prefixd.backends.parent import follow_parent, watch_parent
 log = logging.getLogger("prefixd.worker")
 PERSIST_TIMEOUT_S = 15.0   # writing the cache at shutdown (the supervisor's grace is longer)
 # Set by the supervisor to its own pid: the worker exits when that process is gone.
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and localhost; anything else (0.0.0.0, a LAN address) is not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from prefixd.backends.mlx.active import Active
+from prefixd.backends.mlx.agree import SOLO, Solo
 from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.follower import job_record
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
@@ -123,12 +124,12 @@ class Generator:
         return self._executor.submit(self._load, spec).result()
 
     def _load(self, spec: str) -> Loaded:
-        agree = None
+        agree: Solo = SOLO
         if len(self.settings.group_hosts) > 1:
             self.leader = Leader(self.settings.group_hosts, ["--model", spec],
                                  self.settings.group_port)
             agree = self.leader.start()
-        self.loaded = load(self.settings, spec, *([agree] if agree else []))
+        self.loaded = load(self.settings, spec, agree)
         self.cache_info = self.loaded.engine.cache_info()
         self.memory = mlx_memory()
         return self.loaded

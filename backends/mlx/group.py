@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -40,7 +41,6 @@ RANK_ENV = "PREFIXD_GROUP_RANK"        # a follower's rank (the leader has none)
 RING_ENV = "PREFIXD_GROUP_RING"        # the ring's hostfile, as JSON
 CONTROL_ENV = "PREFIXD_GROUP_CONTROL"  # host:port of the leader's control channel
 SECRET_ENV = "PREFIXD_GROUP_SECRET"    # the start's secret (proves a follower is ours)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 JOIN_TIMEOUT_S = 120.0  # followers connecting to the control channel after the ring is up
 MAX_FRAME = 64 << 20
 
@@ -105,6 +105,16 @@ def join_ring(ring: str, rank: int) -> Any:
     return group
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost; anything else (0.0.0.0, a LAN address) is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,13 +133,13 @@ class Leader:
         self._send_lock = threading.Lock()
 
     def _addresses(self) -> list[str]:
-        return [f"127.0.0.1:{_free_port()}" if h in LOOPBACK else f"{h}:{self.ring_port + r}"
+        return [f"127.0.0.1:{_free_port()}" if is_loopback(h) else f"{h}:{self.ring_port + r}"
                 for r, h in enumerate(self.hosts)]
 
     def start(self) -> Ring:
         """Spawn the followers, join the ring, accept their control connections; the group's
         agreement object. Raises GroupError (after stopping what it started) on failure."""
-        local = all(h in LOOPBACK for h in self.hosts)
+        local = all(is_loopback(h) for h in self.hosts)
         listener = socket.create_server(("127.0.0.1" if local else "0.0.0.0", 0))
         listener.settimeout(JOIN_TIMEOUT_S)
         secret, ring = secrets.token_hex(16), json.dumps([[a] for a in self._addresses()])
@@ -154,7 +164,7 @@ class Leader:
         host = self.hosts[rank]
         command = [sys.executable, "-m", "prefixd.backends.mlx", *self.argv]
         env = {**os.environ, **group_env, "PREFIXD_PARENT_PID": str(os.getpid())}
-        if host not in LOOPBACK:       # as mlx.launch: ssh, the same interpreter path there
+        if not is_loopback(host):       # as mlx.launch: ssh, the same interpreter path there
             exports = [f"{k}={v}" for k, v in env.items() if k.startswith(("PREFIXD_", "MLX_"))]
             exports = [e for e in exports if not e.startswith("PREFIXD_PARENT_PID=")]
             command = ["ssh", host, "env", *map(_quote, exports), *map(_quote, command)]

@@ -154,8 +154,7 @@ def group_inpass(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int
     either)."""
     if not enabled:
         return None
-    why = tap.verify(model, fresh, snap_idx, every_pass=True) if snap_idx else \
-        tap.verify(model, fresh, (), every_pass=True)
+    why = tap.verify(model, fresh, snap_idx, every_pass=True)
     if not agree.all(why is None):
         log.info("checkpoints cut prefill passes in this group (in-pass capture: %s)",
                  why or "refused on another rank")

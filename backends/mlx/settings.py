@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # an agent's main turn, its title call and a couple of sub-agents; their live caches are
 # bounded by active_kv_share, and memory for the forward pass stays that of one pass.
 DEFAULT_ACTIVE = 4
+# How a group worker splits its model (`loading.distribute`).
+Parallel = Literal["auto", "pipeline", "tensor"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -99,7 +101,7 @@ class WorkerSettings(BaseSettings):
         "distributed runtime (ring backend), one per host, this process (rank 0) on the first: "
         "e.g. [\"127.0.0.1\", \"127.0.0.1\"], or [\"10.0.0.1\", \"10.0.0.2\"] (other hosts "
         "over ssh, the same interpreter path; docs/DISTRIBUTED.md). Empty or one: one process.")
-    parallel: Literal["auto", "pipeline", "tensor"] = Field(
+    parallel: Parallel = Field(
         "auto", description="Worker (group): how the model is split: pipeline (consecutive "
         "layers per rank), tensor (every layer's heads), auto (pipeline where mlx-lm has it).")
     group_port: int = Field(32323, ge=1024, le=65000, description="Worker (group): the ring's "
