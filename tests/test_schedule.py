@@ -34,8 +34,9 @@ class EngineTask:
     """A job's `Engine.steps`, one per `advance` (what `active.Active` does, without text)."""
 
     def __init__(self, engine: Engine, job: Job, slicer: Callable[[], int], log: list[str],
-                 name: str, bounds: Sequence[int] = ()) -> None:
-        self.turn = Turn(slicer)
+                 name: str, bounds: Sequence[int] = (),
+                 preempt: Callable[[], bool] | None = None) -> None:
+        self.turn = Turn(slicer, preempt)
         self.job, self.log, self.name, self.tokens = job, log, name, []
         self.steps = engine.steps(job.prompt.tokens, sampler=lambda lp: mx.argmax(lp, axis=-1),
                                   max_tokens=4, boundaries=bounds,
@@ -48,9 +49,13 @@ class EngineTask:
     def pass_rate(self) -> float | None:
         return None
 
+    def midpass(self) -> bool:
+        return self.turn.run is not None and self.turn.run.midpass
+
     def advance(self) -> bool:
         token = next(self.steps, -1)
-        self.log.append(f"{self.name}:{'prefill' if token is None else 'token'}")
+        what = "token" if token is not None else "pause" if self.midpass() else "prefill"
+        self.log.append(f"{self.name}:{what}")
         if token is None:
             return False
         if token == -1:
@@ -72,9 +77,9 @@ def _interleave(engine: Engine, jobs: dict[str, tuple[Job, Sequence[int]]], slic
         out = arrivals.pop(0) if arrivals else []
         return None if idle and not out else out
 
-    def start(job: Job, slicer: Callable[[], int]) -> EngineTask:
+    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
         name, bounds = names[id(job)]
-        tasks[name] = EngineTask(engine, job, slicer, log, name, bounds)
+        tasks[name] = EngineTask(engine, job, slicer, log, name, bounds, preempt)
         return tasks[name]
 
     drive(schedule, take, start, lambda job: log.append("cancelled-waiting"))
@@ -113,6 +118,58 @@ def test_interleaved_jobs_equal_serial_and_checkpoints_land_in_place(
         _assert_same(warm, _cold(model, prompt))
 
 
+def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
+        model: CountingModel) -> None:
+    """The long prompt's pass under way pauses after a layer for a short prompt that arrives
+    during it; the short one runs to its end, then the pass resumes where it stopped. Outputs,
+    pass sizes and checkpoints are those of the serial runs, and warm == cold holds after."""
+    rng = random.Random(28)
+    long, short = _words(rng, 300), _words(rng, 10)
+    engine = Engine(model, _settings())
+    chunk = engine.config.prefill_chunk
+    log: list[str] = []
+    tasks: dict[str, EngineTask] = {}
+    inbox: list[list[Job]] = [[_job(long)]]       # the long one starts alone
+    later = [_job(short)]                         # ... and this one arrives during its pass
+
+    def take(idle: bool) -> list[Job] | None:
+        out = inbox.pop(0) if inbox else []
+        return None if idle and not out else out
+
+    def arrived() -> list[Job]:
+        return [later.pop()] if later else []
+
+    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
+        name = "long" if job.prompt.tokens == long else "short"
+        tasks[name] = EngineTask(engine, job, slicer, log, name, BOUNDS if name == "long" else (),
+                                 preempt)
+        return tasks[name]
+
+    drive(Schedule(2, 12, chunk, 1 << 40, 1), take, start, lambda job: None, arrived)
+    assert log[0] == "long:pause"
+    assert log.index("short:end") < log.index("long:prefill")
+    run = tasks["long"].turn.run
+    assert run is not None and run.yields == 1
+    assert run.segments[0][0] == chunk            # the paused pass was not cut short
+    serial = Engine(model, _settings())
+    want_long, want_short = _run(serial, long, BOUNDS), _run(serial, short)
+    assert tasks["long"].tokens == want_long[0]
+    assert tasks["short"].tokens == want_short[0]
+    alone = Engine(model, _settings())
+    alone_stats = _run(alone, long, BOUNDS)[2]
+    assert [n for n, _ in run.segments] == [n for n, _ in alone_stats.segments]
+
+    def marks(e: Engine, tokens: list[int]) -> set[int]:
+        return {p for x in e.store.entries if x.tokens[:len(tokens)] == tokens
+                for p in x.checkpoints}
+
+    assert marks(engine, long) == marks(alone, long)
+    for prompt in (long + want_long[0] + _words(rng, 7), long[:170] + _words(rng, 20)):
+        warm = _run(engine, prompt, BOUNDS)
+        assert warm[2].cached_tokens > 0
+        _assert_same(warm, _cold(model, prompt))
+
+
 def test_a_cancelled_job_stops_within_one_slice(model: CountingModel) -> None:
     rng = random.Random(27)
     long, short = _words(rng, 300), _words(rng, 40)
@@ -144,6 +201,9 @@ class FakeTask:
 
     def advance(self) -> bool:
         self.left = max(0, self.left - 256)   # a pass of prefill_slice tokens
+        return False
+
+    def midpass(self) -> bool:
         return False
 
 
@@ -189,6 +249,56 @@ def test_aging_by_time_lets_cheap_decode_steps_run_before_an_expensive_slice() -
     assert schedule.pick() is short              # the long one is not aged yet
     schedule.ran(short, 1.25)                    # 2.05 s kept: AGE_LIMIT x 250 ms passed
     assert schedule.pick() is long
+
+
+def test_a_pass_pauses_only_for_a_newcomer_in_a_better_class() -> None:
+    """A short prompt that arrives during a long prefill pass pauses it; another long prompt
+    does not, a pass chosen by aging never pauses, and a paused pass's own time does not reset
+    its aging (so pauses cannot starve it)."""
+    schedule = Schedule(4, 256, 512, 1 << 30, 1, slice_ms=250, prefill_rate=lambda: 1000.0)
+    schedule.add(_job([1] * 5000))
+    (long,) = schedule.admit()
+    long.task = FakeTask(5000)
+    assert schedule.pick() is long and not schedule.preempts(long)
+    schedule.add(_job([1] * 3000))                 # a longer prefill: same class, waits
+    (other,) = schedule.admit()
+    other.task = FakeTask(3000)
+    assert not schedule.preempts(long)
+    schedule.add(_job([1] * 60))                   # a short prompt: one pass from its token
+    (short,) = schedule.admit()
+    short.task = FakeTask(60)
+    assert schedule.preempts(long)
+    schedule.ran(long, 0.3, paused=True, others=[other])
+    assert long.kept == 0.0 and other.kept == 0.3 and short.kept == 0.0
+    assert schedule.pick() is short
+    schedule.ran(short, 2.0)                       # long and other kept 2 s: aged
+    assert schedule.pick() is other and other.aged  # the longest kept first (2.3 s)
+    schedule.ran(other, 0.1)
+    assert schedule.pick() is long and long.aged   # its pauses did not reset its 2.1 s
+    schedule.add(_job([1] * 50))
+    (newcomer,) = schedule.admit()
+    newcomer.task = FakeTask(50)
+    assert not schedule.preempts(long)             # an aged pass runs to its end
+    newcomer.job.cancel()
+    assert schedule.pick() is newcomer             # a job whose client left ends first
+
+
+def test_a_deep_prompts_last_slice_is_not_a_short_prompt() -> None:
+    """Only a short prompt ranks as one pass from its first token: a long prompt's last
+    tokens are a slice deep in it (slow), which waits behind decode steps like its other
+    slices, and pauses for a short prompt that arrives."""
+    schedule = Schedule(3, 256, 512, 1 << 30, 1)
+    for n in (8000, 1):
+        schedule.add(_job([1] * n))
+    deep, decoding = schedule.admit()
+    deep.task, decoding.task = FakeTask(100), FakeTask(0)
+    assert schedule.pick() is decoding
+    schedule.remove(decoding)
+    assert schedule.pick() is deep
+    schedule.add(_job([1] * 40))
+    (fresh,) = schedule.admit()
+    fresh.task = FakeTask(40)
+    assert schedule.preempts(deep)
 
 
 def test_admission_counts_live_cache_bytes() -> None:

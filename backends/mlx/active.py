@@ -35,11 +35,14 @@ class Active:
 
     def __init__(self, loaded: Loaded, grammars: GrammarTokenizers, job: Job,
                  slicer: Callable[[], int] | None, end: Callable[[Job, Event], None],
-                 journal: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 journal: Callable[[dict[str, Any]], None] | None = None,
+                 preempt: Callable[[], bool] | None = None) -> None:
         self.loaded, self.grammars, self.job, self._end = loaded, grammars, job, end
         self.slicer, self.journal = slicer, journal
         self.pass_tokens, self.stopping = sys.maxsize, False   # this pass's decisions
-        self.turn = Turn(lambda: self.pass_tokens)
+        # A group's ranks run whole passes in lockstep (their collectives in the same order):
+        # only one process pauses a pass between two layers (`run.Run`).
+        self.turn = Turn(lambda: self.pass_tokens, None if journal else preempt)
         self.steps: Generator[int | None, None, None] | None = None
         self.n, self.finish, self.t0 = 0, "length", time.perf_counter()
 
@@ -55,9 +58,13 @@ class Active:
         tokens, seconds = run.segments[-1]
         return tokens / seconds if seconds > 0 else None
 
+    def midpass(self) -> bool:
+        """Whether its last `advance` left a prefill pass paused between two layers."""
+        return self.turn.run is not None and self.turn.run.midpass
+
     def advance(self) -> bool:
-        """One forward pass; True once the job has ended (its last event sent). Never
-        raises: a failure ends the job with `Failed`."""
+        """One forward pass, or its part up to a pause (`midpass`); True once the job has
+        ended (its last event sent). Never raises: a failure ends the job with `Failed`."""
         return self.step(self.slicer() if self.slicer else sys.maxsize, self.job.cancelled)
 
     def step(self, tokens: int, stop: bool) -> bool:

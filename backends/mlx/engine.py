@@ -65,9 +65,11 @@ class EngineConfig:
 class Turn:
     """One request's own view of the Engine (several may be under way: `schedule.py`): its
     stats and store entry (set when it starts), its live state, and the prefill pass size
-    its scheduler asks for (None: `prefill_chunk`)."""
+    its scheduler asks for (None: `prefill_chunk`) and whether, between two layers of one,
+    it yields to another job (`preempt`; None: never)."""
 
     slicer: Callable[[], int] | None = None
+    preempt: Callable[[], bool] | None = None
     stats: PromptStats | None = None
     entry: Entry | None = None
     run: Run | None = None
@@ -257,7 +259,7 @@ class Engine(Checkpointing):
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
         run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop,
-                  self.inpass, turn.slicer)
+                  self.inpass, turn.slicer, turn.preempt)
         turn.run = run
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
@@ -272,7 +274,7 @@ class Engine(Checkpointing):
                 yield None
                 t0 = time.perf_counter()
             prefill_s += time.perf_counter() - t0
-            stats.prefill_s, stats.segments = prefill_s, run.segments
+            stats.prefill_s, stats.segments, stats.yields = prefill_s, run.segments, run.yields
             if self.agree.any(bool(run.tap_failure)) and not run.tap_failure:
                 run.tap_failure = "on another rank of the group"
             if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes

@@ -199,7 +199,7 @@ class Generator:
         """One job to its end, on the generation thread (max_active 1: the executor's FIFO
         is the queue)."""
         job.queue_s = time.perf_counter() - job.submitted
-        active = self._start(job, None)     # a job cancelled meanwhile ends at once
+        active = self._start(job, None, None)     # a job cancelled meanwhile ends at once
         while not active.advance():
             pass
 
@@ -213,7 +213,7 @@ class Generator:
                         kv_bytes_per_token(engine.reference_leaves()), s.prefill_slice_ms,
                         engine.tiers.prefill_rate)
         drive(plan, self._take, self._start,
-              lambda job: self._end(job, Finished("cancelled", 0, 0)))
+              lambda job: self._end(job, Finished("cancelled", 0, 0)), self._arrived)
 
     def _take(self, idle: bool) -> list[Job] | None:
         """The drive loop's inbox, between two passes: run the calls waiting, hand over the
@@ -232,12 +232,23 @@ class Generator:
                     future.set_exception(e)
         return jobs
 
-    def _start(self, job: Job, slicer: Callable[[], int] | None) -> Active:
+    def _arrived(self) -> list[Job]:
+        """The jobs submitted since the drive loop last looked, during a pass (its calls wait
+        for the pass's end). Read first without the lock: a job that races it is seen at the
+        next layer or the next pass."""
+        if not self._inbox:
+            return []
+        with self._lock:
+            jobs, self._inbox = self._inbox, []
+        return jobs
+
+    def _start(self, job: Job, slicer: Callable[[], int] | None,
+               preempt: Callable[[], bool] | None) -> Active:
         assert self.loaded is not None
         journal = self.leader.send if self.leader is not None else None
         if journal is not None:
             journal(job_record(job))
-        return Active(self.loaded, self.grammars, job, slicer, self._end, journal)
+        return Active(self.loaded, self.grammars, job, slicer, self._end, journal, preempt)
 
     def _end(self, job: Job, result: Event) -> None:
         """Always the end of a job's events (`Finished` or `Failed`), so no handler waits

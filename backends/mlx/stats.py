@@ -12,7 +12,9 @@ line. Stages, in request order:
   own, until its end): `queue` + `paused` is its time behind others;
 - `lookup`, `restore`: finding the cached prefix and rebuilding the live cache from it;
 - `prefill`: the forward passes over the prompt tokens not cached (`prefill_segments`: tokens
-  and milliseconds of each pass), `checkpoint`: taking checkpoints between them;
+  and milliseconds of each pass, its own compute only; `prefill_yields`: how many times a pass
+  paused between two layers so a newly arrived request could run first), `checkpoint`: taking
+  checkpoints between them;
 - `first_token`: sampling the first token (the last forward pass's logits are computed here);
 - `commit`: storing the cache after the reply (not part of the time to first token).
 """
@@ -43,6 +45,7 @@ class PromptStats:
     restore_s: float = 0.0
     prefill_s: float = 0.0  # the whole prefill loop, checkpoints included
     segments: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) per pass
+    yields: int = 0  # times a prefill pass paused between two layers for another job's passes
     checkpoints: int = 0
     checkpoint_bytes: int = 0
     checkpoint_s: float = 0.0
@@ -75,6 +78,7 @@ def breakdown(stats: PromptStats | None, before: dict[str, float],
     if stats is not None:
         out["prefill_segments"] = [{"tokens": n, "ms": round(s * 1000, 3)}
                                    for n, s in stats.segments]
+        out["prefill_yields"] = stats.yields
         out["checkpoints"] = {"count": stats.checkpoints, "bytes": stats.checkpoint_bytes}
         if stats.fallback:
             out["fallback"] = stats.fallback
