@@ -165,8 +165,8 @@ class Req:
 def _lean(p: dict[str, Any] | None) -> dict[str, Any] | None:
     if not p:
         return None
-    return {k: p[k] for k in ("timings_ms", "prefill_segments", "cached_tokens",
-                              "recomputed_tokens") if k in p}
+    return {k: p[k] for k in ("timings_ms", "prefill_segments", "prefill_yields",
+                              "cached_tokens", "recomputed_tokens") if k in p}
 
 
 # --- request content -------------------------------------------------------------------------
@@ -549,7 +549,7 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                 o_ratio, o_extra = [], []
                 same = n = alone_same = failed = 0
                 differ: list[str] = []
-                others_work = []
+                others_work, floors, yields = [], [], []
                 for i, run in enumerate(runs):
                     rows = [r for r in run["requests"] if not r["error"]]
                     failed += len(run["requests"]) - len(rows)
@@ -569,6 +569,10 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                         chunks += long_passes({"prefixd": lr["alone"]["prefixd"]})
                         others_work.append(sum(r["alone"]["total"] for r in rows
                                                if r["role"] in ("short", "title", "sub")))
+                        # one pass at a time: the long one ends no sooner than its own time
+                        # alone plus the others' work that runs before its end
+                        floors.append(1 + others_work[-1] / lr["alone"]["total"])
+                        yields.append((lr.get("prefixd") or {}).get("prefill_yields", 0))
                     alone_same += sum(r["text"] == r["alone"]["text"] for r in rows)
                     if serial is not None and i < len(serial):
                         ref = {r["label"]: r["text"] for r in serial[i]["requests"]}
@@ -603,6 +607,8 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                     line["chunk_tokens"] = max(t for t, _ in chunks)
                 if others_work:  # what the others' own work alone adds to the long's
                     line["others_alone_s"] = statistics.median(others_work)
+                    line["long_floor"] = statistics.median(floors)
+                    line["long_yields"] = statistics.median(yields)
                 if serial is not None:
                     line["replies_same"], line["replies_n"] = same, n
                     line["replies_differ"] = differ
@@ -647,7 +653,9 @@ def verdicts(summary: list[dict[str, Any]]) -> list[str]:
             if s["scenario"] == "a":
                 checks.append(("long total <= 1.10x alone", s["long_ratio"] <= 1.10,
                                f"median {s['long_ratio']:.3f}x (runs: {ratios}); the shorts' "
-                               f"own time alone: {s['others_alone_s']:.2f} s"))
+                               f"own time alone: {s['others_alone_s']:.2f} s, so with one pass "
+                               f"at a time no less than {s['long_floor']:.3f}x; its passes "
+                               f"paused {s['long_yields']:.0f} times for a newcomer"))
             else:
                 out.append(f"- {s['model']} (b): the main turn's total / alone, for information "
                            f"(it shares the device with the title and sub-agent turns, "

@@ -1,7 +1,8 @@
 """The worker's scheduler end to end (`schedule.py` through `generation.Generator`), on the real
 in-process worker thread and a tiny qwen3: with max_active 2, a short request submitted behind
 a long prefill ends before the long one's first token, with the outputs a serial run gives;
-with max_active 1, it waits (today's order); a job cancelled mid-prefill ends promptly."""
+with max_active 1, it waits (today's order); a job cancelled mid-prefill ends promptly; a job
+that waits for room is told its place in line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.jobs import Finished, Job
+from prefixd.backends.mlx.jobs import Finished, Job, Queued
 from prefixd.backends.mlx.output import Delta
 from prefixd.backends.mlx.prompt import Prompt
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -49,7 +50,9 @@ def _submit(gen: Generator, tokens: list[int], namespace: str) -> Job:
 async def _collect(job: Job, name: str, order: list[str]) -> tuple[str, Finished]:
     text = []
     async for event in job.events():
-        if isinstance(event, Delta):
+        if isinstance(event, Queued):
+            order.append(f"{name}:queued={event.position}")
+        elif isinstance(event, Delta):
             order.append(f"{name}:delta")
             text.append(event.text)
         else:
@@ -142,3 +145,26 @@ async def test_a_state_call_runs_between_passes(gen: Generator) -> None:
     under_way = await gen.call(lambda engine: job in gen._pending)   # on the thread
     _, end = await waiter
     assert under_way == (gen.settings.max_active == 2) and end.finish_reason == "length"
+
+
+async def test_a_job_waiting_for_room_is_told_its_place(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    """With no room for a second live cache (active_kv_share tiny), jobs wait to be admitted
+    one after another, each told its place in line as it moves up, before any output."""
+    import asyncio
+
+    g = Generator(_settings(3).model_copy(update={"active_kv_share": 1e-12}))
+    g.load_blocking(str(tiny_model_dir("qwen3")))
+    try:
+        long, short = _prompts()
+        orders: list[list[str]] = [[], [], []]
+        jobs = [_submit(g, [13, *long], "room"), _submit(g, [13, *short], "room"),
+                _submit(g, [14, *short], "room")]
+        ends = await asyncio.gather(*(_collect(j, "j", o) for j, o in zip(jobs, orders,
+                                                                            strict=True)))
+        assert [e.finish_reason for _, e in ends] == ["length"] * 3
+        assert orders[0][0] == "j:delta"                           # admitted at once
+        assert orders[1][:2] == ["j:queued=1", "j:delta"]
+        assert orders[2][:3] == ["j:queued=2", "j:queued=1", "j:delta"]
+    finally:
+        g.close()

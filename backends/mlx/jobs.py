@@ -2,8 +2,9 @@
 
 Owns: `Job` (a prompt and its sampling in; its events out, through an asyncio.Queue the thread
 feeds thread-safely; its `cancel` flag, which the Engine polls as `should_stop`, so a client
-that goes away stops generation within one decode step), the events (`Delta` from
-`output.py`, then one `Finished` or `Failed`), and `WorkerClosed`. Nothing here runs mlx or
+that goes away stops generation within one decode step), the events (`Queued` while it waits
+to be admitted behind others, `Delta` from `output.py`, then one `Finished` or `Failed`), and
+`WorkerClosed`. Nothing here runs mlx or
 speaks HTTP: `generation.py` runs jobs, `respond.py` turns their events into responses.
 """
 
@@ -41,7 +42,15 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed  # Delta: a text delta
+@dataclass(frozen=True)
+class Queued:
+    """The job waits to be admitted (max_active > 1: the worker is full, or the live caches
+    of the jobs under way leave no room for it): its place among the waiting, from 1."""
+
+    position: int
+
+
+Event = Queued | Delta | Finished | Failed  # Delta: a text delta
 
 
 @dataclass(eq=False)  # identity-hashed: pending jobs live in a set
@@ -58,6 +67,7 @@ class Job:
     paused_s: float = 0.0  # admitted, how long other jobs' passes ran (max_active > 1)
     namespace: str = ""   # its cache partition (per-key isolation; "" shared)
     id: int = 0           # the worker's number for it (a group's journal names jobs by it)
+    position: int = 0     # its last `Queued` position sent (0: none)
 
     def cancel(self) -> None:
         """Stop generating (idempotent; harmless once the job has finished)."""
@@ -71,5 +81,5 @@ class Job:
         while True:
             event = await self._queue.get()
             yield event
-            if not isinstance(event, Delta):
+            if isinstance(event, Finished | Failed):
                 return

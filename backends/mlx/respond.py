@@ -16,7 +16,7 @@ from aiohttp import web
 
 from prefixd.api.errors import ApiError, error_response
 from prefixd.backends.mlx.chat import GenRequest
-from prefixd.backends.mlx.jobs import Failed, Finished, Job
+from prefixd.backends.mlx.jobs import Failed, Finished, Job, Queued
 from prefixd.backends.mlx.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from prefixd.backends.mlx.oai import DONE, ChatOutput, Shapes, sse, usage
 from prefixd.backends.mlx.output import Delta
@@ -62,6 +62,8 @@ class Reply:
         reasoning: list[str] = []
         content: list[str] = []
         async for event in self.job.events():
+            if isinstance(event, Queued):
+                continue
             if isinstance(event, Delta):
                 r, c = self.output.feed(event.text)
                 reasoning.append(r)
@@ -87,7 +89,9 @@ class Reply:
             if self.req.kind == "chat":
                 await resp.write(sse(self.shapes.chunk(role=True)))
             async for event in self.job.events():
-                if isinstance(event, Delta):
+                if isinstance(event, Queued):   # as the proxy's queue says it (an SSE comment)
+                    await resp.write(f": queued position={event.position}\n\n".encode())
+                elif isinstance(event, Delta):
                     self._logprobs.extend(event.logprobs)
                     r, c = self.output.feed(event.text)
                     if r or c:

@@ -42,7 +42,9 @@ Policy, between passes:
   `run.Run.prefill_passes`);
 - a cancelled job stops within one pass (its Engine generator commits what it computed);
 - a job's time admitted but paused while other jobs' passes ran is its `paused_s`, reported
-  beside its `queue_s` (time waiting to be admitted): together, its time behind others.
+  beside its `queue_s` (time waiting to be admitted): together, its time behind others. While
+  it waits to be admitted it is told its place in line (`Queued`, a `: queued position=N`
+  comment in its stream, as the proxy's queue says it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefixd.backends.mlx.jobs import Job
+from prefixd.backends.mlx.jobs import Job, Queued
 
 AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
 MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
@@ -222,6 +224,10 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
             end(job)
         for slot in schedule.admit():
             slot.job.queue_s = time.perf_counter() - slot.job.submitted
+        for i, job in enumerate(schedule.waiting, 1):   # the rest: their place in line
+            if job.position != i:
+                job.position = i
+                job._emit(Queued(i))
 
     def preempt(slot: Slot) -> bool:
         jobs = arrived()
