@@ -54,13 +54,13 @@ class EngineTask:
 
     def advance(self) -> bool:
         token = next(self.steps, -1)
+        if token == -1:
+            self.log.append(f"{self.name}:end")
+            return True
         what = "token" if token is not None else "pause" if self.midpass() else "prefill"
         self.log.append(f"{self.name}:{what}")
         if token is None:
             return False
-        if token == -1:
-            self.log.append(f"{self.name}:end")
-            return True
         self.tokens.append(token)
         return False
 
@@ -168,6 +168,40 @@ def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
         warm = _run(engine, prompt, BOUNDS)
         assert warm[2].cached_tokens > 0
         _assert_same(warm, _cold(model, prompt))
+
+
+def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel) -> None:
+    """A job cancelled while its pass is paused runs first: the rest of that pass (no more
+    pauses), then it ends, and what it computed is committed and restores exactly."""
+    rng = random.Random(29)
+    long, short = _words(rng, 300), _words(rng, 10)
+    engine = Engine(model, _settings())
+    chunk = engine.config.prefill_chunk
+    log: list[str] = []
+    jobs = {"long": _job(long), "short": _job(short)}
+    inbox: list[list[Job]] = [[jobs["long"]]]
+    later = [jobs["short"]]
+
+    def take(idle: bool) -> list[Job] | None:
+        out = inbox.pop(0) if inbox else []
+        return None if idle and not out else out
+
+    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
+        name = "long" if job is jobs["long"] else "short"
+        if name == "short":
+            jobs["long"].cancel()              # its client leaves while its pass is paused
+        return EngineTask(engine, job, slicer, log, name, BOUNDS if name == "long" else (),
+                          preempt)
+
+    drive(Schedule(2, 12, chunk, 1 << 40, 1), take, start, lambda job: None,
+          lambda: [later.pop()] if later else [])
+    assert log[:4] == ["long:pause", "short:prefill", "long:prefill", "long:end"]
+    assert log[-1] == "short:end"
+    assert [len(e.tokens) for e in engine.store.entries if e.tokens == long[:len(e.tokens)]] \
+        == [chunk]
+    warm = _run(engine, long[:chunk] + short)
+    assert warm[2].cached_tokens == chunk
+    _assert_same(warm, _cold(model, long[:chunk] + short))
 
 
 def test_a_cancelled_job_stops_within_one_slice(model: CountingModel) -> None:
@@ -299,6 +333,31 @@ def test_a_deep_prompts_last_slice_is_not_a_short_prompt() -> None:
     (fresh,) = schedule.admit()
     fresh.task = FakeTask(40)
     assert schedule.preempts(deep)
+
+
+def test_a_follow_up_ranks_by_the_tokens_its_cache_lacks() -> None:
+    """Least remaining prefill first counts what the worker's cache holds: a follow-up turn
+    of a long conversation (300 new tokens) goes before a fresh 1,500-token prompt."""
+    schedule = Schedule(3, 256, 512, 1 << 30, 1,
+                        cached=lambda job: 7800 if len(job.prompt.tokens) == 8100 else 0)
+    for n in (1500, 8100):
+        schedule.add(_job([1] * n))
+    fresh, follow_up = schedule.admit()
+    assert (fresh.remaining(), follow_up.remaining()) == (1500, 300)
+    assert schedule.pick() is follow_up
+
+
+def test_the_engines_estimate_is_what_a_restore_reuses(model: CountingModel) -> None:
+    rng = random.Random(30)
+    first = _words(rng, 200)
+    engine = Engine(model, _settings())
+    _run(engine, first, BOUNDS)
+    follow = first + _words(rng, 30)
+    used = [e.last_used for e in engine.store.entries]
+    estimate = engine.cached_now(follow)
+    assert [e.last_used for e in engine.store.entries] == used    # nothing marked used
+    assert engine.cached_now(follow, namespace="other") == 0
+    assert estimate > 0 and _run(engine, follow, BOUNDS)[2].cached_tokens == estimate
 
 
 def test_admission_counts_live_cache_bytes() -> None:

@@ -186,6 +186,12 @@ class Engine(Checkpointing):
             return self.fresh_cache(), 0
         return self._restore(prompt, stats, count=False, namespace=namespace)
 
+    def cached_now(self, prompt: Sequence[int], namespace: str = "") -> int:
+        """Prompt tokens a restore from RAM would reuse now (the scheduler's estimate of a
+        waiting job's remaining prefill; nothing is restored or marked used)."""
+        match = None if self._unsupported else self.store.peek(prompt, namespace)
+        return match.pos if match else 0
+
     def reference_leaves(self) -> list[Any]:
         """This model's cache leaves after a one-token pass: the classes, array shapes and
         dtypes an imported state must have (`bundle.py`)."""

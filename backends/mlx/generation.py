@@ -211,7 +211,8 @@ class Generator:
         plan = Schedule(s.max_active, s.prefill_slice, s.prefill_chunk,
                         int(s.active_kv_share * engine.config.cache_bytes),
                         kv_bytes_per_token(engine.reference_leaves()), s.prefill_slice_ms,
-                        engine.tiers.prefill_rate)
+                        engine.tiers.prefill_rate,
+                        lambda job: engine.cached_now(job.prompt.tokens, job.namespace))
         drive(plan, self._take, self._start,
               lambda job: self._end(job, Finished("cancelled", 0, 0)), self._arrived)
 

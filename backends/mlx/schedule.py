@@ -10,12 +10,13 @@ each), and `Generator` owns starting and ending jobs.
 
 Policy, between passes:
 - a job whose client left first, before aging (it ends at its next pass, committing what it
-  computed: at once, or after the rest of a paused pass); then the soonest
-  first token: a short prompt (at most `prefill_chunk` tokens) one pass from its first token (at
-  most `prefill_slice` tokens left: a title call, a chat turn); then decoding jobs (0 left); then
-  the other prefills, the shortest first (a long prompt's last slices included: at its depth they
-  are not short). Ties go to the job that ran least recently (decode steps of running jobs are
-  interleaved round-robin);
+  computed: at once, or after the rest of a paused pass). Then the soonest first token: a short
+  prompt (at most `prefill_chunk` tokens) one pass from its first token (at most
+  `prefill_slice` tokens left: a title call, a chat turn). Then decoding jobs (0 left). Then
+  the other prefills, the least remaining first: a long prompt's last slices included (at its
+  depth they are not short); a job not started yet counts what the worker's cache does not
+  hold of it (a follow-up turn is its new tokens). Ties go to the job that ran least recently
+  (decode steps of running jobs are interleaved round-robin);
 - a job that arrives during a pass and ranks in a better class than the job whose pass it is
   (a short prompt arriving during a long prefill) does not wait for the pass to end: the pass
   pauses after the layer under way (`run.Run`: its graph is evaluated a layer at a time), the
@@ -94,9 +95,11 @@ class Slot:
     skipped: int = 0   # other jobs' passes since its last
     kept: float = 0.0  # seconds of other jobs' passes since its last
     aged: bool = False  # picked by aging: its pass runs to its end (never pauses)
+    cached: int = 0     # its prompt tokens the worker's cache held when it was admitted
 
     def remaining(self) -> int:
-        return self.task.remaining() if self.task else len(self.job.prompt.tokens)
+        """Prompt tokens still to prefill: before it starts, those its cache estimate leaves."""
+        return self.task.remaining() if self.task else len(self.job.prompt.tokens) - self.cached
 
 
 class Schedule:
@@ -104,11 +107,12 @@ class Schedule:
 
     def __init__(self, max_active: int, prefill_slice: int, prefill_chunk: int,
                  active_kv_bytes: int, kv_bytes_per_token: int, slice_ms: float = 0.0,
-                 prefill_rate: Callable[[], float | None] = lambda: None) -> None:
+                 prefill_rate: Callable[[], float | None] = lambda: None,
+                 cached: Callable[[Job], int] = lambda job: 0) -> None:
         self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
         self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
             kv_bytes_per_token
-        self.slice_ms, self.rate = slice_ms, prefill_rate
+        self.slice_ms, self.rate, self.cached = slice_ms, prefill_rate, cached
         self.waiting: deque[Job] = deque()
         self.active: list[Slot] = []
         self.tick = 0
@@ -134,7 +138,7 @@ class Schedule:
             used = sum(s.kv_bytes for s in self.active)
             if self.active and used + cost > self.kv_budget:
                 break
-            slot = Slot(self.waiting.popleft(), cost)
+            slot = Slot(self.waiting.popleft(), cost, cached=self.cached(job))
             self.active.append(slot)
             out.append(slot)
         return out

@@ -80,14 +80,16 @@ class WorkerSettings(BaseSettings):
                             "interleaves them one forward pass at a time (a prefill slice or a "
                             "decode step), so a short request does not wait behind a long "
                             "prefill, and memory stays that of one pass plus the jobs' caches "
-                            "(docs/CHECKPOINTS.md, Scheduling). 1: one job at a time, to its "
+                            "(and a paused pass's residual stream: docs/CHECKPOINTS.md, "
+                            "Scheduling). 1: one job at a time, to its "
                             "end, in arrival order.")
     prefill_slice_ms: float = Field(
         250.0, ge=0, description="Worker (max_active > 1): prefill in passes of about this "
         "many milliseconds, sized from the job's own last pass (its rate at its depth; at "
-        "least 32 tokens, at most prefill_chunk), so a request arriving during a long prefill "
-        "waits about one such pass. 0: slices of prefill_slice tokens while other jobs wait, "
-        "whole prefill_chunk passes alone.")
+        "least 32 tokens, at most prefill_chunk). A short request arriving during a long "
+        "prefill waits only for the layer under way (the pass pauses for it); other jobs' "
+        "decode steps wait at most about one such pass. 0: slices of prefill_slice tokens "
+        "while other jobs wait, whole prefill_chunk passes alone.")
     prefill_slice: int = Field(256, ge=16, description="Worker (max_active > 1): the slice in "
                                "tokens until a prefill rate is measured (or always, with "
                                "prefill_slice_ms 0).")

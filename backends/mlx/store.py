@@ -95,7 +95,14 @@ class CheckpointStore:
     # --- lookup ------------------------------------------------------------------------------
     def lookup(self, prompt: Sequence[int], namespace: str = "") -> Match | None:
         """The restore point reusing the most tokens of `prompt` (at most `len(prompt) - 1`),
-        among the entries of its cache partition (`namespace`)."""
+        among the entries of its cache partition (`namespace`); its entry is marked used."""
+        best = self.peek(prompt, namespace)
+        if best is not None:
+            best.entry.last_used = self.tick
+        return best
+
+    def peek(self, prompt: Sequence[int], namespace: str = "") -> Match | None:
+        """`lookup`, marking nothing used (how much a restore would reuse now)."""
         best: Match | None = None
         for e in self.entries:
             if e.in_progress or e.namespace != namespace:
@@ -106,8 +113,6 @@ class CheckpointStore:
                 continue
             if best is None or (m.pos, e.last_used) > (best.pos, best.entry.last_used):
                 best = m
-        if best is not None:
-            best.entry.last_used = self.tick
         return best
 
     @staticmethod
