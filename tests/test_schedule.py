@@ -1,8 +1,9 @@
 """The scheduler (`schedule.py`) over the real Engine on the five tiny architectures: jobs
 interleaved a forward pass at a time, with sliced prefills, give the serial outputs; their
 checkpoints land where an unsliced prefill puts them; warm == cold holds after them; a
-cancelled job stops within one pass. And the pure policy: shortest remaining prefill first,
-aging, admission by live-cache bytes.
+cancelled job stops within one pass; a pass paused between two layers for a newcomer gives what
+it gives unpaused (also on llama, gemma2 and mamba2). And the pure policy: shortest remaining
+prefill first, pauses, aging, admission by live-cache bytes.
 """
 
 from __future__ import annotations
@@ -127,25 +128,7 @@ def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
     long, short = _words(rng, 300), _words(rng, 10)
     engine = Engine(model, _settings())
     chunk = engine.config.prefill_chunk
-    log: list[str] = []
-    tasks: dict[str, EngineTask] = {}
-    inbox: list[list[Job]] = [[_job(long)]]       # the long one starts alone
-    later = [_job(short)]                         # ... and this one arrives during its pass
-
-    def take(idle: bool) -> list[Job] | None:
-        out = inbox.pop(0) if inbox else []
-        return None if idle and not out else out
-
-    def arrived() -> list[Job]:
-        return [later.pop()] if later else []
-
-    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
-        name = "long" if job.prompt.tokens == long else "short"
-        tasks[name] = EngineTask(engine, job, slicer, log, name, BOUNDS if name == "long" else (),
-                                 preempt)
-        return tasks[name]
-
-    drive(Schedule(2, 12, chunk, 1 << 40, 1), take, start, lambda job: None, arrived)
+    tasks, log = _interleave_mid_pass(engine, long, short)
     assert log[0] == "long:pause"
     assert log.index("short:end") < log.index("long:prefill")
     run = tasks["long"].turn.run
@@ -168,6 +151,65 @@ def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
         warm = _run(engine, prompt, BOUNDS)
         assert warm[2].cached_tokens > 0
         _assert_same(warm, _cold(model, prompt))
+
+
+# Beyond the five tiny architectures: other mlx-lm classes and cache types a pass pauses over
+_BASE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 1024,
+         "max_position_embeddings": 4096, "tie_word_embeddings": False, "num_hidden_layers": 3,
+         "rope_theta": 10000.0}
+OTHER_ARCHS = {
+    "llama": {"model_type": "llama", **_BASE},
+    "gemma2": {"model_type": "gemma2", **_BASE, "query_pre_attn_scalar": 16,
+               "sliding_window": 64, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "mamba2": {"model_type": "mamba2", "vocab_size": 1024, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 3, "num_heads": 8, "head_dim": 16,
+               "n_groups": 1, "state_size": 16, "conv_kernel": 4, "expand": 2,
+               "time_step_rank": 4, "use_bias": False, "use_conv_bias": True,
+               "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+               "time_step_limit": [0.0, 1e9], "time_step_min": 0.001, "time_step_max": 0.1,
+               "chunk_size": 64, "residual_in_fp32": True, "rms_norm": True,
+               "norm_before_gate": False},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
+def test_a_pass_pauses_exactly_on_other_architectures(arch: str) -> None:
+    from prefixd.backends.mlx.tinymodels import model_from_config
+    model = CountingModel(model_from_config(OTHER_ARCHS[arch], seed=1))
+    rng = random.Random(31)
+    long, short = _words(rng, 300), _words(rng, 10)
+    engine = Engine(model, _settings())
+    tasks, log = _interleave_mid_pass(engine, long, short)
+    run = tasks["long"].turn.run
+    assert log[0] == "long:pause" and run is not None and run.yields == 1
+    serial = Engine(model, _settings())
+    assert tasks["long"].tokens == _run(serial, long)[0]
+    assert tasks["short"].tokens == _run(serial, short)[0]
+
+
+def _interleave_mid_pass(engine: Engine, long: list[int], short: list[int]
+                         ) -> tuple[dict[str, EngineTask], list[str]]:
+    """The long prompt starts alone; the short one arrives during its first pass."""
+    log: list[str] = []
+    tasks: dict[str, EngineTask] = {}
+    inbox: list[list[Job]] = [[_job(long)]]
+    later = [_job(short)]
+
+    def take(idle: bool) -> list[Job] | None:
+        out = inbox.pop(0) if inbox else []
+        return None if idle and not out else out
+
+    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
+        name = "long" if job.prompt.tokens == long else "short"
+        tasks[name] = EngineTask(engine, job, slicer, log, name, BOUNDS if name == "long" else (),
+                                 preempt)
+        return tasks[name]
+
+    drive(Schedule(2, 12, engine.config.prefill_chunk, 1 << 40, 1), take, start,
+          lambda job: None, lambda: [later.pop()] if later else [])
+    return tasks, log
 
 
 def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel) -> None:
