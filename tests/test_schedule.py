@@ -21,6 +21,7 @@ from prefixd.backends.mlx.engine import Engine, Turn
 from prefixd.backends.mlx.jobs import Job
 from prefixd.backends.mlx.prompt import Prompt
 from prefixd.backends.mlx.schedule import AGE_LIMIT, MIN_SLICE, Schedule, drive
+from prefixd.backends.mlx.stats import PromptStats
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings, _words
 
 BOUNDS = (60, 150, 220)
@@ -103,20 +104,26 @@ def test_interleaved_jobs_equal_serial_and_checkpoints_land_in_place(
     want_short = _run(serial, short)
     assert tasks["long"].tokens == want_long[0]
     assert tasks["short"].tokens == want_short[0]
-    # checkpoints at the positions an unsliced prefill puts them
+    _assert_in_place_then_warm(engine, model, long, want_long[0], rng)
+
+
+def _assert_in_place_then_warm(engine: Engine, model: CountingModel, long: list[int],
+                               reply: list[int], rng: random.Random) -> PromptStats:
+    """`engine`'s checkpoints of `long` sit where an unsliced, unpaused prefill puts them, and
+    warm == cold from its state and checkpoints; the stats of that prefill alone."""
     alone = Engine(model, _settings())
-    _run(alone, long, BOUNDS)
+    alone_stats = _run(alone, long, BOUNDS)[2]
 
     def marks(e: Engine, tokens: list[int]) -> set[int]:
         return {p for x in e.store.entries if x.tokens[:len(tokens)] == tokens
                 for p in x.checkpoints}
 
     assert marks(engine, long) == marks(alone, long)
-    # warm == cold from the sliced prefill's state and checkpoints
-    for prompt in (long + want_long[0] + _words(rng, 7), long[:170] + _words(rng, 20)):
+    for prompt in (long + reply + _words(rng, 7), long[:170] + _words(rng, 20)):
         warm = _run(engine, prompt, BOUNDS)
         assert warm[2].cached_tokens > 0
         _assert_same(warm, _cold(model, prompt))
+    return alone_stats
 
 
 def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
@@ -138,19 +145,9 @@ def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
     want_long, want_short = _run(serial, long, BOUNDS), _run(serial, short)
     assert tasks["long"].tokens == want_long[0]
     assert tasks["short"].tokens == want_short[0]
-    alone = Engine(model, _settings())
-    alone_stats = _run(alone, long, BOUNDS)[2]
-    assert [n for n, _ in run.segments] == [n for n, _ in alone_stats.segments]
-
-    def marks(e: Engine, tokens: list[int]) -> set[int]:
-        return {p for x in e.store.entries if x.tokens[:len(tokens)] == tokens
-                for p in x.checkpoints}
-
-    assert marks(engine, long) == marks(alone, long)
-    for prompt in (long + want_long[0] + _words(rng, 7), long[:170] + _words(rng, 20)):
-        warm = _run(engine, prompt, BOUNDS)
-        assert warm[2].cached_tokens > 0
-        _assert_same(warm, _cold(model, prompt))
+    segments = [n for n, _ in run.segments]         # before the warm runs reuse the engine
+    alone_stats = _assert_in_place_then_warm(engine, model, long, want_long[0], rng)
+    assert segments == [n for n, _ in alone_stats.segments]
 
 
 # Beyond the five tiny architectures: other mlx-lm classes and cache types a pass pauses over

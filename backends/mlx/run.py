@@ -71,12 +71,11 @@ class Run:
                  offsets: tuple[int, ...] = ()) -> tuple[mx.array, dict[int, snapshot.Snapshot]]:
         """The model over `tokens`; with `logits`, the last position's, evaluated together with
         the cache and the checkpoints at `offsets` inside the pass (one sync)."""
-        steps = self._forward_steps(tokens, logits, offsets, staged=False)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        try:
+            next(self._forward_steps(tokens, logits, offsets, staged=False))
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("an unstaged forward never yields")
 
     def _forward_steps(self, tokens: list[int], logits: bool, offsets: tuple[int, ...],
                        staged: bool) -> Generator[None, None, tuple[mx.array,
