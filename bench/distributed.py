@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from multiturn import BLAS, OUT, ensure_model, free_port, get_json, stream_chat
+from multiturn import BLAS, OUT, ensure_model, free_port, get_json, healthy, stream_chat
 from workloads import Reply, Scenario, chat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,11 +221,8 @@ def wait_ready(server: Server) -> float:
         if not server.alive():
             raise RuntimeError(f"{server.name} exited ({[p.poll() for p in server.procs]}); "
                                f"see bench/out/logs/distributed-{server.model}-{server.name}*")
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return time.monotonic() - t0
+        if healthy(server.port):
+            return time.monotonic() - t0
         time.sleep(0.2)
     raise TimeoutError(f"{server.name} not ready after {START_TIMEOUT_S:.0f} s")
 

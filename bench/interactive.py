@@ -81,6 +81,7 @@ from multiturn import (
     OUT,
     ROOT,
     Server,
+    end_process,
     ensure_model,
     free_port,
     get_json,
@@ -362,13 +363,7 @@ def stop(live: Live) -> None:
     if live.server is not None:
         stop_server(live.server)
         return
-    if live.proc.poll() is None:
-        live.proc.terminate()  # the proxy stops its worker
-        try:
-            live.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            live.proc.kill()
-            live.proc.wait(timeout=10)
+    end_process(live.proc, 30)  # the proxy stops its worker
     if live.cache_dir:
         shutil.rmtree(live.cache_dir, ignore_errors=True)
 

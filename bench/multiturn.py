@@ -156,25 +156,36 @@ def wait_ready(server: Server) -> None:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.kind} server exited with {server.proc.returncode}; "
                                f"see bench/out/logs/{server.model}-{server.kind}.log")
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
+        if healthy(server.port):
+            return
         time.sleep(0.2)  # no readiness event to wait on across a process boundary
     raise TimeoutError(f"{server.kind} server not ready after {START_TIMEOUT_S:.0f} s")
+
+
+def healthy(port: int) -> bool:
+    """Whether the server on this loopback port answers GET /health with 200 (now)."""
+    with contextlib.suppress(OSError, http.client.HTTPException):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    return False
+
+
+def end_process(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM a process started here (by PID), SIGKILL it after `grace` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def stop_server(server: Server) -> None:
     server.read_hwm()
     server._stop.set()
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(timeout=10)
+    end_process(server.proc, 10)
     if server.cache_dir:
         shutil.rmtree(server.cache_dir, ignore_errors=True)
 
