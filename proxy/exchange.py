@@ -94,9 +94,8 @@ class Exchange:
             out["X-Prefixd-Backend"] = self.attempt.backend.name
             if self.attempt.clamp is not None:
                 out["X-Prefixd-Max-Tokens"] = self.attempt.clamp.header()
-        report = self.prepared.report if self.prepared is not None else None
-        if report is not None:
-            out["X-Prefixd-Prefix"] = header(report)
+        if self.prepared is not None and self.prepared.report is not None:
+            out["X-Prefixd-Prefix"] = header(self.prepared.report, self.prepared.served)
         return out
 
     async def start(self, status: int, headers: dict[str, str], sse: bool) -> web.StreamResponse:

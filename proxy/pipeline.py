@@ -138,7 +138,7 @@ def build_stages(proxy: Proxy) -> list[Stage]:
         per_attempt.append(TransferStage(proxy.router, s.route_transfer_timeout_s))
     per_attempt += [ForwardStage(proxy.router,
                                  {n: c.request_timeout_s for n, c in proxy.configs.items()}),
-                    RelayStage()]
+                    RelayStage(proxy.prefix)]
     return [*stages, RouteStage(proxy.router, per_attempt)]
 
 

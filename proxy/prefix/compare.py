@@ -26,15 +26,17 @@ class Turn:
     """One request's scratch between the tracker's steps (canonicalize, detect, measure,
     record_response); the pipeline never sees it."""
 
-    number: int                        # the lane's turn this request is
+    number: int                        # the lane's turn this request is (once served)
     client: str
-    raw: list[Segment]                 # as the client sent it
+    body: dict                         # as the client sent it
+    raw: list[Segment]                 # its segments
     shadow: list[Segment] | None       # with every rule applied (dry run), if any is not on
     res: CanonResult
     shadow_res: CanonResult | None
     prev_body: dict | None             # the lane's previous request, as forwarded
     prev_tokens: list[int] | None      # its exact tokens, when measured
     prev_had_reasoning: bool           # the answer to it had reasoning
+    tokens: list[int] | None = None    # this request's exact tokens as forwarded, if measured
 
 
 def compare(lane: LaneState, t: Turn, fwd: list[Segment], hinted: Mapping[str, str],

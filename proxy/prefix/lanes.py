@@ -58,6 +58,7 @@ class LaneState:
     ratio_learned: bool = False
     canon: CanonState = field(default_factory=CanonState)
     history: deque[Any] = field(default_factory=deque)   # PrefixReport, newest last
+    unserved: int = 0                            # requests no backend accepted (not turns)
     nbytes: int = 0
 
 
@@ -213,7 +214,7 @@ class LaneStore:
             lane = max(found, key=lambda c: (c.family == shape.family,
                                              _overlap(c.tools, shape.tools), c.last_seen))
             self._lanes.move_to_end(lane.id)
-            lane.last_seen, lane.tools = now, shape.tools
+            lane.last_seen = now
             return lane
         lane_id = base if not ids else \
             f"{base}~{_digest(shape.family, *sorted(shape.tools), shape.head)[:6]}"

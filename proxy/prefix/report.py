@@ -101,13 +101,18 @@ def hint_for(causes: list[str]) -> str | None:
     return next((h for c in causes if (h := hint(c)) is not None), None)
 
 
-def header(r: PrefixReport) -> str:
+def header(r: PrefixReport, served: bool = True) -> str:
     """`X-Prefixd-Prefix` value: the client's verdict and causes, the rules that repaired it,
-    the verdict of what was sent, reused/previous tokens, where, rules that would help."""
+    the verdict of what was sent, reused/previous tokens, where, rules that would help. A
+    request no backend accepted reused nothing and is no turn: `served=0` in place of the
+    token counts."""
     parts = [f"verdict={r.verdict.value}", f"cause={','.join(r.causes) or '-'}"]
     if r.fixed:
         parts.append(f"fixed={','.join(r.fixed)}")
-    parts += [f"sent={r.sent_verdict.value}", f"reused={r.reusable_tokens}/{r.prev_prompt_tokens}"]
+    parts.append(f"sent={r.sent_verdict.value}")
+    if not served:
+        return ";".join([*parts, "served=0"])
+    parts.append(f"reused={r.reusable_tokens}/{r.prev_prompt_tokens}")
     if r.predicted_cached_tokens is not None:
         parts.append(f"predicted={r.predicted_cached_tokens}")
     if r.path:

@@ -1,7 +1,12 @@
 """The prefix tracker: the service the proxy's prefix stages (`proxy/stages/prefix.py`) call.
 It resolves a request's lane and canonicalizes it (`canonicalize`), reports it against the
-lane's previous request (`detect`), refines the report's token offsets (`measure`) and
-reconciles it with the backend's `cached_tokens` (`record_response`).
+lane's previous request (`detect`), refines the report's token offsets (`measure`), makes it
+the lane's newest turn once a backend accepted it (`commit`) and reconciles it with the
+backend's `cached_tokens` (`record_response`).
+
+Only a request a backend accepted (answered 200) is a turn: one refused before that (the
+window, the queue, the backend's own 4xx) changes nothing of its lane but a refusal count, so
+the next request is compared with the last one served.
 
 Owns the `LaneStore` and each request's scratch between those calls (`compare.Turn`, kept
 in `Prepared._turn`); the pipeline reads only `Prepared`'s public fields. The proxy owns I/O and the
@@ -21,7 +26,14 @@ from prefixd.api.usage import Usage
 from prefixd.metrics import prefix as M
 from prefixd.proxy.prefix import canonicalize as C
 from prefixd.proxy.prefix.compare import Turn, compare, reconcile
-from prefixd.proxy.prefix.lanes import LaneState, LaneStore, base_key, shape, state_bytes
+from prefixd.proxy.prefix.lanes import (
+    LaneState,
+    LaneStore,
+    base_key,
+    shape,
+    state_bytes,
+    tool_set,
+)
 from prefixd.proxy.prefix.observe import observe
 from prefixd.proxy.prefix.patterns import THINK, client_family
 from prefixd.proxy.prefix.report import PrefixReport
@@ -45,6 +57,7 @@ class Prepared:
     segments: list[Segment] = field(default_factory=list)
     report: PrefixReport | None = None
     _turn: Turn | None = field(default=None, repr=False)     # the tracker's scratch
+    served: bool = False                                     # committed as its lane's turn
 
 
 class PrefixTracker:
@@ -86,24 +99,21 @@ class PrefixTracker:
                                   shape(body, raw), self.clock())
         if lane.turn == 0:
             lane.ratio = self.ratio
-        lane.turn += 1
         res = C.canonicalize(body, lane.canon, self.live)
         shadow_res, shadow = None, None
         if self.settings.prefix_detect and self.hinted:
             shadow_res = C.canonicalize(body, lane.canon, self.live | frozenset(self.hinted),
                                         shadow=True)
             shadow = flatten(shadow_res.body) if shadow_res.changed else raw
-        C.commit(lane.canon, body, res)
-        if shadow_res is not None:
-            C.commit(lane.canon, body, shadow_res, shadow=True)
-        turn = Turn(lane.turn, client, raw, shadow, res, shadow_res, lane.fwd_body,
-                     lane.fwd_tokens, _had_reasoning(lane.resp))
+        turn = Turn(lane.turn + 1, client, body, raw, shadow, res, shadow_res, lane.fwd_body,
+                    lane.fwd_tokens, _had_reasoning(lane.resp))
         return Prepared(lane.id, res.body, res.changed, flatten(res.body) if res.changed else raw,
                         _turn=turn)
 
     def detect(self, prepared: Prepared) -> None:
-        """Report this request against the lane's previous one; then it becomes the previous."""
-        lane, t = self._lane(prepared), prepared._turn
+        """Report this request against the lane's last served one (the lane is not changed:
+        `commit` does that once a backend accepts the request)."""
+        lane, t = self._pending(prepared), prepared._turn
         if lane is None or t is None:
             return
         try:
@@ -112,20 +122,52 @@ class PrefixTracker:
         except Exception:
             log.warning("prefix report failed for lane %s", lane.id, exc_info=True)
             report = None
-        prepared.report = report
-        lane.raw, lane.fwd, lane.shadow = t.raw, prepared.segments, t.shadow
-        lane.fwd_body, lane.fwd_tokens = prepared.body, None
-        lane.resp, lane.prompt_tokens = None, None
         if report is not None:
-            lane.history.append(report)
+            report.turn = t.number
+        prepared.report = report
+
+    def commit(self, prepared: Prepared) -> None:
+        """A backend accepted the request: it becomes its lane's newest turn (what the next
+        request is compared with, what canonicalization learned, its report in the lane's
+        history). Once per request, however many attempts it took."""
+        t = prepared._turn
+        if prepared.served or t is None:
+            return
+        prepared.served = True
+        lane = self.store.get(prepared.lane)
+        if lane is None:
+            return                       # expired or evicted meanwhile
+        C.commit(lane.canon, t.body, t.res)
+        if t.shadow_res is not None:
+            C.commit(lane.canon, t.body, t.shadow_res, shadow=True)
+        lane.turn += 1
+        t.number = lane.turn
+        lane.tools = tool_set(t.body)
+        lane.raw, lane.fwd, lane.shadow = t.raw, prepared.segments, t.shadow
+        lane.fwd_body, lane.fwd_tokens = prepared.body, t.tokens
+        lane.resp, lane.prompt_tokens = None, None
+        if prepared.report is not None:
+            prepared.report.turn = t.number
+            lane.history.append(prepared.report)
         self.store.set_bytes(lane, state_bytes(lane))
         M.LANES.set(len(self.store))
         M.LANE_BYTES.set(self.store.nbytes)
 
+    def unserved(self, prepared: Prepared) -> None:
+        """The request ended without a backend accepting it (refused, or its client left while
+        it waited): its lane only counts it."""
+        lane = self._pending(prepared)
+        if lane is not None and not prepared.served:
+            lane.unserved += 1
+
+    def _pending(self, prepared: Prepared) -> LaneState | None:
+        """The lane of a request not committed yet."""
+        return self.store.get(prepared.lane) if prepared._turn is not None else None
+
     def _lane(self, prepared: Prepared) -> LaneState | None:
-        """The request's lane, if it is still there and this request is still its newest."""
+        """The request's lane, if the request is its newest served turn."""
         t = prepared._turn
-        lane = self.store.get(prepared.lane) if t is not None else None
+        lane = self.store.get(prepared.lane) if t is not None and prepared.served else None
         return lane if lane is not None and t is not None and lane.turn == t.number else None
 
     # --- exact token offsets ----------------------------------------------------------------
@@ -146,22 +188,22 @@ class PrefixTracker:
             prev, cur = await asyncio.gather(tokenize(t.prev_body), tokenize(prepared.body))
         if not prev or cur is None:
             return
+        t.tokens = cur                   # the lane's `fwd_tokens` once it is served
         n = min(len(prev), len(cur))
         lcp = next((i for i in range(n) if prev[i] != cur[i]), n)
         r.prev_prompt_tokens, r.reusable_tokens = len(prev), lcp
         r.lost_tokens = len(prev) - lcp
         if not r.fixed:                  # the client's break is the backend's break
             r.token_offset, r.token_offset_exact = lcp, True
-        lane = self._lane(prepared)
-        if lane is not None:
-            lane.fwd_tokens = cur
 
     # --- after the answer -------------------------------------------------------------------
     def record_response(self, prepared: Prepared, message: dict | None,
                         usage: Usage | None) -> None:
         """The answer to this request: the lane keeps it (echo drift, the next turn's
         reasoning suspect) with its prompt count, and the report is reconciled with what the
-        backend says it reused, then logged and counted."""
+        backend says it reused, then logged and counted. An answer means a backend accepted
+        the request: it is committed first if nothing did yet (`commit`)."""
+        self.commit(prepared)
         prompt = usage.prompt if usage is not None else None
         lane = self._lane(prepared)
         if lane is not None:
@@ -193,7 +235,8 @@ class PrefixTracker:
                  "last_verdict": lane.history[-1].verdict.value if lane.history else None,
                  "prompt_tokens": lane.prompt_tokens, "chars_per_token": round(lane.ratio, 3),
                  "ratio_learned": lane.ratio_learned, "bytes": lane.nbytes,
-                 "reports": len(lane.history)} for lane in self.store.lanes()]
+                 "reports": len(lane.history), "unserved": lane.unserved}
+                for lane in self.store.lanes()]
 
     def debug_lane(self, lane: str) -> list[dict] | None:
         state = self.store.get(lane)

@@ -1,6 +1,8 @@
 """canonicalize, detect and measure: the proxy's prefix stages over one `PrefixTracker`
 (lanes, rules, reports; `proxy/prefix`). Canonicalization runs whether or not detection
-does; detection reports before forwarding and reconciles with the backend's usage after."""
+does; detection reports before forwarding and reconciles with the backend's usage after.
+The request becomes its lane's turn when a backend accepts it (relay commits it); one that
+ends before that is only counted as unserved."""
 
 from __future__ import annotations
 
@@ -17,8 +19,13 @@ class CanonicalizeStage:
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.parsed is not None
-        ex.prepared = self.prefix.canonicalize(ex.parsed.body, ex.request.headers, ex.namespace)
-        await call_next(ex)
+        ex.prepared = prepared = self.prefix.canonicalize(ex.parsed.body, ex.request.headers,
+                                                          ex.namespace)
+        try:
+            await call_next(ex)
+        finally:
+            if not prepared.served:
+                self.prefix.unserved(prepared)
 
 
 class DetectStage:

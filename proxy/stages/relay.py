@@ -2,6 +2,8 @@
 body as it arrives — through the client API's translator when it has one; note time to
 first token, and the attempt's answer: the assistant message and the upstream's `usage`,
 parsed here once (`prefixd.api.usage.Usage`) for routing, the prefix report and the trace.
+The backend's 200 makes the request its lane's newest turn (`PrefixTracker.commit`); its
+error leaves the lane as it was.
 
 A stream's events before its first generated content (a role-only chunk) are held back until
 that content: an upstream that dies before it (a worker killed during its prefill) has sent
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator
 from prefixd.api.errors import ApiError
 from prefixd.backends.base import BackendError, BackendGone, BackendTimeout
 from prefixd.proxy.exchange import SSE_HEADERS, Exchange, ResponseState
+from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.sse import SSERecorder, UpstreamProtocolError, loads, parse_json_body
 from prefixd.proxy.stages import Next
 
@@ -27,6 +30,9 @@ _DROP = ("server", "date", "content-length", "content-type")
 class RelayStage:
     name = "relay"
 
+    def __init__(self, prefix: PrefixTracker) -> None:
+        self.prefix = prefix
+
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
         assert ex.attempt is not None and ex.parsed is not None
         up = ex.attempt.upstream
@@ -36,10 +42,10 @@ class RelayStage:
         try:
             if up.status != 200:
                 await self._error(ex)
-            elif is_sse:
-                await self._sse(ex)
             else:
-                await self._json(ex)
+                if ex.prepared is not None:      # accepted: the request is its lane's turn
+                    self.prefix.commit(ex.prepared)
+                await (self._sse(ex) if is_sse else self._json(ex))
         except UpstreamProtocolError as e:
             raise ApiError(502, f"backend {ex.trace.backend!r}: {e}",
                            code="upstream_error") from None
