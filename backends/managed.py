@@ -74,6 +74,8 @@ class ManagedBackend(BackendBase):
         self._session: aiohttp.ClientSession | None = None
         self._stopper: asyncio.Future[None] | None = None
         self._window = worker_api.WindowMemo()
+        self._cache_dir = settings.cache_dir
+        self._peeked: tuple[int | None] | None = None   # the window its model's config says
 
     async def settle(self) -> None:
         """Return once a worker being stopped has exited: whether it starts again is then
@@ -170,10 +172,21 @@ class ManagedBackend(BackendBase):
 
     async def context_window(self) -> int | None:
         """The configured window, else the worker's (its model's config), asked once per
-        worker; the last one learned while no worker runs (unknown before the first load)."""
+        worker; the last one learned while no worker runs; before the first load, what the
+        model's config says (read once, nothing loaded), so a client knows the window while
+        the weights load."""
         if self.config.context_window is not None:
             return self.config.context_window
-        return await self._window.get(self.worker(), self._sup.restarts)
+        window = await self._window.get(self.worker(), self._sup.restarts)
+        if window is not None:
+            return window
+        if self._peeked is None:
+            from prefixd.backends.mlx.provision import config_window
+
+            spec = self.config.model
+            self._peeked = (None if spec is None else
+                            await asyncio.to_thread(config_window, spec, self._cache_dir),)
+        return self._peeked[0]
 
     def managed(self) -> Managed:
         return self

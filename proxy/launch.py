@@ -2,13 +2,15 @@
 coding agent against a running prefixd with nothing set by hand.
 
 It asks prefixd which models it serves (`GET /v1/models`): the only one, or `--model`; and that
-model's context window where prefixd knows it. Then it gives the client, through its
-environment and command-line overrides only (the user's own config files are never written;
-what a client can only read from a file goes into prefixd's private directory), the base URL,
-the key, the model for every role (Claude Code's small/fast and sub-agent models too), the
-window to compact at, and every switch it has to stop update checks, telemetry, error reports
-and other calls to its vendor; then it execs the client. `--print` shows the lines for a shell
-profile instead.
+model's context window. Started right after `prefixd serve`, it waits (`--wait`, with a
+message) until prefixd answers and knows the window. Then it gives the client, through its
+environment and command line only (nothing is written: not the user's config files, not the
+client's), the base URL, the key, the model for every role (Claude Code's small/fast and
+sub-agent models too), the window to compact at in the setting the client's current version
+honours at that size, a permission mode that needs no classifier call to the local model, and
+every switch it has to stop update checks, telemetry, error reports, price-list fetches and
+other calls to its vendor; then it execs the client in the caller's directory. `--print` shows
+the lines for a shell profile instead.
 
 Owns: the per-client recipes (`RECIPES`), pure functions of a `Target`.
 """
@@ -18,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -33,11 +37,18 @@ INSTALL = {"claude": "npm install -g @anthropic-ai/claude-code",
            "codex": "npm install -g @openai/codex",
            "opencode": "npm install -g opencode-ai",
            "aider": "pip install aider-chat"}
-PRIVATE = Path("~/.cache/prefixd/launch").expanduser()
+PRIVATE = Path("~/.cache/prefixd/launch").expanduser()   # what a client can read only from a file
+CLAUDE_MIN_COMPACT_WINDOW = 100_000   # Claude Code reads an auto-compact window below as this
+WAIT_S = 120.0                        # how long launch waits for the model's window
+UNREACHABLE_WAIT_S = 10.0             # and for a daemon that does not answer yet
 
 
 class LaunchError(Exception):
     """A launch that cannot go ahead, in one line a user can act on."""
+
+
+class Unreachable(LaunchError):
+    """No prefixd answers at the URL (yet)."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +63,24 @@ class Target:
 class Launch:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    files: dict[Path, str] = field(default_factory=dict)    # private files the client reads
+    unset: tuple[str, ...] = ()          # the caller's variables the client must not see
+    files: dict[Path, str] = field(default_factory=dict)   # in prefixd's own directory
+
+
+def output_tokens(window: int) -> int:
+    """The answer size to give a client for `window`: a quarter of it, at least 1,024."""
+    return max(1024, window // 4)
+
+
+def _has_flag(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
 def claude(t: Target, args: list[str]) -> Launch:
-    env = {"ANTHROPIC_BASE_URL": t.url, "ANTHROPIC_API_KEY": t.key,
+    # ANTHROPIC_AUTH_TOKEN (sent as a bearer token) rather than ANTHROPIC_API_KEY: a key makes
+    # every interactive start ask "Detected a custom API key ... use this API key?" (cursor
+    # on No); a key of the user's own environment is not passed on.
+    env = {"ANTHROPIC_BASE_URL": t.url, "ANTHROPIC_AUTH_TOKEN": t.key,
            **dict.fromkeys(("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
                             "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
                             "ANTHROPIC_SMALL_FAST_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"),
@@ -68,9 +92,20 @@ def claude(t: Target, args: list[str]) -> Launch:
                             "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY",
                             "DISABLE_INSTALLATION_CHECKS"), "1")}
     if t.window:
-        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.window)
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max(1024, t.window // 4))
-    return Launch(["claude", *args], env)
+        # The model's window: Claude Code (2.1.197 .. 2.1.332 checked) takes it from
+        # CLAUDE_CODE_MAX_CONTEXT_TOKENS for a model whose name is not "claude-*", and
+        # compacts below it. CLAUDE_CODE_AUTO_COMPACT_WINDOW reads values under 100K as 100K.
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(t.window)
+        if t.window >= CLAUDE_MIN_COMPACT_WINDOW:
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.window)
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(output_tokens(t.window))
+    extra: list[str] = []
+    if not _has_flag(args, "--settings", "--permission-mode",
+                     "--dangerously-skip-permissions"):
+        # auto mode (the default permission mode of current versions) asks a classifier
+        # model about each tool call, and that model is the local one: switched off per run
+        extra = ["--settings", json.dumps({"permissions": {"disableAutoMode": "disable"}})]
+    return Launch(["claude", *extra, *args], env, unset=("ANTHROPIC_API_KEY",))
 
 
 def codex(t: Target, args: list[str]) -> Launch:
@@ -89,7 +124,7 @@ def codex(t: Target, args: list[str]) -> Launch:
 
 
 def opencode(t: Target, args: list[str]) -> Launch:
-    limit = {"limit": {"context": t.window, "output": max(1024, t.window // 4)}} \
+    limit = {"limit": {"context": t.window, "output": output_tokens(t.window)}} \
         if t.window else {}
     config = {"$schema": "https://opencode.ai/config.json", "autoupdate": False,
               "share": "disabled", "model": f"prefixd/{t.model}",
@@ -104,18 +139,26 @@ def opencode(t: Target, args: list[str]) -> Launch:
 
 
 def aider(t: Target, args: list[str]) -> Launch:
+    # per-run flags only: `--no-analytics` (not `--analytics-disable`, which writes aider's
+    # config for good). Aider fetches a price list for any model its metadata does not name,
+    # and reads metadata only from a file: one in prefixd's own directory, never the user's
+    # or aider's (and litellm's bundled price list, not a fetched one).
     argv = ["aider", "--openai-api-base", f"{t.url}/v1", "--model", f"openai/{t.model}",
-            "--no-check-update", "--analytics-disable", "--no-show-release-notes",
+            "--no-check-update", "--no-analytics", "--no-show-release-notes",
             "--no-show-model-warnings"]
-    files = {}
+    info: dict[str, object] = {"litellm_provider": "openai", "mode": "chat",
+                               "input_cost_per_token": 0.0, "output_cost_per_token": 0.0}
     if t.window:
-        meta = PRIVATE / "aider-model-metadata.json"
-        files[meta] = json.dumps({f"openai/{t.model}": {
-            "max_input_tokens": t.window, "max_tokens": max(1024, t.window // 4),
-            "max_output_tokens": max(1024, t.window // 4), "input_cost_per_token": 0.0,
-            "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}})
-        argv += ["--model-metadata-file", str(meta)]
-    return Launch([*argv, *args], {"OPENAI_API_KEY": t.key}, files)
+        info |= {"max_input_tokens": t.window, "max_tokens": output_tokens(t.window),
+                 "max_output_tokens": output_tokens(t.window)}
+    meta = PRIVATE / f"aider-{_safe(t.model)}-{t.window or 0}.json"
+    argv += ["--model-metadata-file", str(meta)]
+    return Launch([*argv, *args], {"OPENAI_API_KEY": t.key, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                  files={meta: json.dumps({f"openai/{t.model}": info})})
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
 
 
 RECIPES: dict[str, Callable[[Target, list[str]], Launch]] = {
@@ -138,7 +181,7 @@ def served(url: str, key: str, timeout: float = 5.0) -> list[dict]:
                           + (" (wrong key? --api-key or PREFIXD_API_KEY)" if e.code == 401
                              else "")) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise LaunchError(f"no prefixd answers at {url} ({getattr(e, 'reason', e)}): start it "
+        raise Unreachable(f"no prefixd answers at {url} ({getattr(e, 'reason', e)}): start it "
                           "with `./run serve` or `prefixd serve`, or pass --url") from None
     entries = data.get("data") if isinstance(data, dict) else None
     return [e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
@@ -162,33 +205,73 @@ def pick(entries: list[dict], wanted: str | None) -> tuple[str, int | None]:
 
 def profile_lines(plan: Launch) -> str:
     """The plan as lines for a shell profile: its variables, then its command."""
-    lines = [f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()]
-    lines += [f"# written by prefixd launch: {path}" for path in plan.files]
+    lines = [f"unset {k}" for k in plan.unset]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()]
+    lines += [f"mkdir -p {shlex.quote(str(path.parent))} && printf '%s\\n' {shlex.quote(text)} "
+              f"> {shlex.quote(str(path))}" for path, text in plan.files.items()]
     return "\n".join([*lines, shlex.join(plan.argv)]) + "\n"
 
 
 def write_private(files: dict[Path, str]) -> None:
+    """The files a client reads, in prefixd's own directory (mode 0600)."""
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_text(text)
-        path.chmod(0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+
+
+def wait_for_window(url: str, key: str, wanted: str | None, wait_s: float,
+                    clock: Callable[[], float] = time.monotonic,
+                    say: Callable[[str], None] | None = None) -> tuple[str, int | None]:
+    """(model, window) once prefixd answers and knows the model's window, or its model is
+    loaded and still reports none (a backend that does not say); waits at most `wait_s`,
+    telling the user once what it waits for. After the wait: the window if known, else None
+    (LaunchError only when prefixd never answered)."""
+    say = say or (lambda m: print(f"prefixd launch: {m}", file=sys.stderr, flush=True))
+    start, told = clock(), ""
+    deadline = start + wait_s
+    while True:
+        try:
+            entries = served(url, key)
+        except Unreachable as e:
+            # a daemon just started listens within seconds; none at all is a mistake to name
+            if clock() >= min(deadline, start + UNREACHABLE_WAIT_S):
+                raise LaunchError(str(e)) from None
+            message = f"waiting for prefixd at {url} ..."
+        else:
+            model, window = pick(entries, wanted)
+            state = next((e.get("state") for e in entries if e["id"] == model), None)
+            if window is not None or state not in ("loading", "unloaded", None) \
+                    or clock() >= deadline:
+                if window is None:
+                    say(f"model {model} reports no context window: the client keeps its own "
+                        "default (set the backend's context_window to fix it)")
+                return model, window
+            message = (f"waiting up to {wait_s:.0f} s for model {model} ({state}) to report "
+                       "its context window ...")
+        if message != told:
+            say(message)
+            told = message
+        time.sleep(0.5)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     url = (args.url or base_url(settings)).rstrip("/").removesuffix("/v1")
     key = args.api_key or (settings.api_key.get_secret_value() if settings.api_key
                            else "sk-local")
-    model, window = pick(served(url, key), args.model)
+    model, window = wait_for_window(url, key, args.model, args.wait)
     plan = RECIPES[args.client](Target(url, key, model, window), list(args.client_args))
-    write_private(plan.files)
     if args.print:
         sys.stdout.write(profile_lines(plan))
         return 0
     exe = shutil.which(plan.argv[0])
     if exe is None:
         raise LaunchError(f"{plan.argv[0]} is not on PATH: install it ({INSTALL[args.client]})")
+    write_private(plan.files)
     sys.stdout.flush()
-    os.execvpe(exe, plan.argv, {**os.environ, **plan.env})
+    env = {k: v for k, v in os.environ.items() if k not in plan.unset}
+    os.execvpe(exe, plan.argv, {**env, **plan.env})
     return 0        # not reached
 
 
@@ -204,6 +287,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="the key to present (default: PREFIXD_API_KEY, else "
                    "sk-local)")
     p.add_argument("--env-file", help="settings file (default: ./prefixd.env if present)")
+    p.add_argument("--wait", type=float, default=WAIT_S, metavar="SECONDS",
+                   help="how long to wait for prefixd to answer and report the model's context "
+                   f"window (default {WAIT_S:.0f})")
     p.add_argument("--print", action="store_true",
                    help="print the lines for a shell profile instead of running the client")
     p.set_defaults(client_args=[])     # what follows `--` (split off in `cli.main`)

@@ -5,6 +5,7 @@ stops the daemon and its worker (no orphan)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from prefixd.backends.mlx.provision import BUILTIN_MODELS, config_window
 from prefixd.backends.process import free_port
 
 CACHE = Path(os.environ.get("PREFIXD_TEST_CACHE_DIR", "~/.cache/prefixd-test")).expanduser()
@@ -60,6 +62,12 @@ async def test_default_model_answers_through_the_daemon(tmp_path):
                 answer = await r.json()
         assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
         assert answer["model"] == "smollm2-135m-instruct"
+        # the window known before any load (the table) is the one its GGUF gives the model
+        converted = json.loads((CACHE / "models" / "smollm2-135m-instruct" / "config.json")
+                               .read_text())
+        window = BUILTIN_MODELS["smollm2-135m-instruct"].context_window
+        assert converted["max_position_embeddings"] == window
+        assert config_window("smollm2-135m-instruct", CACHE) == window
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         assert worker_pid is not None and _gone(worker_pid)

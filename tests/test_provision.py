@@ -22,6 +22,7 @@ from prefixd.backends.mlx.provision import (
     BUILTIN_MODELS,
     ProvisionError,
     check_model_spec,
+    config_window,
     dequantize_model,
     ensure_builtin,
     load_model,
@@ -332,3 +333,26 @@ def test_float_gguf_with_its_own_output_layer_converts(tmp_path: Path) -> None:
                                         "<|endoftext|>"]
     assert tokenizer.decode(ids) == "hel hello w12<|endoftext|>"
     assert model(mx.array([ids])).shape == (1, len(ids), len(tokens))
+
+
+def test_a_models_window_is_read_from_its_config_without_loading(tmp_path: Path) -> None:
+    """`config_window`: what `/v1/models` reports before a worker loaded the model (issue
+    33: `prefixd launch` right after `prefixd serve` found no window)."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "text_config": {"max_position_embeddings": 262144}}))
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    (silent / "config.json").write_text(json.dumps({"max_position_embeddings": "lots"}))
+    assert config_window(str(plain), tmp_path) == 32768
+    assert config_window(str(vlm), tmp_path) == 262144
+    assert config_window(str(silent), tmp_path) is None
+    assert config_window(str(tmp_path / "missing"), tmp_path) is None
+    assert config_window("nobody/nothing-cached", tmp_path) is None
+    # the built-in model before its first conversion: nothing downloaded, its known window
+    assert config_window("smollm2-135m-instruct", tmp_path) == 8192
+    assert not (tmp_path / "models").exists() and not (tmp_path / "downloads").exists()

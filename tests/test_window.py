@@ -180,11 +180,16 @@ async def test_a_managed_workers_window(tiny_model_dir: Callable[[str], Path],
         {"name": "tiny", "kind": "mlx", "model": str(tiny_model_dir("qwen3")),
          "models": ["tiny"]}])
     managed = ManagedBackend(settings.backends[0], settings)
-    assert await managed.context_window() is None          # not loaded yet: unknown
+    # not loaded yet: its model's config says (issue 33: `prefixd launch` right after
+    # `prefixd serve` found no window while the weights loaded, and Claude Code assumed 1M)
+    assert await managed.context_window() == TINY_WINDOW
     server = Server(make_proxy(settings, [managed]))
     await server.start("127.0.0.1", 0)
     base = f"http://127.0.0.1:{server.port}"
     try:
+        async with http.get(base + "/v1/models") as r:
+            (entry,) = (await r.json())["data"]
+        assert entry["state"] != "loaded" and entry["context_length"] == TINY_WINDOW
         await managed.wait_for(ProcState.READY, timeout=120)
         async with http.get(base + "/v1/models") as r:
             assert (await r.json())["data"][0]["context_length"] == TINY_WINDOW

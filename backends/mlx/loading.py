@@ -33,12 +33,9 @@ class Loaded:
 
 def max_context(model: Any) -> int | None:
     """The model's context length, from its config (None: unknown)."""
-    args = getattr(model, "args", None)
-    value = getattr(args, "max_position_embeddings", None)
-    text_config = getattr(args, "text_config", None)
-    if value is None and isinstance(text_config, dict):
-        value = text_config.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
+    from prefixd.backends.mlx.provision import window_of
+
+    return window_of(getattr(model, "args", None))
 
 
 def load(settings: WorkerSettings, spec: str, agree: Solo = SOLO) -> Loaded:

