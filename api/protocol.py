@@ -2,7 +2,8 @@
 handler runs), answered the same way by the proxy (`proxy/guard.py`) and the worker
 (`backends/mlx/protocol.py`): a JSON error in the OpenAI shape, the connection closed, and at
 most one bounded log line per kind every few seconds — never a traceback for a client's bytes
-(a managed worker's stderr is the proxy's log; an attacker must not fill it).
+(a managed worker's stderr is the proxy's log; an attacker must not fill it). Both sockets'
+connection protocols are `Cuttable`: a body that missed its deadline closes its connection.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from prefixd.api.errors import error_response
 
@@ -55,3 +57,13 @@ def protocol_error(request: Any, status: int, exc: BaseException | None, message
     resp = error_response(status, text, code=code)
     resp.force_close()
     return resp
+
+
+class Cuttable(RequestHandler):
+    """aiohttp's connection protocol that a handler can cut: after this request's answer the
+    connection closes at once, without aiohttp's lingering read of an unread body (up to 10 s
+    of a trickling client's bytes). Used after a body missed its deadline
+    (`api/reading.py`)."""
+
+    def cut(self) -> None:
+        self._lingering_time = 0.0        # aiohttp's: read nothing more, then close

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from prefixd.api.protocol import RateLimitedLog, protocol_error
+from prefixd.api.protocol import Cuttable, RateLimitedLog, protocol_error
 
 log = logging.getLogger("prefixd.guard")
 
@@ -33,7 +33,7 @@ class Guard:
 _limited = RateLimitedLog(log)
 
 
-class GuardedHandler(RequestHandler):
+class GuardedHandler(Cuttable):
     """aiohttp's connection protocol with a connection cap, a first-headers deadline and
     JSON protocol errors."""
 

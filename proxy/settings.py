@@ -73,8 +73,6 @@ class DeclaredSettings(WorkerSettings):
                                  "open-files limit at start).")
     header_timeout_s: float = Field(10.0, gt=0, description="A new connection must send its "
                                     "first request's headers within this many seconds.")
-    body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
-                                  "this many seconds (else 408).")
     model_memory_bytes: int | None = Field(
         None, ge=0, description="Memory the managed (mlx) models may use together: weights + "
         "cache budget + process overhead each (estimated, then measured by each worker once "

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from prefixd.api.protocol import RateLimitedLog, protocol_error
+from prefixd.api.protocol import Cuttable, RateLimitedLog, protocol_error
 
 log = logging.getLogger("prefixd.worker")
 
@@ -24,7 +24,7 @@ log = logging.getLogger("prefixd.worker")
 _malformed = RateLimitedLog(log)
 
 
-class WorkerHandler(RequestHandler):
+class WorkerHandler(Cuttable):
     """aiohttp's connection protocol, answering protocol errors in JSON without a traceback."""
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
