@@ -218,3 +218,42 @@ def test_a_linked_tier_directory_is_replaced(model: Any, cache: tuple[Path, Path
         assert engine.tiers.disk is not None
     finally:
         engine.close(5)
+
+
+def test_a_hard_linked_record_is_removed_and_the_other_name_untouched(
+        model: Any, cache: tuple[Path, Path], tmp_path: Path, victim: Path,
+        pristine: tuple) -> None:
+    """A record that is a hard link to the user's file (one inode, two names): the mode is
+    never set through it; the cache's name goes, the user's file stays as it was."""
+    root, key_dir = cache
+    record = _records(key_dir)[0]
+    record.unlink()
+    os.link(victim, record)
+    engine = _restart(model, root)
+    try:
+        _check_untouched(victim)
+        assert not os.path.lexists(record)
+        assert engine.cache_info()["disk"]["skipped_files"].get("foreign") == 1
+        assert any(_restores(engine, p) for p in pristine[1])
+    finally:
+        engine.close(5)
+
+
+def test_a_linked_prompts_directory_is_replaced(model: Any, cache: tuple[Path, Path],
+                                                tmp_path: Path, victim: Path) -> None:
+    """`<cache_dir>/prompts` itself a link to another directory: neither that directory's
+    mode nor its files change; a real `prompts` takes the link's place."""
+    prompts = tmp_path / "cache_dir" / "prompts"
+    prompts.parent.mkdir()
+    elsewhere = tmp_path / "users-dir"
+    elsewhere.mkdir(mode=0o755)
+    shutil.copy(victim, elsewhere / "victim.txt")
+    prompts.symlink_to(elsewhere, target_is_directory=True)
+    engine = _restart(model, prompts)
+    try:
+        assert prompts.is_dir() and not prompts.is_symlink()
+        assert sorted(p.name for p in elsewhere.iterdir()) == ["victim.txt"]
+        assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
+        assert engine.cache_info()["disk"]["skipped_files"].get("foreign") == 1
+    finally:
+        engine.close(5)

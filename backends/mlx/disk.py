@@ -71,8 +71,7 @@ class DiskTier:
         of that name is removed and counted `foreign`; nothing reads it back)."""
         path = self.root / "manifest.json"
         diskfs.claim_file(path, self.skipped)
-        if diskfs.kind(path) == "file":
-            diskfs.private_file(path)
+        if diskfs.kind(path) == "file" and diskfs.private_file(path):
             return
         fd = diskfs.open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:

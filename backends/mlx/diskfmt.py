@@ -39,7 +39,7 @@ import safetensors
 import safetensors.numpy
 from mlx_lm.models.cache import QuantizedKVCache
 
-from prefixd.backends.mlx.diskfs import DIR_MODE, FILE_MODE, kind
+from prefixd.backends.mlx.diskfs import FILE_MODE, kind
 from prefixd.backends.mlx.snapshot import KINDS
 
 FORMAT = 2                   # 2: checksums (files without them are never loaded)
@@ -135,12 +135,6 @@ def write(path: Path, tensors: Host, desc: dict[str, Any]) -> int:
         tmp.unlink(missing_ok=True)
         raise
     return len(data)
-
-
-def private_dir(path: Path) -> None:
-    """Create `path` (and its parents) if needed; make it the daemon user's only."""
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    os.chmod(path, DIR_MODE)
 
 
 def sync_dir(path: Path) -> None:

@@ -68,8 +68,11 @@ def claim_dir(path: Path, skipped: Counter) -> None:
 
 def claim_file(path: Path, skipped: Counter) -> None:
     """Clear the name of a file the tier creates itself (`manifest.json`, `lock`): anything
-    there but a regular file is removed and counted."""
+    there but a regular file of its own (a link, a hard link to another name, a directory, a
+    FIFO) is removed and counted."""
     what = kind(path)
+    if what == "file" and os.lstat(path).st_nlink != 1:
+        what = "link"
     if what not in ("missing", "file"):
         remove(path, what, skipped)
 
@@ -88,13 +91,18 @@ def open_nofollow(path: Path, flags: int) -> int:
     return fd
 
 
-def private_file(path: Path) -> None:
+def private_file(path: Path) -> bool:
     """Make the regular file `path` mode 0600, through its own descriptor (never a link's
-    target)."""
+    target); False, changing nothing, when it is a hard link (another name shares its inode:
+    not a file the tier wrote, which renames each into place once)."""
     fd = open_nofollow(path, os.O_RDONLY)
     try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != FILE_MODE:
+        st = os.fstat(fd)
+        if st.st_nlink != 1:
+            return False
+        if stat.S_IMODE(st.st_mode) != FILE_MODE:
             os.fchmod(fd, FILE_MODE)
+        return True
     finally:
         os.close(fd)
 

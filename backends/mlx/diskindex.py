@@ -97,11 +97,14 @@ def _files(tier: DiskTier, directory: Path) -> list[Path]:
                 tier.skipped["partial_write"] += 1
         else:
             try:
-                diskfs.private_file(path)
+                own = diskfs.private_file(path)
             except OSError:                # replaced or unreadable since it was listed
                 tier.skipped["unreadable"] += 1
                 continue
-            out.append(path)
+            if own:
+                out.append(path)
+            else:                          # a hard link: the name goes, the other stays
+                diskfs.remove(path, "link", tier.skipped)
     return out
 
 
