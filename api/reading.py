@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from prefixd.api.errors import ApiError
-from prefixd.api.protocol import Cuttable
+from prefixd.api.protocol import TimedHandler
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -26,12 +26,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @contextlib.asynccontextmanager
 async def within(timeout_s: float, request: web.Request) -> AsyncIterator[None]:
     """Run `request`'s body read inside: 408 `request_timeout` if it takes longer than
-    `timeout_s`, and the connection closed right after that answer (`protocol.Cuttable`)."""
+    `timeout_s`, and the connection closed right after that answer (`protocol.TimedHandler`)."""
     try:
         async with asyncio.timeout(timeout_s):
             yield
     except TimeoutError:
-        if isinstance(request.protocol, Cuttable):
+        if isinstance(request.protocol, TimedHandler):
             request.protocol.cut()
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g}s",
                        code="request_timeout") from None

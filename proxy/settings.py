@@ -71,8 +71,6 @@ class DeclaredSettings(WorkerSettings):
     max_connections: int = Field(512, ge=1, description="Most client connections open at "
                                  "once; more are closed at once (the proxy also raises its "
                                  "open-files limit at start).")
-    header_timeout_s: float = Field(10.0, gt=0, description="A new connection must send its "
-                                    "first request's headers within this many seconds.")
     model_memory_bytes: int | None = Field(
         None, ge=0, description="Memory the managed (mlx) models may use together: weights + "
         "cache budget + process overhead each (estimated, then measured by each worker once "

@@ -46,7 +46,7 @@ def generator(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Te
 async def worker(generator: Generator, tmp_path: Path) -> AsyncIterator[int]:
     """The worker's port: its app with a token, `body_timeout_s` short."""
     settings = generator.settings.model_copy(update={"body_timeout_s": DEADLINE_S})
-    runner = WorkerRunner(create_app(generator, "tiny", settings, TOKEN),
+    runner = WorkerRunner(create_app(generator, "tiny", settings, TOKEN), DEADLINE_S,
                           handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -127,3 +127,71 @@ async def test_a_trickled_body_on_any_proxy_route_is_cut(upstream, start_proxy,
     status, body, closed = await slowloris(proxy.port, _head(path, 4096))
     assert status == 408, body
     assert closed
+
+
+# --- headers: a deadline for every request on a connection, not only its first ----------------
+def _chat_request() -> bytes:
+    body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2})
+    return _head("/v1/chat/completions", len(body)) + body.encode()
+
+
+async def _answered(reader: asyncio.StreamReader) -> int:
+    """Read one whole answer (a Content-Length or chunks) off a keep-alive connection."""
+    status = int((await asyncio.wait_for(reader.readline(), BOUND_S)).split()[1])
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)).lower()
+    if b"transfer-encoding: chunked" in head:
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), BOUND_S)
+        return status
+    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n")
+                      if h.startswith(b"content-length")))
+    await asyncio.wait_for(reader.readexactly(length), BOUND_S)
+    return status
+
+
+async def _closed_after(port: int, first: bytes | None, idle_s: float = 0.0) -> bool:
+    """On one connection: `first` (a whole request, answered), an idle pause, then half a
+    request's headers trickled: whether the server closes the connection (within BOUND_S)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if first is not None:
+            writer.write(first)
+            assert await _answered(reader) == 200
+        await asyncio.sleep(idle_s)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(int(BOUND_S / 0.05)):
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"X-Slow: 1\r\n")
+                await writer.drain()
+            try:
+                if await asyncio.wait_for(reader.read(1 << 16), 0.05) == b"":
+                    return True
+            except TimeoutError:
+                continue
+        return False
+    finally:
+        writer.close()
+
+
+async def test_a_worker_cuts_trickled_headers_first_or_later(worker: int) -> None:
+    assert await _closed_after(worker, None)
+    assert await _closed_after(worker, _chat_request(), idle_s=DEADLINE_S * 2)
+
+
+async def test_the_proxy_cuts_a_later_requests_trickled_headers(upstream, start_proxy) -> None:
+    proxy = await start_proxy(upstream.url, header_timeout_s=DEADLINE_S)
+    assert await _closed_after(proxy.port, _chat_request(), idle_s=DEADLINE_S * 2)
+
+
+async def test_an_idle_keep_alive_connection_is_not_a_slow_one(upstream, start_proxy) -> None:
+    """The header deadline counts from a request's first byte: a pooled connection idle for
+    longer than it still serves its next request."""
+    proxy = await start_proxy(upstream.url, header_timeout_s=DEADLINE_S)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        for _ in range(2):
+            writer.write(_chat_request())
+            assert await _answered(reader) == 200
+            await asyncio.sleep(DEADLINE_S * 3)
+    finally:
+        writer.close()
