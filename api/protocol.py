@@ -62,7 +62,6 @@ def protocol_error(request: Any, status: int, exc: BaseException | None, message
     return resp
 
 
-
 class TimedHandler(RequestHandler):
     """aiohttp's connection protocol with deadlines: every request's headers are due within
     `header_timeout_s` (the first's from the connection's opening, a later one's from its
