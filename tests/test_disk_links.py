@@ -257,3 +257,23 @@ def test_a_linked_prompts_directory_is_replaced(model: Any, cache: tuple[Path, P
         assert engine.cache_info()["disk"]["skipped_files"].get("foreign") == 1
     finally:
         engine.close(5)
+
+
+def test_a_link_of_any_name_in_the_tier_is_removed_unfollowed(
+        model: Any, cache: tuple[Path, Path], victim: Path, tmp_path: Path) -> None:
+    """Links the tier has no use for (beside its files, to a file and to a directory) are
+    removed too, never followed: their targets keep their modes and contents."""
+    root, key_dir = cache
+    (key_dir / "notes.txt").symlink_to(victim)
+    elsewhere = tmp_path / "dir-elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    (key_dir / "more").symlink_to(elsewhere, target_is_directory=True)
+    engine = _restart(model, root)
+    try:
+        _check_untouched(victim)
+        assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
+        assert not os.path.lexists(key_dir / "notes.txt")
+        assert not os.path.lexists(key_dir / "more")
+        assert engine.cache_info()["disk"]["skipped_files"].get("foreign") == 2
+    finally:
+        engine.close(5)

@@ -59,6 +59,9 @@ def index_directory(tier: DiskTier) -> None:
     counted `foreign`, as is anything but a regular file where a cache file belongs (a
     directory, a FIFO: counted, left alone, never opened); an entry that cannot be read is
     counted `unreadable`. No one entry switches the tier off."""
+    for path, what in diskfs.entries(tier.root):     # a link of any name goes, unfollowed
+        if what == "link":
+            diskfs.remove(path, what, tier.skipped)
     found = {sub: _files(tier, tier.root / sub) for sub in ("blocks", "records")}
     blocks = _scan_blocks(tier, found["blocks"])
     for path in found["records"]:
