@@ -48,8 +48,12 @@ class ApiError(Exception):
         self.type_, self.headers = type_, headers
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, param=self.param, code=self.code,
+        """The error as a response; a 408 (a body too slow) also closes the connection."""
+        resp = error_response(self.status, self.message, param=self.param, code=self.code,
                               type_=self.type_, headers=self.headers)
+        if self.status == 408:
+            resp.force_close()
+        return resp
 
     def sse_event(self) -> bytes:
         """The same error as one SSE `data:` event, for streams that already started."""

@@ -2,16 +2,21 @@
 handler runs), answered the same way by the proxy (`proxy/guard.py`) and the worker
 (`backends/mlx/protocol.py`): a JSON error in the OpenAI shape, the connection closed, and at
 most one bounded log line per kind every few seconds — never a traceback for a client's bytes
-(a managed worker's stderr is the proxy's log; an attacker must not fill it).
+(a managed worker's stderr is the proxy's log; an attacker must not fill it). Both sockets'
+connection protocols are `TimedHandler`s: a deadline for every request's headers, and a body
+that missed its deadline closes its connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
 
 from prefixd.api.errors import error_response
 
@@ -55,3 +60,74 @@ def protocol_error(request: Any, status: int, exc: BaseException | None, message
     resp = error_response(status, text, code=code)
     resp.force_close()
     return resp
+
+
+class TimedHandler(RequestHandler):
+    """aiohttp's connection protocol with deadlines: every request's headers are due within
+    `header_timeout_s` (the first's from the connection's opening, a later one's from its
+    first byte: a keep-alive connection cannot trickle its next request's headers either),
+    else the connection is closed; and a handler can `cut` the connection after its answer,
+    without aiohttp's lingering read of an unread body (up to 10 s of a trickling client's
+    bytes), as a body that missed its deadline does (`api/reading.py`). `time_requests` tells
+    it when a request's headers are complete."""
+
+    header_timeout_s = 0.0                  # 0: no header deadline; set by its server
+    limited: RateLimitedLog | None = None   # the log of closed connections
+    _between = True                         # no request's headers under way complete yet
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._between and self._deadline is None:
+            self._arm()                     # the first bytes of a next request
+        super().data_received(data)
+
+    def request_started(self) -> None:
+        self._between = False
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    async def finish_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().finish_response(*args, **kwargs)
+        finally:
+            self._between = True            # what comes next is a new request's headers
+
+    def cut(self) -> None:
+        self._lingering_time = 0.0          # aiohttp's: read nothing more, then close
+
+    def _arm(self) -> None:
+        if self.header_timeout_s > 0 and self.transport is not None:
+            self._deadline = self._loop.call_later(self.header_timeout_s, self._headers_due)
+
+    def _headers_due(self) -> None:
+        self._deadline = None
+        if self._between and self.transport is not None:
+            if self.limited is not None:
+                self.limited.warning("header_timeout", "closing a connection that sent no "
+                                     "complete request headers in %gs", self.header_timeout_s)
+            self.transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().connection_lost(exc)
+
+
+def time_requests(server: Server) -> None:
+    """Make `server` (an aiohttp server handing out `TimedHandler`s) tell each handler when a
+    request's headers are complete (aiohttp has no hook for it but its request factory)."""
+    make_request = server.request_factory
+
+    def request_factory(message: Any, payload: Any, protocol: Any, writer: Any,
+                        task: Any) -> Any:
+        if isinstance(protocol, TimedHandler):
+            protocol.request_started()
+        return make_request(message, payload, protocol, writer, task)
+
+    server.request_factory = request_factory

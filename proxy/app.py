@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -17,7 +16,7 @@ from prefixd import metrics
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.backends.base import BackendState
 from prefixd.metrics.federate import label_worker_metrics
-from prefixd.proxy.keys import presented_key
+from prefixd.proxy.keys import Viewer, is_key, viewer
 from prefixd.proxy.pipeline import API_BY_PATH, CLIENT_APIS, Proxy
 from prefixd.proxy.tokens import count_tokens
 from prefixd.proxy.ui import add_routes as add_ui_routes
@@ -26,6 +25,8 @@ log = logging.getLogger("prefixd.app")
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
 WARMUPS_KEY = web.AppKey("warmups", list)
+OPERATOR_KEY = web.AppKey("operator_key", str)
+EVERYTHING = Viewer(None)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -35,13 +36,13 @@ def needs_key(path: str) -> bool:
     return path.startswith(("/v1/", "/debug/")) or path in ("/status", "/metrics")
 
 
-def auth_middleware(api_key: str | None) -> Callable:
-    expected = (api_key or "").encode()
+def auth_middleware(api_key: str | None, operator_key: str | None = None) -> Callable:
+    """With an API key, the routes that reveal traffic need it (or the operator key)."""
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (api_key and needs_key(request.path)
-                and not hmac.compare_digest(presented_key(request.headers), expected)):
+        if (api_key and needs_key(request.path) and not is_key(request.headers, api_key)
+                and not is_key(request.headers, operator_key)):
             e = ApiError(401, "missing or wrong API key (Authorization: Bearer ... or "
                          "x-api-key)", code="invalid_api_key")
             api = API_BY_PATH.get(request.path.removesuffix("/count_tokens"))
@@ -118,7 +119,9 @@ async def _hello(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
-def _statuses(proxy: Proxy) -> list[dict]:
+def _statuses(proxy: Proxy, who: Viewer = EVERYTHING) -> list[dict]:
+    """Every backend's state and queue; of its routing index, only the conversations `who`
+    may see."""
     out = []
     for name, backend in proxy.backends.items():
         st = backend.status()
@@ -127,7 +130,7 @@ def _statuses(proxy: Proxy) -> list[dict]:
                     "models": st.models, "queue_depth": q.waiting, "in_flight": q.in_flight,
                     "max_concurrency": q.max_concurrency, **q.recent_waits(),
                     "last_error": st.last_error,
-                    **proxy.router.status(name),
+                    **proxy.router.status(name, who.sees),
                     **(proxy.pool.status(name) if proxy.pool and name in proxy.pool.backends
                        else {}), **st.detail})
     return out
@@ -176,7 +179,7 @@ async def _status(request: web.Request) -> web.Response:
     if proxy.pool is not None:
         for name, info in zip(names, infos, strict=True):
             proxy.pool.observe(name, info)       # a loaded worker's measured footprint
-    statuses = _statuses(proxy)
+    statuses = _statuses(proxy, _viewer(request))
     for status, info in zip(statuses, infos, strict=True):
         status["cache"] = cache_summary(info)
     body: dict = {"backends": statuses}
@@ -185,7 +188,18 @@ async def _status(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+def _viewer(request: web.Request) -> Viewer:
+    """What this caller may see (`keys.viewer`)."""
+    return viewer(request.headers, request.app[PROXY_KEY].settings.cache_isolation,
+                  request.app.get(OPERATOR_KEY))
+
+
 async def _metrics(request: web.Request) -> web.Response:
+    """Every key's traffic: under per-key isolation the operator's only (403 otherwise)."""
+    if not _viewer(request).operator:
+        raise ApiError(403, "under PREFIXD_CACHE_ISOLATION=per_key, /metrics (every key's "
+                       "traffic) needs the operator key (PREFIXD_OPERATOR_KEY)",
+                       type_="permission_error", code="operator_only")
     proxy = request.app[PROXY_KEY]
     if proxy.pool is not None:
         proxy.pool.publish()                    # which models are loaded now
@@ -201,12 +215,13 @@ async def _debug_lanes(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
     if not proxy.detecting:
         raise ApiError(404, "prefix detection is off (PREFIXD_PREFIX_DETECT=false)")
-    return web.json_response({"lanes": proxy.prefix.debug_lanes()})
+    return web.json_response({"lanes": proxy.prefix.debug_lanes(_viewer(request).sees)})
 
 
 async def _debug_lane(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
-    history = proxy.prefix.debug_lane(request.match_info["lane"]) if proxy.detecting else None
+    history = (proxy.prefix.debug_lane(request.match_info["lane"], _viewer(request).sees)
+               if proxy.detecting else None)
     if history is None:
         raise ApiError(404, f"no lane {request.match_info['lane']!r}", code="lane_not_found")
     return web.json_response({"lane": request.match_info["lane"], "reports": history})
@@ -242,10 +257,13 @@ async def _stop_backends(app: web.Application) -> None:
 def build_app(proxy: Proxy) -> web.Application:
     s = proxy.settings
     key = s.api_key.get_secret_value() if s.api_key else None
+    operator = s.operator_key.get_secret_value() if s.operator_key else None
     app = web.Application(client_max_size=s.max_body_bytes,
-                          middlewares=[errors_middleware, auth_middleware(key),
+                          middlewares=[errors_middleware, auth_middleware(key, operator),
                                        body_limit_middleware(s.max_body_bytes)])
     app[PROXY_KEY] = proxy
+    if operator:
+        app[OPERATOR_KEY] = operator
     for api in CLIENT_APIS:
         app.router.add_post(api.path, proxy.handler(api))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
@@ -257,7 +275,7 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/status", _status)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/debug/prefix", _debug_lanes)
-    app.router.add_get("/debug/prefix/{lane}", _debug_lane)
+    app.router.add_get("/debug/prefix/{lane:.+}", _debug_lane)    # ids hold "/"
     add_ui_routes(app)
     app.on_startup.append(_start_backends)
     app.on_cleanup.append(_stop_backends)

@@ -116,6 +116,8 @@ class Exchange:
         if self.state is ResponseState.NOT_STARTED:
             resp = web.json_response(self.api.error_body(e), status=e.status,
                                      headers={**(e.headers or {}), **self.headers()})
+            if e.status == 408:              # a body too slow: the connection goes too
+                resp.force_close()
             return resp
         assert self.response is not None
         try:

@@ -205,12 +205,14 @@ def render(lane: str, reports: list[dict], s: Style) -> str:
 
 
 def target(settings: Settings, url: str | None, api_key: str | None) -> tuple[str, str | None]:
-    """The daemon's base URL and key: the flags, else what its settings say it listens on."""
+    """The daemon's base URL and key: the flags, else what its settings say it listens on
+    and its operator key (every key's lanes under per-key isolation), else its API key."""
     if url is None:
         host = "127.0.0.1" if settings.host in ("", "0.0.0.0", "::") else settings.host
         url = f"http://{f'[{host}]' if ':' in host else host}:{settings.port}"
-    if api_key is None and settings.api_key is not None:
-        api_key = settings.api_key.get_secret_value()
+    secret = settings.operator_key or settings.api_key
+    if api_key is None and secret is not None:
+        api_key = secret.get_secret_value()
     return url, api_key or None
 
 

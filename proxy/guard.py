@@ -1,6 +1,6 @@
 """Connection-level protection of the listening socket, below the application: a cap on open
-connections, a deadline for a new connection's first request headers (slowloris), a raised
-file-descriptor limit, and protocol errors (a malformed request line or header that aiohttp
+connections, a deadline for every request's headers (slowloris: `api/protocol.TimedHandler`),
+a raised file-descriptor limit, and protocol errors (a malformed request line or header that aiohttp
 refuses before any handler runs) answered in the OpenAI error shape instead of plain text.
 
 `GuardedRunner` is an `aiohttp.web.AppRunner` whose server hands out `GuardedHandler`s.
@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from prefixd.api.protocol import RateLimitedLog, protocol_error
+from prefixd.api.protocol import RateLimitedLog, TimedHandler, protocol_error, time_requests
 
 log = logging.getLogger("prefixd.guard")
 
@@ -33,12 +33,11 @@ class Guard:
 _limited = RateLimitedLog(log)
 
 
-class GuardedHandler(RequestHandler):
-    """aiohttp's connection protocol with a connection cap, a first-headers deadline and
-    JSON protocol errors."""
+class GuardedHandler(TimedHandler):
+    """aiohttp's connection protocol with a connection cap, a deadline for every request's
+    headers (`TimedHandler`) and JSON protocol errors."""
 
-    _started = False
-    _deadline: asyncio.TimerHandle | None = None
+    limited = _limited
 
     @property
     def _server(self) -> GuardedServer:
@@ -47,33 +46,15 @@ class GuardedHandler(RequestHandler):
         return cast(GuardedServer, self._manager)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
         server = self._server
         guard = server.guard
+        self.header_timeout_s = guard.header_timeout_s
+        super().connection_made(transport)
         if len(server.connections) > guard.max_connections:
             _limited.warning("max_connections", "refusing a connection: %d open "
                              "(PREFIXD_MAX_CONNECTIONS=%d)", len(server.connections),
                              guard.max_connections)
             transport.close()
-            return
-        self._deadline = self._loop.call_later(guard.header_timeout_s, self._first_headers_due)
-
-    def request_started(self) -> None:
-        self._started = True
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _first_headers_due(self) -> None:
-        if not self._started and self.transport is not None:
-            _limited.warning("header_timeout", "closing a connection that sent no complete "
-                             "request headers in %gs", self._server.guard.header_timeout_s)
-            self.transport.close()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        super().connection_lost(exc)
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -98,15 +79,7 @@ class GuardedRunner(web.AppRunner):
         # connection protocol); it tells each handler when its first request started.
         server.__class__ = GuardedServer
         cast(GuardedServer, server).guard = self.guard
-        make_request = server.request_factory
-
-        def request_factory(message: Any, payload: Any, protocol: Any, writer: Any,
-                            task: Any) -> Any:
-            if isinstance(protocol, GuardedHandler):
-                protocol.request_started()
-            return make_request(message, payload, protocol, writer, task)
-
-        server.request_factory = request_factory
+        time_requests(server)
         return server
 
 

@@ -53,14 +53,24 @@ class DeclaredSettings(WorkerSettings):
         "`api_key` is unset), in prefixd workers' caches (managed and kind `prefixd`; their "
         "per-key entries stay in RAM: the disk tier keeps the shared cache only); an "
         "`openai` backend's own cache (llama-server, vLLM) cannot be partitioned, and a "
-        "warning at start says so.")
+        "warning at start says so. The operator views follow: a key sees only its own lanes "
+        "on /status, /debug/prefix and the status page, and /metrics needs `operator_key`.")
+    operator_key: SecretStr | None = Field(
+        None, description="The operator's key (accepted wherever `api_key` is). Under "
+        "`per_key` isolation a caller sees only its own key's lanes on /status, /debug/prefix "
+        "and the status page (another key's lane is a 404), and /metrics (every key's "
+        "traffic) answers only this key (403 otherwise); with it, every lane and /metrics. "
+        "Unused under `shared`, where every admitted caller sees everything.")
+    lane_secret: SecretStr | None = Field(
+        None, min_length=16, description="The key of the digests in lane ids (HMAC-SHA256 of "
+        "the client, model and first user message, and of the key's namespace), so an id "
+        "shown on a view cannot confirm a guessed message. Unset: random per run. Give "
+        "prefixd replicas behind one load balancer the same value if they must agree on lane "
+        "ids (routing uses a lane id only for a request without a prefix chain; at least 16 "
+        "characters).")
     max_connections: int = Field(512, ge=1, description="Most client connections open at "
                                  "once; more are closed at once (the proxy also raises its "
                                  "open-files limit at start).")
-    header_timeout_s: float = Field(10.0, gt=0, description="A new connection must send its "
-                                    "first request's headers within this many seconds.")
-    body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
-                                  "this many seconds (else 408).")
     model_memory_bytes: int | None = Field(
         None, ge=0, description="Memory the managed (mlx) models may use together: weights + "
         "cache budget + process overhead each (estimated, then measured by each worker once "
@@ -150,8 +160,9 @@ def redacted(settings: Settings) -> dict:
     userinfo password of every URL (`http://user:***@host`), every `worker_env` value
     (they carry tokens)."""
     data = _redact_urls(settings.model_dump(mode="json"))
-    if settings.api_key is not None:
-        data["api_key"] = "***"
+    for secret in ("api_key", "operator_key", "lane_secret"):
+        if getattr(settings, secret) is not None:
+            data[secret] = "***"
     for b in data["backends"]:
         if b.get("api_key"):
             b["api_key"] = "***"

@@ -9,6 +9,7 @@ import json
 from aiohttp import web
 
 from prefixd.api.errors import ApiError
+from prefixd.api.reading import read_body
 from prefixd.api.schema import decode_json, validate
 from prefixd.proxy.translate.anthropic import count_tokens_request
 from prefixd.proxy.translate.base import TranslateError
@@ -23,7 +24,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     proxy = request.app[PROXY_KEY]
     api = API_BY_PATH["/v1/messages"]
     try:
-        body = decode_json(await request.read())
+        body = decode_json(await read_body(request, proxy.settings.body_timeout_s))
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_body")
         try:
@@ -35,7 +36,10 @@ async def count_tokens(request: web.Request) -> web.Response:
         backend = proxy.router.tokenizer_for(model)
         tokens = await backend.tokenize({**chat, "model": model})
     except ApiError as e:
-        return web.json_response(api.error_body(e), status=e.status)
+        resp = web.json_response(api.error_body(e), status=e.status)
+        if e.status == 408:              # a body too slow: the connection goes too
+            resp.force_close()
+        return resp
     if tokens is not None:
         return web.json_response({"input_tokens": len(tokens)})
     estimate = len(json.dumps(chat, ensure_ascii=False)) // CHARS_PER_TOKEN

@@ -119,7 +119,8 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
                   args.host)
         return 2, True
     runner = WorkerRunner(create_app(generator, name, settings, token),
-                          handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+                          settings.header_timeout_s, handler_cancellation=True,
+                          shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     if args.unix_socket:
         site: web.BaseSite = web.UnixSite(runner, str(args.unix_socket))

@@ -8,6 +8,8 @@ error with a named code, counted in `prefixd_worker_cache_imports_total{outcome}
 - 403 `unsigned_bundle`: no well-formed `X-Prefixd-Bundle-Mac` header (before the body is read);
 - 413 `too_large`: a Content-Length, or a streamed body, larger than the prompt cache's RAM
   budget (the body is never buffered past it);
+- 408 `request_timeout`: the body did not arrive within `body_timeout_s` (the connection is
+  closed: a peer holding the worker's token cannot hold it open by trickling);
 - 403 `bad_mac`: the MAC, computed chunk by chunk as the body streams in, does not verify;
 - then the bundle's own checks on the generation thread (`bundle.py`, `bundlecheck.py`: 400
   with the reason as the code, 409 `other_model`).
@@ -20,6 +22,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from prefixd.api.errors import ApiError
+from prefixd.api.reading import within
 from prefixd.api.schema import cache_namespace
 from prefixd.backends.mlx import bundle, seal
 from prefixd.backends.mlx.generation import Generator
@@ -39,12 +42,12 @@ def signed(data: bytes, pos: int, secret: SecretStr | None) -> web.Response:
 
 
 async def import_state(request: web.Request, loaded: Loaded, generator: Generator,
-                       secret: SecretStr | None) -> web.Response:
+                       secret: SecretStr | None, timeout_s: float) -> web.Response:
     """A bundle another worker holding this worker's secret exported → stored in this worker's
     prompt cache (`{"tokens": N}`; 0 when its budget did not take it), or refused."""
     try:
         namespace = cache_namespace(request.headers)
-        data = await _receive(request, secret, loaded.engine.store.budget)
+        data = await _receive(request, secret, loaded.engine.store.budget, timeout_s)
         vocab = len(loaded.tokenizer)
         tokens = await generator.call(lambda e: bundle.import_(e, data, vocab, namespace))
     except bundle.BundleError as e:
@@ -59,9 +62,10 @@ async def import_state(request: web.Request, loaded: Loaded, generator: Generato
     return web.json_response({"tokens": tokens})
 
 
-async def _receive(request: web.Request, secret: SecretStr | None, limit: int) -> bytes:
+async def _receive(request: web.Request, secret: SecretStr | None, limit: int,
+                   timeout_s: float) -> bytes:
     """The request's body, read only from a peer that can sign (a MAC header, a secret here),
-    at most `limit` bytes, and returned only if its MAC verifies."""
+    at most `limit` bytes within `timeout_s`, and returned only if its MAC verifies."""
     if secret is None:
         raise ApiError(403, "this worker has no transfer secret (PREFIXD_TRANSFER_SECRET), so "
                        "it imports no prefix states", code="no_transfer_secret")
@@ -75,12 +79,13 @@ async def _receive(request: web.Request, secret: SecretStr | None, limit: int) -
         raise too_large
     mac = seal.signer(secret.get_secret_value())
     parts, size = [], 0
-    async for chunk in request.content.iter_chunked(CHUNK):
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        mac.update(chunk)
-        parts.append(chunk)
+    async with within(timeout_s, request):
+        async for chunk in request.content.iter_chunked(CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            mac.update(chunk)
+            parts.append(chunk)
     if not seal.verifies(mac, tag):
         raise ApiError(403, "the bundle's MAC does not verify: it was not made by a worker "
                        "holding this worker's transfer secret, or was altered", code="bad_mac")

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from prefixd.backends.mlx import chain, diskfmt, diskrec
+from prefixd.backends.mlx import chain, diskfmt, diskfs, diskrec
 from prefixd.backends.mlx.diskrec import Block, Record
 from prefixd.backends.mlx.diskwriter import DiskWriter, Job
 
@@ -56,9 +56,9 @@ class DiskTier:
         self.skipped = collections.Counter[str]()    # files never loaded, by reason
         self._pinned: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()             # the index, and the writer's queue
-        for sub in ("", "blocks", "records"):
-            diskfmt.private_dir(root / sub)
-        self._owner: IO[str] | None = _own(root)
+        for sub in ("", "blocks", "records"):      # real directories (a link is removed)
+            diskfs.claim_dir(root / sub, self.skipped)
+        self._owner: IO[str] | None = diskfs.own(root, self.skipped)
         self._write_manifest()
         self.writer = DiskWriter(self)
 
@@ -67,12 +67,16 @@ class DiskTier:
         self.writer.start()
 
     def _write_manifest(self) -> None:
+        """`manifest.json`, created if absent, never through a link (a link or a directory
+        of that name is removed and counted `foreign`; nothing reads it back)."""
         path = self.root / "manifest.json"
-        if not path.exists():
-            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, diskfmt.FILE_MODE), "w") as f:
-                json.dump({"format": diskfmt.FORMAT, "key": self.salt, "layout": self.layout,
-                           "block_tokens": self.block}, f, indent=1)
-        diskfmt.private_file(path)
+        diskfs.claim_file(path, self.skipped)
+        if diskfs.kind(path) == "file" and diskfs.private_file(path):
+            return
+        fd = diskfs.open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": diskfmt.FORMAT, "key": self.salt, "layout": self.layout,
+                       "block_tokens": self.block}, f, indent=1)
 
     def desc_ok(self, desc: dict[str, Any], kind: str) -> str | None:
         """Why a file's description does not belong to this tier, else None."""
@@ -277,24 +281,4 @@ class DiskTier:
                 (self.root / "blocks" / (b + diskfmt.SUFFIX)).unlink(missing_ok=True)
                 del self.blocks[b]
                 self.bytes_used -= blk.nbytes
-
-
-class DirectoryInUse(OSError):
-    """Another live worker owns this cache directory."""
-
-
-def _own(root: Path) -> IO[str]:
-    """Hold an exclusive lock on the directory for this process's life (the OS drops it when
-    the process dies, SIGKILL included): one writer and one index per directory, so budgets
-    and evictions never fight. A second worker of the same model runs without a disk tier."""
-    import fcntl
-
-    f = os.fdopen(os.open(root / "lock", os.O_RDWR | os.O_CREAT, diskfmt.FILE_MODE), "a+")
-    diskfmt.private_file(root / "lock")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        f.close()
-        raise DirectoryInUse(f"{root} is in use by another worker") from e
-    return f
 

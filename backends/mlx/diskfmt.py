@@ -39,13 +39,13 @@ import safetensors
 import safetensors.numpy
 from mlx_lm.models.cache import QuantizedKVCache
 
+from prefixd.backends.mlx.diskfs import FILE_MODE, kind
 from prefixd.backends.mlx.snapshot import KINDS
 
 FORMAT = 2                   # 2: checksums (files without them are never loaded)
 META = "prefixd"
 META_CRC = "prefixd_crc"     # CRC-32 of the description string under META
 SUFFIX = ".safetensors"
-FILE_MODE, DIR_MODE = 0o600, 0o700
 CLASSES = {cls.__name__: cls for cls in KINDS}
 
 Host = dict[str, np.ndarray]   # tensor name -> host array
@@ -137,21 +137,10 @@ def write(path: Path, tensors: Host, desc: dict[str, Any]) -> int:
     return len(data)
 
 
-def private_dir(path: Path) -> None:
-    """Create `path` (and its parents) if needed; make it the daemon user's only."""
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    os.chmod(path, DIR_MODE)
-
-
-def private_file(path: Path) -> None:
-    if path.stat().st_mode & 0o777 != FILE_MODE:
-        os.chmod(path, FILE_MODE)
-
-
 def sync_dir(path: Path) -> None:
     """Make the renames in `path` durable."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return
     try:
@@ -233,6 +222,8 @@ def load(paths: list[Path]) -> list[Loaded]:
 
 def _open(path: Path) -> Loaded:
     """A file's arrays but its token ids (not read yet) and its checked description."""
+    if kind(path) != "file":        # replaced by a link (or anything else) since indexed
+        raise Corrupt(path, "not a regular file")
     try:
         # with return_metadata: (arrays, metadata); mlx's stub gives every form `load` returns
         arrays, meta = cast(tuple[dict[str, mx.array], dict[str, str]],

@@ -7,19 +7,22 @@ present and its tokens hash to its id); anything else is skipped, counted by rea
 summarized in one log line, and never loaded. The tensor data is checked when it is loaded
 (`diskfmt.load`): reading every file at start would cost as much as the cache is large.
 Leftover temp files (a write cut short by a crash), blocks no record needs and files that can
-never load (`BROKEN`: damaged, or records whose blocks are gone) are deleted; files and
-directories a looser version left readable by others are made private.
+never load (`BROKEN`: damaged, or records whose blocks are gone) are deleted; files a looser
+version left readable by others are made private. Nothing is followed through a link
+(`diskfs.py`): a link is removed and counted `foreign`; a directory or FIFO where a file
+belongs is counted and never opened; one bad entry never switches the tier off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
 
 import numpy as np
 
-from prefixd.backends.mlx import chain, diskfmt
+from prefixd.backends.mlx import chain, diskfmt, diskfs
 from prefixd.backends.mlx.disk import DiskTier, OnEvict
 from prefixd.backends.mlx.diskrec import Block, Record
 
@@ -51,21 +54,27 @@ def _reasons(tier: DiskTier) -> str:
 
 
 def index_directory(tier: DiskTier) -> None:
-    for path in tier.root.rglob("*"):
-        if path.is_dir():
-            diskfmt.private_dir(path)
-        elif path.is_file():
-            diskfmt.private_file(path)
-    for tmp in list(tier.root.glob("*/.*.tmp")):
-        tmp.unlink(missing_ok=True)
-        tier.skipped["partial_write"] += 1
-    blocks = _scan_blocks(tier)
-    for path in sorted((tier.root / "records").iterdir()):
-        if path.name.startswith("."):
+    """Fill the index from `blocks/` and `records/` (the tier made them real directories).
+    Every entry is looked at without following it: a link is removed (never its target) and
+    counted `foreign`, as is anything but a regular file where a cache file belongs (a
+    directory, a FIFO: counted, left alone, never opened); an entry that cannot be read is
+    counted `unreadable`. No one entry switches the tier off."""
+    for path, what in diskfs.entries(tier.root):     # a link of any name goes, unfollowed
+        if what == "link":
+            diskfs.remove(path, what, tier.skipped)
+    found = {sub: _files(tier, tier.root / sub) for sub in ("blocks", "records")}
+    blocks = _scan_blocks(tier, found["blocks"])
+    for path in found["records"]:
+        if path.suffix != diskfmt.SUFFIX:
+            tier.skipped["foreign"] += 1
             continue
-        rec = _read_record(tier, path, blocks)
-        if isinstance(rec, str):
-            _skip(tier, path, rec)
+        try:
+            rec = _read_record(tier, path, blocks)
+            if isinstance(rec, str):
+                _skip(tier, path, rec)
+                continue
+        except OSError:
+            tier.skipped["unreadable"] += 1
             continue
         for b in rec.blocks:
             tier.blocks.setdefault(b, blocks[b])
@@ -76,6 +85,32 @@ def index_directory(tier: DiskTier) -> None:
     tier.bytes_used += sum(b.nbytes for b in tier.blocks.values())
 
 
+def _files(tier: DiskTier, directory: Path) -> list[Path]:
+    """The regular files of `directory` to index, each made the user's only; leftover temp
+    files (a write cut short) are deleted, links removed, other entries counted."""
+    out = []
+    for path, what in diskfs.entries(directory):
+        if what == "link":
+            diskfs.remove(path, what, tier.skipped)
+        elif what != "file":
+            tier.skipped["foreign"] += 1
+        elif path.name.startswith("."):
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                tier.skipped["partial_write"] += 1
+        else:
+            try:
+                own = diskfs.private_file(path)
+            except OSError:                # replaced or unreadable since it was listed
+                tier.skipped["unreadable"] += 1
+                continue
+            if own:
+                out.append(path)
+            else:                          # a hard link: the name goes, the other stays
+                diskfs.remove(path, "link", tier.skipped)
+    return out
+
+
 def _skip(tier: DiskTier, path: Path, reason: str) -> None:
     tier.skipped[reason] += 1
     log.debug("disk cache: skipped %s (%s)", path, reason)
@@ -83,19 +118,21 @@ def _skip(tier: DiskTier, path: Path, reason: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
+def _scan_blocks(tier: DiskTier, paths: list[Path]) -> dict[str, Block]:
     found: dict[str, tuple[str | None, np.ndarray, int]] = {}
-    for path in (tier.root / "blocks").iterdir():
-        if path.name.startswith(".") or path.suffix != diskfmt.SUFFIX:
-            if not path.name.startswith("."):
-                tier.skipped["foreign"] += 1
+    for path in paths:
+        if path.suffix != diskfmt.SUFFIX:
+            tier.skipped["foreign"] += 1
             continue
-        opened = _open(tier, path, "block")
-        if isinstance(opened, str) or len(opened[1]) != tier.block:
-            _skip(tier, path, opened if isinstance(opened, str) else "corrupt")
-            continue
-        desc, tokens = opened
-        found[path.stem] = (desc.get("parent"), tokens, path.stat().st_size)
+        try:
+            opened = _open(tier, path, "block")
+            if isinstance(opened, str) or len(opened[1]) != tier.block:
+                _skip(tier, path, opened if isinstance(opened, str) else "corrupt")
+                continue
+            desc, tokens = opened
+            found[path.stem] = (desc.get("parent"), tokens, path.lstat().st_size)
+        except OSError:
+            tier.skipped["unreadable"] += 1
     # A block is valid when its tokens hash to its id from its parent's (itself valid) id.
     # Iterative (chains of thousands of blocks), each block checked once.
     valid: dict[str, Block] = {}
@@ -121,7 +158,8 @@ def _scan_blocks(tier: DiskTier) -> dict[str, Block]:
 
     for bid in found:
         if not check(bid):
-            _skip(tier, tier.root / "blocks" / (bid + diskfmt.SUFFIX), "corrupt")
+            with contextlib.suppress(OSError):
+                _skip(tier, tier.root / "blocks" / (bid + diskfmt.SUFFIX), "corrupt")
     return valid
 
 
@@ -157,5 +195,6 @@ def _read_record(tier: DiskTier, path: Path, blocks: dict[str, Block]) -> Record
             (len(tail) and pos != used + len(tail)) or \
             chain.record_id(tier.salt, tokens[:pos], pos, tier.block, list(ids)) != path.stem:
         return "corrupt"
-    return Record(path.stem, pos, tuple(ids), tail, path.stat().st_size,
-                  bool(desc.get("trimmable")), path.stat().st_mtime)
+    st = path.lstat()
+    return Record(path.stem, pos, tuple(ids), tail, st.st_size, bool(desc.get("trimmable")),
+                  st.st_mtime)

@@ -9,6 +9,7 @@ it, why a lookup fell short) is `tiers.py`; files are `disk.py`/`diskfmt.py`/`pe
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import Any
 
 from mlx_lm.models.cache import RotatingKVCache
 
-from prefixd.backends.mlx import chain, diskfmt, snapshot
+from prefixd.backends.mlx import chain, diskfmt, diskfs, snapshot
 from prefixd.backends.mlx.agree import SOLO, Solo
 from prefixd.backends.mlx.diskindex import open_tier
 from prefixd.backends.mlx.diskrec import Record
@@ -102,9 +103,14 @@ class TierGlue:
             shape = layout(template)
             key = cache_key(spec, shape, getattr(config, "kv_bits", None))
             try:
-                diskfmt.private_dir(spec.base)     # every model's prompts: the user's only
+                # every model's prompts: a real directory (a link there is removed), the
+                # user's only; cache_dir above it may be a link the operator made
+                spec.base.parent.mkdir(parents=True, exist_ok=True)
+                found = collections.Counter[str]()
+                diskfs.claim_dir(spec.base, found)
                 self.tiers.disk = open_tier(spec.base / key, key, shape, spec.budget,
                                             spec.block, on_evict=self.tiers.disk_evicted)
+                self.tiers.disk.skipped.update(found)
             except OSError as e:
                 log.warning("disk cache off: cannot use %s (%s)", spec.base / key, e)
         store.on_remove = self.tiers.removed

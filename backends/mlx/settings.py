@@ -32,6 +32,14 @@ class WorkerSettings(BaseSettings):
                                "configured: a built-in name, a model folder or a Hub id.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
                                 description="Largest request body accepted (larger: 413).")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A request's headers must arrive within this many seconds (a "
+        "new connection's first request from its opening, a later one from its first byte), "
+        "else the connection is closed: the proxy's and a worker's.")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="A request body must arrive within this many seconds, else "
+        "408 and the connection is closed: the proxy's routes and a worker's (a prefix-state "
+        "import included), so a client trickling its body holds no connection longer.")
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level.")

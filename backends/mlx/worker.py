@@ -1,8 +1,9 @@
 """The mlx worker's HTTP app: the OpenAI endpoints and the worker's own (health, cache, tokenize).
 
 Owns: routes, the optional per-start token (`PREFIXD_WORKER_TOKEN`: every route but /health then
-needs `Authorization: Bearer <token>`), the transfer secret the state-move endpoints sign and
-check bundles with (`cacheio.py`), reading requests (the shared schema `api.schema`, then
+needs `Authorization: Bearer <token>`), every body read within `body_timeout_s`
+(`api/reading.py`), the transfer secret the state-move endpoints sign and check bundles with
+(`cacheio.py`), reading requests (the shared schema `api.schema`, then
 `chat.gen_request`), building prompts beside generation, and noticing a client that went away.
 Answers are written by `respond.py`; everything mlx lives in `generation.py`. A handler never
 raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a generation failure is a
@@ -23,6 +24,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from prefixd.api.errors import ApiError, errors_middleware
+from prefixd.api.reading import body_deadline
 from prefixd.api.schema import Kind, cache_namespace, decode_json, parse_body
 from prefixd.backends.mlx import bundle, cacheio
 from prefixd.backends.mlx.chat import GenRequest, check_vocab, gen_request, parse_request
@@ -42,13 +44,15 @@ MODEL_NAME = web.AppKey("model_name", str)
 SETTINGS = web.AppKey("settings", WorkerSettings)    # its transfer secret signs and checks
 TOKEN_ENV = "PREFIXD_WORKER_TOKEN"  # a secret per worker start, set by its supervisor
 OPEN_PATHS = frozenset({"/health"})
+STREAMED = frozenset({"/v1/cache/import"})   # reads its body itself, inside the same deadline
 
 
 def create_app(generator: Generator, model_name: str, settings: WorkerSettings,
                token: str | None = None) -> web.Application:
     """The worker app around a `Generator` (loaded now or later: /health says which). With a
     `token`, every route but /health requires `Authorization: Bearer <token>`."""
-    middlewares: list[Middleware] = [errors_middleware] + ([_auth(token)] if token else [])
+    middlewares: list[Middleware] = [errors_middleware] + ([_auth(token)] if token else []) \
+        + [body_deadline(settings.body_timeout_s, STREAMED)]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GENERATOR] = generator
     app[MODEL_NAME] = model_name
@@ -252,8 +256,9 @@ async def _import(request: web.Request) -> web.Response:
     """A signed bundle another worker of this model exported → stored in this worker's prompt
     cache, or refused with a named 4xx before anything is stored (`cacheio.py`)."""
     _single(request)
+    settings = request.app[SETTINGS]
     return await cacheio.import_state(request, _loaded(request), request.app[GENERATOR],
-                                      request.app[SETTINGS].transfer_secret)
+                                      settings.transfer_secret, settings.body_timeout_s)
 
 
 async def _metrics(request: web.Request) -> web.Response:

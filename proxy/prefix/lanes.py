@@ -2,7 +2,8 @@
 store of per-lane state.
 
 Identity, most trusted first: explicit session headers, then body fields, then a content
-fingerprint (client family, model, first user message) that ignores volatile lines. Inside
+fingerprint (client family, model, first user message) that ignores volatile lines, keyed
+with the run's lane secret (HMAC), so an id shown on a view never confirms a guessed message. Inside
 one session, a request that does not continue a conversation of that session — its system
 prompt of another family, or another tool set (none where the conversation has tools, or
 mostly other tools: a title or summary side call, a sub-agent) — gets its own lane
@@ -15,6 +16,7 @@ exceeded.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 from collections import OrderedDict, deque
@@ -99,16 +101,20 @@ def session_id(headers: Mapping[str, str], body: dict) -> tuple[str, str] | None
     return None
 
 
-def _digest(*parts: str) -> str:
-    h = hashlib.sha1()
+def _digest(secret: bytes, *parts: str) -> str:
+    """HMAC-SHA256 under the run's lane secret: without it, an id confirms no guessed text."""
+    h = hmac.new(secret, digestmod=hashlib.sha256)
     for p in parts:
         h.update(p.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()
 
 
-def base_key(headers: Mapping[str, str], body: dict, segs: list[Segment], client: str) -> str:
-    """The session part of a lane id."""
+def base_key(headers: Mapping[str, str], body: dict, segs: list[Segment], client: str,
+             secret: bytes, namespace: str = "") -> str:
+    """The session part of a lane id. A content fingerprint (`fp:`) is keyed by `secret`
+    and by the request's cache partition (`namespace`): the same first message under two
+    keys, or in two runs with random secrets, gets two unrelated ids."""
     sid = session_id(headers, body)
     if sid is not None:
         prefix, value = sid
@@ -119,7 +125,8 @@ def base_key(headers: Mapping[str, str], body: dict, segs: list[Segment], client
                       "")
     if not first_user:
         first_user = next((s.text for s in segs if s.kind == "prompt"), "")
-    return "fp:" + _digest(client, str(body.get("model", "")), first_user[:4096])[:12]
+    return "fp:" + _digest(secret, namespace, client, str(body.get("model", "")),
+                           first_user[:4096])[:12]
 
 
 def system_family(segs: list[Segment]) -> str:
@@ -183,9 +190,11 @@ def same_family(a: str, b: str) -> bool:
 class LaneStore:
     """Bounded per-lane state, least recently used first."""
 
-    def __init__(self, idle_s: float, max_lanes: int, max_bytes: int, history: int) -> None:
+    def __init__(self, idle_s: float, max_lanes: int, max_bytes: int, history: int,
+                 secret: bytes = b"") -> None:
         self.idle_s, self.max_lanes, self.max_bytes, self.history = (idle_s, max_lanes,
                                                                       max_bytes, history)
+        self.secret = secret        # keys the `~<digest>` of a session's side conversations
         self._lanes: OrderedDict[str, LaneState] = OrderedDict()
         self._sessions: dict[str, list[str]] = {}
         self.nbytes = 0
@@ -217,7 +226,7 @@ class LaneStore:
             lane.last_seen = now
             return lane
         lane_id = base if not ids else \
-            f"{base}~{_digest(shape.family, *sorted(shape.tools), shape.head)[:6]}"
+            f"{base}~{_digest(self.secret, shape.family, *sorted(shape.tools), shape.head)[:6]}"
         while lane_id in self._lanes:                   # the same kind and head again, later
             lane_id += "+"
         lane = LaneState(lane_id, shape.family, now, shape.tools, shape.head,

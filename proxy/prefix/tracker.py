@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from prefixd.api.usage import Usage
 from prefixd.metrics import prefix as M
+from prefixd.proxy.keys import lane_scope
 from prefixd.proxy.prefix import canonicalize as C
 from prefixd.proxy.prefix.compare import Turn, compare, reconcile
 from prefixd.proxy.prefix.lanes import (
@@ -69,8 +71,10 @@ class PrefixTracker:
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
+        secret = (settings.lane_secret.get_secret_value().encode() if settings.lane_secret
+                  else secrets.token_bytes(32))          # random per run unless configured
         self.store = LaneStore(settings.lane_idle_s, settings.lane_max, settings.lane_max_bytes,
-                               settings.prefix_history)
+                               settings.prefix_history, secret)
         self.ratio = 4.0            # chars per token, learned across lanes for new ones
         self.modes = settings.rule_modes()
         self.live = frozenset(r for r, m in self.modes.items() if m == "on")
@@ -94,9 +98,9 @@ class PrefixTracker:
                       namespace: str) -> Prepared:
         client = client_family(headers)
         raw = flatten(body)
-        session = base_key(headers, body, raw, client)
-        lane = self.store.resolve(f"{namespace[:8]}/{session}" if namespace else session,
-                                  shape(body, raw), self.clock())
+        session = base_key(headers, body, raw, client, self.store.secret, namespace)
+        lane = self.store.resolve(lane_scope(namespace) + session, shape(body, raw),
+                                  self.clock())
         if lane.turn == 0:
             lane.ratio = self.ratio
         res = C.canonicalize(body, lane.canon, self.live)
@@ -229,17 +233,22 @@ class PrefixTracker:
         self.ratio = 0.9 * self.ratio + 0.1 * seen
 
     # --- debug endpoints --------------------------------------------------------------------
-    def debug_lanes(self) -> list[dict]:
+    def debug_lanes(self, sees: Callable[[str], bool] = lambda lane: True) -> list[dict]:
+        """The lanes `sees` lets the caller see (`keys.Viewer.sees`: under per-key isolation,
+        only its own key's), with their counters."""
         now = self.clock()
         return [{"lane": lane.id, "turn": lane.turn, "idle_s": round(now - lane.last_seen, 3),
                  "last_verdict": lane.history[-1].verdict.value if lane.history else None,
                  "prompt_tokens": lane.prompt_tokens, "chars_per_token": round(lane.ratio, 3),
                  "ratio_learned": lane.ratio_learned, "bytes": lane.nbytes,
                  "reports": len(lane.history), "unserved": lane.unserved}
-                for lane in self.store.lanes()]
+                for lane in self.store.lanes() if sees(lane.id)]
 
-    def debug_lane(self, lane: str) -> list[dict] | None:
-        state = self.store.get(lane)
+    def debug_lane(self, lane: str, sees: Callable[[str], bool] = lambda lane: True
+                   ) -> list[dict] | None:
+        """A lane's reports, or None when there is no such lane the caller may see (another
+        key's lane is answered as one that does not exist)."""
+        state = self.store.get(lane) if sees(lane) else None
         if state is None:
             return None
         return [r.as_dict() for r in state.history]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,11 +191,14 @@ class PrefixIndex:
         while len(convs) > self.max_entries:
             convs.popitem(last=False)
 
-    def summary(self, backend: str, now: float, top: int = 5) -> dict:
-        """The conversations `backend` holds (unexpired), their tokens, the largest first."""
+    def summary(self, backend: str, now: float, top: int = 5,
+                sees: Callable[[str], bool] = lambda lane: True) -> dict:
+        """The conversations `backend` holds (unexpired) that `sees` lets the caller see
+        (per-key isolation: its own key's), their tokens, the largest first."""
         convs = self._convs.get(backend, OrderedDict())
         self._expire(convs, now)
-        held = sorted(((e.tokens, lane) for lane, e in convs.items()), reverse=True)
+        held = sorted(((e.tokens, lane) for lane, e in convs.items() if sees(lane)),
+                      reverse=True)
         return {"entries": self.size(backend), "conversations": len(held),
                 "tokens": sum(t for t, _ in held),
                 "top": [{"lane": lane, "tokens": t} for t, lane in held[:top]]}

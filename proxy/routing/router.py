@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixd.api.errors import ApiError
@@ -306,13 +307,13 @@ class Router:
         self._incompatible = {p for p in self._incompatible if name not in p}
         m.INDEX_ENTRIES.labels(name).set(0)
 
-    def status(self, name: str) -> dict:
-        """What /status shows of routing for a backend: its index (entries, conversations and
-        their tokens, the largest first), how its reported cached tokens met the predictions,
-        and a llama-server's slots."""
+    def status(self, name: str, sees: Callable[[str], bool] = lambda lane: True) -> dict:
+        """What /status shows of routing for a backend: its index (entries, the conversations
+        `sees` lets the caller see and their tokens, the largest first), how its reported
+        cached tokens met the predictions, and a llama-server's slots."""
         planner = self.planner(name)
         return {"index_entries": self.prefixes.size(name),
-                "index": {**self.prefixes.summary(name, time.monotonic()),
+                "index": {**self.prefixes.summary(name, time.monotonic(), sees=sees),
                           **{k: self.truth[name][k] for k in TRUTH}},
                 **(planner.status() if planner is not None else {})}
 

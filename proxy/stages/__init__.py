@@ -28,7 +28,7 @@ nothing is reset between attempts.
 | load | `attempt.backend` (managed) | room in the memory budget, its worker started |
 | transfer | `attempt.transfer` | prefix state copied in (`attempt.transferred`) |
 | forward | `attempt.backend`, the forwarded body | `attempt.upstream` (held open meanwhile) |
-| relay | `attempt.upstream` | on its 200, the lane's turn (`prepared.served`); the response; `attempt.message`, `attempt.usage`, `completed` |
+| relay | `attempt.upstream` | the response (a 200: the lane's turn); `attempt.message`, ... |
 """
 
 from __future__ import annotations

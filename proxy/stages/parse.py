@@ -12,6 +12,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from prefixd.api.errors import ApiError
+from prefixd.api.reading import within
 from prefixd.api.schema import decode_json
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.stages import Next
@@ -29,12 +30,8 @@ class ParseStage:
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, ex: Exchange, call_next: Next) -> None:
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                ex.raw = await self._read(ex.request)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within "
-                           f"{self.body_timeout_s:g}s", code="request_timeout") from None
+        async with within(self.body_timeout_s, ex.request):
+            ex.raw = await self._read(ex.request)
         body = decode_json(ex.raw)
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_body")
