@@ -220,6 +220,6 @@ def test_stage_sequences_are_deterministic_and_settled(seq: list[dict]) -> None:
             stage.record_response(p, {"role": "assistant", "content": "ok"}, None)
             out.append(json.dumps(p.body))
         assert out[0] == out[1]
-    lane = stages[0].store.get(p.lane)
-    again = C.canonicalize(p.body, lane.canon, stages[0].live)
+    lane = stages[1].store.get(p.lane)          # p: the last stage's (lane ids are keyed)
+    again = C.canonicalize(p.body, lane.canon, stages[1].live)
     assert json.dumps(again.body) == json.dumps(p.body)
