@@ -125,9 +125,6 @@ class WorkerSettings(BaseSettings):
         "auto", description="Worker (group): how the model is split: pipeline (consecutive "
         "layers per rank), tensor (every layer's heads), auto (pipeline where mlx-lm has it). In "
         "the proxy's env file: the split of every managed mlx backend that names none.")
-    group_port: int = Field(32323, ge=1024, le=65000, description="Worker (group): the ring's "
-                            "first port on other hosts (rank r listens on group_port + r; "
-                            "loopback ranks take free ports).")
     max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
                                     "request gives none.")
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "
