@@ -1,9 +1,10 @@
 """A group start that strays cannot abort (issue 33): during a two-rank group's join on
 loopback, connections that do not prove themselves at the control port (an HTTP request,
-connect-and-close, a silent socket, a huge length prefix, garbage, a wrong MAC) are dropped
-and the join goes on; garbage at the ring's ports does not end it either (an attempt a stranger
-spoiled is found and the ring joined again on new ports); a managed group configured by
-`PREFIXD_GROUP_HOSTS` in an env file starts. Real processes throughout, bounded waits."""
+connect-and-close, a silent socket or hundreds of them, a huge length prefix, garbage, a
+wrong MAC) are dropped and the join goes on; garbage at the ring's ports does not end it
+either (an attempt a stranger spoiled is found and the ring joined again on new ports); a
+managed group configured by `PREFIXD_GROUP_HOSTS` in an env file starts. Real processes
+throughout, bounded waits."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow
 KEY = "group-join-key"
 LOOPBACK_PAIR = json.dumps(["127.0.0.1", "127.0.0.1"])
 GARBAGE = bytes(range(256)) * 4
+FLOOD = 300     # silent connections, beyond the 256 the leader serves at once
 
 
 def _answer(url: str) -> dict[str, Any]:
@@ -87,7 +89,8 @@ def _strays(port: int) -> list[tuple[str, socket.socket]]:
             s.sendall(data)
         return s
 
-    out = [("http", conn(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")),
+    flood = [("flood", conn()) for _ in range(FLOOD)]     # more silent ones than it serves
+    out = [*flood, ("http", conn(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")),
            ("silent", conn()),
            ("huge length", conn(struct.pack("<I", 0x7FFFFFF0) + b"{")),
            ("garbage", conn(GARBAGE)),
@@ -119,23 +122,28 @@ def test_strays_at_the_control_port_are_dropped_and_the_join_goes_on(
     held: list[tuple[str, socket.socket]] = []
 
     def attack(done: threading.Event) -> None:
-        _, _, control = _group(port, time.monotonic() + 120)
-        held.extend(_strays(control))
+        _, follower, control = _group(port, time.monotonic() + 120)
+        follower.suspend()          # so that every stray certainly arrives during the join
+        try:
+            held.extend(_strays(control))
+        finally:
+            follower.resume()
 
     try:
         with _in_background(attack), running_worker(
                 tiny_model_dir("qwen3"), KEY, port=port, log=log,
                 PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as url:
             assert _answer(url)["choices"][0]["message"]["content"]
-        assert [kind for kind, _ in held] == ["http", "silent", "huge length", "garbage",
-                                              "not json", "wrong mac"]
+        assert [kind for kind, _ in held] == ["flood"] * FLOOD + [
+            "http", "silent", "huge length", "garbage", "not json", "wrong mac"]
         assert all(_closed_by_peer(s) for _, s in held)     # each dropped, the silent one too
     finally:
         for _, s in held:
             s.close()
     text = log.read_text()
     assert "a frame of 542393671 bytes" in text             # the HTTP request's first bytes
-    assert text.count("dropped a control connection") >= 6
+    assert text.count("dropped a control connection") >= 6 + FLOOD - 256
+    assert "crowded out" in text
     assert "group of 2 ranks joined" in text
 
 

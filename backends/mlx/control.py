@@ -31,7 +31,7 @@ log = logging.getLogger("prefixd.worker.group")
 MAX_FRAME = 64 << 20    # a journal entry (a job's prompt tokens)
 HELLO_MAX = 1024        # a frame of the join (its nonces and MACs are ~200 bytes)
 HANDSHAKE_S = 10.0      # a connection must prove itself within this (a follower: milliseconds)
-MAX_PENDING = 256       # connections proving themselves at once; more are closed at once
+MAX_PENDING = 256       # connections proving themselves at once; beyond, the oldest is dropped
 
 
 class GroupError(RuntimeError):
@@ -143,7 +143,12 @@ def admit(listener: socket.socket, secret: str, ranks: int, deadline: float,
                 soonest = min([deadline, now + 0.5, *(c.expires for c in callers.values())])
                 for key, _ in sel.select(max(0.0, soonest - now)):
                     if key.fileobj is listener:
-                        _accept(listener, sel, callers)
+                        for caller in _accept(listener):
+                            if len(callers) >= MAX_PENDING:     # the oldest goes: a real
+                                drop(min(callers.values(), key=lambda c: c.expires),
+                                     "crowded out")            # follower answers at once
+                            callers[caller.sock] = caller
+                            sel.register(caller.sock, selectors.EVENT_READ)
                         continue
                     caller = callers[key.fileobj]   # type: ignore[index]
                     try:
@@ -157,7 +162,7 @@ def admit(listener: socket.socket, secret: str, ranks: int, deadline: float,
                         rank = _proven(hello, caller.nonce, secret, ranks)
                         sel.unregister(caller.sock)
                         del callers[caller.sock]
-                        caller.sock.setblocking(True)
+                        caller.sock.settimeout(HANDSHAKE_S)
                         channel = Channel(caller.sock)
                         channel.send({"mac": mac(secret, hello["nonce"], "leader")})
                         if rank in found:    # it connected again: the newest one holds
@@ -177,28 +182,22 @@ def admit(listener: socket.socket, secret: str, ranks: int, deadline: float,
     return [found[r] for r in sorted(found)]
 
 
-def _accept(listener: socket.socket, sel: selectors.BaseSelector,
-            callers: dict[socket.socket, _Caller]) -> None:
+def _accept(listener: socket.socket) -> list[_Caller]:
     """Every connection waiting, each sent its challenge (none waits for another)."""
+    out: list[_Caller] = []
     while True:
         try:
             sock, addr = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
+        except OSError:         # none waiting (or one reset first, or out of files): later
+            return out
         caller = _Caller(sock, f"{addr[0]}:{addr[1]}")
-        if len(callers) >= MAX_PENDING:
-            log.warning("worker: dropped a control connection from %s (%d waiting)",
-                        caller.peer, len(callers))
-            sock.close()
-            continue
         try:
             sock.setblocking(False)
             sock.send(frame({"nonce": caller.nonce}))   # ~50 bytes: an empty buffer takes it
         except OSError:
             sock.close()
             continue
-        callers[sock] = caller
-        sel.register(sock, selectors.EVENT_READ)
+        out.append(caller)
 
 
 def _proven(hello: dict[str, Any], nonce: str, secret: str, ranks: int) -> int:
