@@ -277,9 +277,10 @@ def test_a_stranger_on_the_ring_is_found_and_the_ring_joined_again() -> None:
 
 async def test_a_managed_group_starts_from_an_env_file(
         tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
-    """`PREFIXD_GROUP_HOSTS` written in an env file as people write it (comma-separated), no
-    backend configured: the default backend is a group of two ranks and answers. Before: the
-    worker got the list as a Python repr and could not start."""
+    """`PREFIXD_GROUP_HOSTS` in an env file as `deploy/prefixd.env.example` shows it (JSON; the
+    comma-separated form: tests/test_group_hosts.py), no backend configured: the default
+    backend is a group of two ranks and answers. Before: the worker got the list as a Python
+    repr and could not start."""
     import aiohttp
 
     from prefixd.backends.managed import ManagedBackend
@@ -289,7 +290,7 @@ async def test_a_managed_group_starts_from_an_env_file(
 
     env = tmp_path / "prefixd.env"
     env.write_text(f"PREFIXD_DEFAULT_MODEL={tiny_model_dir('qwen3_next')}\n"
-                   "PREFIXD_GROUP_HOSTS=127.0.0.1,127.0.0.1\n"
+                   'PREFIXD_GROUP_HOSTS=["127.0.0.1", "127.0.0.1"]\n'
                    f"PREFIXD_CACHE_DIR={tmp_path / 'cache'}\n"
                    "PREFIXD_USE_SYSTEM_BLAS=false\nPREFIXD_PREFIX_DETECT=false\n")
     settings = effective_backends(load_settings(str(env)))
