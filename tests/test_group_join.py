@@ -3,11 +3,14 @@ loopback, connections that do not prove themselves at the control port (an HTTP 
 connect-and-close, a silent socket or hundreds of them, a huge length prefix, garbage, a
 wrong MAC) are dropped and the join goes on; garbage at the ring's ports does not end it
 either (an attempt a stranger spoiled is found and the ring joined again on new ports); a
+leader whose host is named listens on that host's address only, never 0.0.0.0; a
 managed group configured by `PREFIXD_GROUP_HOSTS` in an env file starts. Real processes
 throughout, bounded waits."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import socket
 import struct
@@ -187,6 +190,52 @@ def test_garbage_at_the_ring_ports_does_not_end_the_join(
     assert "group of 2 ranks joined" in log.read_text()
     print(f"ring ports hit: {len(hit)}, held: {len(held)}; "
           f"{log.read_text().count('the ring' + chr(39) + 's attempt')} attempts spoiled")
+
+
+def _name_of_this_host() -> str | None:
+    """This machine's name if it resolves to a loopback address (so a group can name its first
+    host by it, as a multi-host one does, and still send nothing off this machine)."""
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        return None
+    return name if name != "localhost" and ipaddress.ip_address(address).is_loopback else None
+
+
+@pytest.mark.skipif(_name_of_this_host() is None, reason="the host name is not a loopback one")
+def test_a_leader_named_by_its_host_listens_on_that_address_only(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    """hosts [this machine's name, 127.0.0.1]: the first host is not loopback by name, as in a
+    group across machines, so its ports are bound to that host's address, never to every
+    address. Before: its control port listened on 0.0.0.0."""
+    name, port = _name_of_this_host(), free_port()
+    seen: set[tuple[str, int]] = set()
+    controls: list[int] = []
+
+    def listeners(leader: psutil.Process) -> None:
+        with contextlib.suppress(psutil.Error):
+            seen.update((c.laddr.ip, c.laddr.port) for c in leader.net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.port != port)
+
+    def watch(done: threading.Event) -> None:
+        leader, follower, control = _group(port, time.monotonic() + 120)
+        controls.append(control)
+        follower.suspend()          # the join is certainly under way while we look
+        try:
+            listeners(leader)
+        finally:
+            follower.resume()
+        while not done.is_set():
+            listeners(leader)
+            time.sleep(0.005)
+
+    with _in_background(watch), running_worker(
+            tiny_model_dir("qwen3"), KEY, port=port,
+            PREFIXD_GROUP_HOSTS=json.dumps([name, "127.0.0.1"])) as url:
+        assert _answer(url)["choices"][0]["message"]["content"]
+    assert controls and controls[0] in {p for _, p in seen}
+    assert {ip for ip, _ in seen} == {socket.gethostbyname(str(name))}, seen
 
 
 _RANK = """
