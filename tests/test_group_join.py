@@ -97,7 +97,8 @@ def _strays(port: int) -> list[tuple[str, socket.socket]]:
            ("silent", conn()),
            ("huge length", conn(struct.pack("<I", 0x7FFFFFF0) + b"{")),
            ("garbage", conn(GARBAGE)),
-           ("not json", conn(struct.pack("<I", 5) + b"hello"))]
+           ("not json", conn(struct.pack("<I", 5) + b"hello")),
+           ("deep json", conn(struct.pack("<I", 1000) + b"[" * 1000))]
     conn().close()                                          # connect-and-close
     wrong = conn()                                          # a hello with a wrong MAC
     (size,) = struct.unpack("<I", wrong.recv(4))
@@ -138,14 +139,14 @@ def test_strays_at_the_control_port_are_dropped_and_the_join_goes_on(
                 PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as url:
             assert _answer(url)["choices"][0]["message"]["content"]
         assert [kind for kind, _ in held] == ["flood"] * FLOOD + [
-            "http", "silent", "huge length", "garbage", "not json", "wrong mac"]
+            "http", "silent", "huge length", "garbage", "not json", "deep json", "wrong mac"]
         assert all(_closed_by_peer(s) for _, s in held)     # each dropped, the silent one too
     finally:
         for _, s in held:
             s.close()
     text = log.read_text()
     assert "a frame of 542393671 bytes" in text             # the HTTP request's first bytes
-    assert text.count("dropped a control connection") >= 6 + FLOOD - 256
+    assert text.count("dropped a control connection") >= 7 + FLOOD - 256
     assert "crowded out" in text
     assert "group of 2 ranks joined" in text
 

@@ -47,7 +47,7 @@ def parse(data: bytes) -> dict[str, Any]:
     """A frame's body; GroupError unless it is a JSON object."""
     try:
         message = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):    # not UTF-8 / JSON, or nested past the stack
         raise GroupError("control frame is not JSON") from None
     if not isinstance(message, dict):
         raise GroupError("control frame is not an object")
