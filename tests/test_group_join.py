@@ -182,8 +182,8 @@ def test_garbage_at_the_ring_ports_does_not_end_the_join(
 
     try:
         with _in_background(attack), running_worker(
-                tiny_model_dir("qwen3"), KEY, port=port, log=log,
-                PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as url:
+                tiny_model_dir("qwen3"), KEY, port=port, log=log, ready_s=400.0,
+                PREFIXD_GROUP_HOSTS=LOOPBACK_PAIR) as url:     # (the ring's 180 s, and more)
             assert _answer(url)["choices"][0]["message"]["content"]
     finally:
         for s in held:

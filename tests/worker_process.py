@@ -24,10 +24,11 @@ def free_port() -> int:
 
 @contextmanager
 def running_worker(model: Path, api_key: str, served: str = "tiny", port: int | None = None,
-                   log: Path | None = None, **env_extra: str) -> Iterator[str]:
+                   log: Path | None = None, ready_s: float = 120.0,
+                   **env_extra: str) -> Iterator[str]:
     """A worker process serving `model` as `served` with a disk tier of its own (nothing from
     other runs), on `port` (a free one by default), its stderr to `log` (or nowhere); yields
-    its base URL once healthy."""
+    its base URL once healthy (within `ready_s`)."""
     port = port or free_port()
     err = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     cache = tempfile.TemporaryDirectory(prefix="prefixd-worker-")
@@ -40,7 +41,7 @@ def running_worker(model: Path, api_key: str, served: str = "tiny", port: int | 
                             stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_s
         while True:
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:

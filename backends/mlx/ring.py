@@ -17,7 +17,9 @@ neighbour finds the port closed) or becomes that rank's neighbour. Here:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import gc
 import itertools
 import json
@@ -26,7 +28,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from prefixd.backends.mlx.control import Channel, GroupError
 log = logging.getLogger("prefixd.worker.group")
 
 REPORT_MAX = 64 << 10   # a rank's answer during the join (its port, its attempt's report)
+LEADER_HEAD_START_S = 0.05  # a remote leader's time to listen before its neighbour connects
 _CLEAR = "_ZN3mlx4core11distributed14clear_backendsEv"   # mlx::core::distributed::clear_backends
 
 
@@ -47,8 +50,10 @@ def port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def attempt(ring: str, rank: int) -> tuple[Any | None, str | None]:
-    """Join `ring` (a hostfile, JSON) as `rank`: (the group, None), or (None, why not)."""
+def attempt(ring: str, rank: int, first: Callable[[], None] | None = None
+            ) -> tuple[Any | None, str | None]:
+    """Join `ring` (a hostfile, JSON) as `rank`: (the group, None), or (None, why not).
+    `first`: what to wait for once all is ready but the join itself."""
     import mlx.core as mx
 
     fd, path = tempfile.mkstemp(prefix="prefixd-ring-", suffix=".json")
@@ -56,6 +61,8 @@ def attempt(ring: str, rank: int) -> tuple[Any | None, str | None]:
         with os.fdopen(fd, "w") as f:
             f.write(ring)
         os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = path, str(rank)
+        if first is not None:
+            first()
         group = mx.distributed.init(backend="ring", strict=True)
     except Exception as e:          # a port taken, a neighbour that never came
         return None, str(e) or type(e).__name__
@@ -190,12 +197,53 @@ def follow(channel: Channel, rank: int) -> Any:
         if op != "ring":
             raise GroupError(f"unexpected {op!r} while joining the ring")
         ring = str(message["ring"])
-        result = list(attempt(ring, rank))
-        channel.send(report(ring, rank, result[0] is not None and result[1] is None,
-                            result[1]))
-        if channel.recv(REPORT_MAX).get("ok") is True:
+        last = rank == len(json.loads(ring)) - 1     # the one rank that connects to rank 0
+        result = list(attempt(ring, rank, functools.partial(_await_leader, ring) if last
+                              else None))
+        with _stand_in(ring, rank, result[0] is not None):
+            channel.send(report(ring, rank, result[0] is not None and result[1] is None,
+                                result[1]))
+            done = channel.recv(REPORT_MAX).get("ok") is True
+        if done:
             return result[0]
         _undo(result)
+
+
+@contextlib.contextmanager
+def _stand_in(ring: str, rank: int, joined: bool) -> Iterator[None]:
+    """While the leader judges the attempt: a listener on this rank's ring port (MLX closed its
+    own on its first connection). If that was a stranger's, the left neighbour is still
+    retrying the port (MLX: for ~31 s, holding its process): it gets in here at its next try,
+    its attempt ends and the leader finds it spoiled in a second or two."""
+    if not joined:
+        yield
+        return
+    host = json.loads(ring)[rank][0].rsplit(":", 1)[0]
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, _port(ring, rank)))
+            s.listen(16)            # never accepted: the kernel completes the connections
+        except OSError:
+            pass
+        yield
+
+
+def _await_leader(ring: str) -> None:
+    """Give rank 0 (which listens as soon as it has sent the ring) time to listen, so this
+    rank's first connection gets in: refused, MLX would wait a second, with rank 0's port
+    open to anyone meanwhile. A leader on this machine (our parent) is watched; one
+    elsewhere is given LEADER_HEAD_START_S."""
+    parent = os.environ.get("PREFIXD_PARENT_PID", "")
+    want, deadline = _port(ring, 0), time.monotonic() + 2.0
+    try:
+        leader = psutil.Process(int(parent))
+        while time.monotonic() < deadline:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == want
+                   for c in leader.net_connections("tcp")):
+                return          # (each look takes about a millisecond: no sleep between)
+    except (ValueError, psutil.Error):      # not our parent's to see: over ssh
+        time.sleep(LEADER_HEAD_START_S)
 
 
 def _left(deadline: float) -> float:
