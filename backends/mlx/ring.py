@@ -8,11 +8,16 @@ neighbour finds the port closed) or becomes that rank's neighbour. Here:
 
 - the ring's ports are chosen for each attempt, after the control channel's join, by each rank
   on its own host (`port`); they travel only over that channel;
+- the rank that connects to rank 0 does so only once rank 0 listens (`_await_leader`), so its
+  first try gets in and rank 0's port is open for about a millisecond;
 - after every rank's attempt, each reports the two ends of its ring connections (`report`), and
   the leader checks that every rank's left connection is its neighbour's right one (`linked`):
   the same TCP connection seen from both ends. A failed or foreign attempt is undone on every
   rank (`discard`: MLX keeps a joined group for the process, so its registry is cleared) and
-  the ring is joined again on new ports, until the join's deadline.
+  the ring is joined again on new ports, until the join's deadline. While the leader judges,
+  a follower stands in on its own port (`_stand_in`): a neighbour still retrying it (MLX
+  retries a refused connection for ~31 s, its process held meanwhile) gets in and is judged
+  at once. A stranger on rank 0's port still costs those ~31 s: rank 0 is the one held.
 """
 
 from __future__ import annotations
