@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from prefixd.backends.mlx.settings import DEFAULT_ACTIVE, Parallel
+from prefixd.backends.mlx.settings import DEFAULT_ACTIVE, Hosts, Parallel
 
 
 class BackendConfig(BaseModel):
@@ -58,13 +58,14 @@ class BackendConfig(BaseModel):
     retry_failed_s: Annotated[float, Field(gt=0)] = Field(
         60.0, description="mlx: a `failed` backend tries one new start this often (and "
         "when a request needs it)")
-    hosts: list[str] = Field(
+    hosts: Hosts = Field(
         default_factory=list, description="mlx: run the worker as a group of ranks on MLX's "
         "distributed runtime, one per host (this machine first; loopback entries run here, "
         "others over ssh: docs/DISTRIBUTED.md), e.g. [\"127.0.0.1\", \"10.0.0.2\"]; "
-        "supervised as one unit")
+        "supervised as one unit. Unset: PREFIXD_GROUP_HOSTS")
     parallel: Parallel = Field(
-        "auto", description="mlx (with hosts): how the model is split across them")
+        "auto", description="mlx (with hosts): how the model is split across them. Unset: "
+        "PREFIXD_PARALLEL")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")
 
@@ -91,6 +92,20 @@ class BackendConfig(BaseModel):
             if not self.models:
                 self.models = [Path(self.model).name if "/" in self.model else self.model]
         return self
+
+
+def with_group(config: BackendConfig, hosts: list[str], parallel: Parallel) -> BackendConfig:
+    """The one place a managed backend's group is decided: its own `hosts` and `parallel`, else
+    the worker settings' (`PREFIXD_GROUP_HOSTS`, `PREFIXD_PARALLEL`, e.g. from the env file).
+    Everything after reads `config.hosts` and `config.parallel` only."""
+    if config.kind != "mlx":
+        return config
+    update: dict[str, object] = {}
+    if not config.hosts and hosts:
+        update["hosts"] = list(hosts)
+    if "parallel" not in config.model_fields_set:
+        update["parallel"] = parallel
+    return config.model_copy(update=update) if update else config
 
 
 def redact_url(url: str) -> str:

@@ -45,6 +45,9 @@ TOKEN_ENV = "PREFIXD_WORKER_TOKEN"   # with it set, every worker route but /heal
 TRANSFER_SECRET_ENV = "PREFIXD_TRANSFER_SECRET"   # WorkerSettings.transfer_secret
 
 CommandBuilder = Callable[[int], list[str]]
+# A worker's group is its backend's (`config.with_group` settled it), never copied from the
+# proxy's own settings: a managed worker gets these from its BackendConfig only.
+GROUP_FIELDS = frozenset({"group_hosts", "parallel"})
 
 
 def worker_command(model: str, port: int, served_name: str | None = None) -> list[str]:
@@ -60,6 +63,8 @@ def _env_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, SecretStr):
         return value.get_secret_value()
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)        # as the worker's settings parse it (never a repr)
     return str(value)
 
 
@@ -86,7 +91,7 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
            if not k.startswith("PREFIXD_")}
     for field in worker_fields():
         value = getattr(settings, field)
-        if value is not None:
+        if value is not None and field not in GROUP_FIELDS:
             env[f"PREFIXD_{field.upper()}"] = _env_value(value)
     cache = config.cache_bytes if config.cache_bytes is not None else cache_bytes
     if cache is not None:
@@ -94,7 +99,7 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
     # the requests the proxy sends at once: the worker schedules them together (1: serial)
     env["PREFIXD_MAX_ACTIVE"] = str(config.concurrency)
     if len(config.hosts) > 1:           # a group worker: it starts and stops its ranks
-        env["PREFIXD_GROUP_HOSTS"] = json.dumps(config.hosts)
+        env["PREFIXD_GROUP_HOSTS"] = json.dumps(config.hosts)     # the backend's (`with_group`)
         env["PREFIXD_PARALLEL"] = config.parallel
     if settings.transfer_secret is None:
         env[TRANSFER_SECRET_ENV] = run_transfer_secret()

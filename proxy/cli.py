@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from prefixd.backends.config import with_group
 from prefixd.proxy import launch
 from prefixd.proxy.settings import BackendConfig, Settings, redacted
 
@@ -59,7 +60,8 @@ def effective_backends(settings: Settings) -> Settings:
     """With no backend configured: one managed mlx backend on the built-in default model."""
     if settings.backends:
         return settings
-    default = BackendConfig(name="default", kind="mlx", model=settings.default_model)
+    default = with_group(BackendConfig(name="default", kind="mlx", model=settings.default_model),
+                         settings.group_hosts, settings.parallel)
     return settings.model_copy(update={"backends": [default]})
 
 

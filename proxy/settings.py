@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, SecretStr, create_model
+from pydantic import AfterValidator, Field, SecretStr, create_model, model_validator
 
-from prefixd.backends.config import BackendConfig, redact_url
+from prefixd.backends.config import BackendConfig, redact_url, with_group
 from prefixd.backends.mlx.settings import DEFAULT_MODEL, WorkerSettings
 from prefixd.proxy.prefix.rules import RULES, RuleMode
 from prefixd.proxy.routing.policy import Balance
@@ -140,6 +140,12 @@ class DeclaredSettings(WorkerSettings):
                                 description="Most bytes of lane state kept in memory.")
     # canon_<rule>: one field per canonicalization rule, generated below from its entry in
     # proxy/prefix/rules.py (name, default, description), after the fields above.
+
+    @model_validator(mode="after")
+    def _backend_groups(self) -> DeclaredSettings:
+        """Each managed backend's group settled here, once (`with_group`)."""
+        self.backends = [with_group(b, self.group_hosts, self.parallel) for b in self.backends]
+        return self
 
     def rule_modes(self) -> dict[str, RuleMode]:
         """Each canonicalization rule's mode (its `canon_<rule>` field), by rule name."""

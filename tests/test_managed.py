@@ -22,7 +22,7 @@ from fake_worker import fake_command, gone
 
 from prefixd.backends.base import Backend, BackendError, BackendUnavailable, UpstreamRequest
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.process import TOKEN_ENV, worker_command, worker_env
+from prefixd.backends.process import GROUP_FIELDS, TOKEN_ENV, worker_command, worker_env
 from prefixd.backends.states import ProcState
 from prefixd.metrics import REGISTRY
 from prefixd.proxy.settings import BackendConfig, Settings
@@ -364,11 +364,13 @@ def test_worker_command_and_env() -> None:
     cfg = cfg.model_copy(update={"worker_env": {TOKEN_ENV: "from-config"}})
     env = worker_env(cfg, SETTINGS, base={TOKEN_ENV: "inherited"}, token="t0k")
     assert env[TOKEN_ENV] == "t0k"                        # only the supervisor's own
-    # Every worker setting reaches the worker, including ones added later.
+    # Every worker setting reaches the worker, including ones added later (but the group:
+    # the backend's own, tests/test_group_hosts.py).
     worker_fields = [name for name, f in Settings.model_fields.items()
                      if (f.description or "").startswith("Worker")]
     assert worker_fields and all(f"PREFIXD_{n.upper()}" in env for n in worker_fields
-                                 if getattr(SETTINGS, n) is not None)
+                                 if getattr(SETTINGS, n) is not None and n not in GROUP_FIELDS)
+    assert not GROUP_FIELDS & {k.removeprefix("PREFIXD_").lower() for k in env}
 
 
 def test_proxy_side_never_imports_mlx() -> None:

@@ -23,11 +23,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_worker(model: Path, api_key: str, served: str = "tiny",
+def running_worker(model: Path, api_key: str, served: str = "tiny", port: int | None = None,
+                   log: Path | None = None, ready_s: float = 120.0,
                    **env_extra: str) -> Iterator[str]:
     """A worker process serving `model` as `served` with a disk tier of its own (nothing from
-    other runs); yields its base URL once healthy."""
-    port = free_port()
+    other runs), on `port` (a free one by default), its stderr to `log` (or nowhere); yields
+    its base URL once healthy (within `ready_s`)."""
+    port = port or free_port()
+    err = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     cache = tempfile.TemporaryDirectory(prefix="prefixd-worker-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
     env.update({"PREFIXD_USE_SYSTEM_BLAS": "false", "PREFIXD_CACHE_DIR": cache.name,
@@ -35,10 +38,10 @@ def running_worker(model: Path, api_key: str, served: str = "tiny",
     proc = subprocess.Popen([sys.executable, "-m", "prefixd.backends.mlx", "--model",
                              str(model), "--served-name", served, "--port", str(port),
                              "--api-key", api_key], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_s
         while True:
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -53,6 +56,8 @@ def running_worker(model: Path, api_key: str, served: str = "tiny",
     finally:
         stop(proc, 30.0)
         cache.cleanup()
+        if log:
+            err.close()
 
 
 def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:

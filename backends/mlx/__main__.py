@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.follower import is_follower
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         print("prefixd worker: bad settings: " + "; ".join(
             f"PREFIXD_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}"
             for err in e.errors(include_input=False)), file=sys.stderr)
+        return 1
+    except SettingsError as e:        # a list setting that is not JSON: its name, no value
+        print(f"prefixd worker: bad settings: {e}", file=sys.stderr)
         return 1
     # Before any thread or socket exists: re-exec with the system OpenBLAS preloaded (Linux).
     reexec_with_blas(enabled=settings.use_system_blas)

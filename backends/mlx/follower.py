@@ -1,9 +1,10 @@
-"""A follower rank of a group worker (`group.py`): no HTTP, no decisions. It joins the ring,
-connects to its leader, loads its shard of the model with the same Engine, then replays the
-leader's journal in order: each job as the leader started it, each pass with the leader's
-decisions (its prefill size, whether the job stops), so its forward passes, checkpoints,
-restores and evictions are the leader's on its own layers (the values only a rank knows are
-agreed inside the Engine, `agree.py`). Replies and text are computed and dropped.
+"""A follower rank of a group worker (`group.py`): no HTTP, no decisions. It proves itself to
+its leader, joins the ring with the other ranks, loads its shard of the model with the same
+Engine, then replays the leader's journal in order: each job as the leader started it, each
+pass with the leader's decisions (its prefill size, whether the job stops), so its forward
+passes, checkpoints, restores and evictions are the leader's on its own layers (the values
+only a rank knows are agreed inside the Engine, `agree.py`). Replies and text are computed
+and dropped.
 
 Owns: the follower's jobs under way (by the leader's job id) and its answers to the leader's
 questions (`info`: its memory and cache). Ends when the leader says so, when its channel
@@ -20,17 +21,10 @@ from typing import Any
 
 from prefixd.backends.mlx.active import Active
 from prefixd.backends.mlx.chat import Sampling
+from prefixd.backends.mlx.control import Channel, connect
 from prefixd.backends.mlx.grammar import Constraint
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
-from prefixd.backends.mlx.group import (
-    CONTROL_ENV,
-    RANK_ENV,
-    RING_ENV,
-    SECRET_ENV,
-    Channel,
-    connect,
-    join_ring,
-)
+from prefixd.backends.mlx.group import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_ENV, SECRET_ENV
 from prefixd.backends.mlx.jobs import Event, Job
 from prefixd.backends.mlx.loading import Loaded, load
 from prefixd.backends.mlx.memory import memory_info, mlx_memory
@@ -47,12 +41,17 @@ def is_follower() -> bool:
 def serve(settings: WorkerSettings, spec: str) -> int:
     """Run as a follower until the leader ends; the exit status."""
     from prefixd.backends.mlx.agree import Ring
+    from prefixd.backends.mlx.ring import follow
 
     rank = int(os.environ[RANK_ENV])
     try:
-        group = join_ring(os.environ[RING_ENV], rank)
-        channel = connect(os.environ[CONTROL_ENV], os.environ[SECRET_ENV], rank)
+        channel = connect(os.environ[CONTROL_ENV], os.environ[SECRET_ENV], rank,
+                          JOIN_TIMEOUT_S)
+        group = follow(channel, rank)
         loaded = load(settings, spec, Ring(group))
+    except EOFError:
+        log.info("worker: rank %d: the leader stopped the group while it joined", rank)
+        return 0
     except Exception:
         log.exception("worker: rank %d could not join its group", rank)
         return 3
@@ -78,7 +77,7 @@ class Follower:
 
     def run(self) -> None:
         while True:
-            message = self.channel.recv()
+            message = self.channel.recv(timeout=None)
             op = message.get("op")
             if op == "exit":
                 return

@@ -126,8 +126,7 @@ class Generator:
     def _load(self, spec: str) -> Loaded:
         agree: Solo = SOLO
         if len(self.settings.group_hosts) > 1:
-            self.leader = Leader(self.settings.group_hosts, ["--model", spec],
-                                 self.settings.group_port)
+            self.leader = Leader(self.settings.group_hosts, ["--model", spec])
             agree = self.leader.start()
         self.loaded = load(self.settings, spec, agree)
         self.cache_info = self.loaded.engine.cache_info()

@@ -5,11 +5,12 @@ the supervisor hands exactly these fields to the workers it starts. Imports no m
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BeforeValidator, Field, SecretStr
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # Requests a worker runs together by default (a managed backend's default max_concurrency):
 # an agent's main turn, its title call and a couple of sub-agents; their live caches are
@@ -19,6 +20,21 @@ DEFAULT_ACTIVE = 4
 Parallel = Literal["auto", "pipeline", "tensor"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def host_list(value: object) -> object:
+    """A group's hosts as people write them in an env file or a backend: a JSON list
+    (`["10.0.0.1", "10.0.0.2"]`) or comma-separated (`10.0.0.1,10.0.0.2`)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        return json.loads(text)         # a ValueError: the setting's validation error
+    return [h.strip() for h in text.split(",") if h.strip()]
+
+
+# A group's hosts (`group_hosts`, a backend's `hosts`): JSON or comma-separated.
+Hosts = Annotated[list[str], BeforeValidator(host_list)]
 
 
 class WorkerSettings(BaseSettings):
@@ -106,17 +122,17 @@ class WorkerSettings(BaseSettings):
         "estimated live KV caches of the admitted jobs ((prompt tokens + max_tokens) x the "
         "model's KV bytes per token) fit this share of cache_bytes; a job that does not fit "
         "waits (one job alone always runs).")
-    group_hosts: list[str] = Field(
+    group_hosts: Annotated[Hosts, NoDecode] = Field(
         default_factory=list, description="Worker: run as a group of this many ranks on MLX's "
         "distributed runtime (ring backend), one per host, this process (rank 0) on the first: "
-        "e.g. [\"127.0.0.1\", \"127.0.0.1\"], or [\"10.0.0.1\", \"10.0.0.2\"] (other hosts "
-        "over ssh, the same interpreter path; docs/DISTRIBUTED.md). Empty or one: one process.")
+        "e.g. 127.0.0.1,127.0.0.1 or [\"10.0.0.1\", \"10.0.0.2\"] (comma-separated or JSON; "
+        "other hosts over ssh, the same interpreter path; docs/DISTRIBUTED.md). Empty or one: "
+        "one process. In the proxy's env file: the hosts of every managed mlx backend that "
+        "names no `hosts` of its own.")
     parallel: Parallel = Field(
         "auto", description="Worker (group): how the model is split: pipeline (consecutive "
-        "layers per rank), tensor (every layer's heads), auto (pipeline where mlx-lm has it).")
-    group_port: int = Field(32323, ge=1024, le=65000, description="Worker (group): the ring's "
-                            "first port on other hosts (rank r listens on group_port + r; "
-                            "loopback ranks take free ports).")
+        "layers per rank), tensor (every layer's heads), auto (pipeline where mlx-lm has it). In "
+        "the proxy's env file: the split of every managed mlx backend that names none.")
     max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
                                     "request gives none.")
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "
