@@ -62,14 +62,17 @@ def protocol_error(request: Any, status: int, exc: BaseException | None, message
     return resp
 
 
+CUT_LINGER_S = 1.0      # a cut connection's lingering read, at most
+
+
 class TimedHandler(RequestHandler):
     """aiohttp's connection protocol with deadlines: every request's headers are due within
     `header_timeout_s` (the first's from the connection's opening, a later one's from its
     first byte: a keep-alive connection cannot trickle its next request's headers either),
     else the connection is closed; and a handler can `cut` the connection after its answer,
-    without aiohttp's lingering read of an unread body (up to 10 s of a trickling client's
-    bytes), as a body that missed its deadline does (`api/reading.py`). `time_requests` tells
-    it when a request's headers are complete."""
+    with aiohttp's lingering read of an unread body (10 s of a trickling client's bytes) cut to
+    `CUT_LINGER_S`, as a body that missed its deadline does (`api/reading.py`).
+    `time_requests` tells it when a request's headers are complete."""
 
     header_timeout_s = 0.0                  # 0: no header deadline; set by its server
     limited: RateLimitedLog | None = None   # the log of closed connections
@@ -98,7 +101,10 @@ class TimedHandler(RequestHandler):
             self._between = True            # what comes next is a new request's headers
 
     def cut(self) -> None:
-        self._lingering_time = 0.0          # aiohttp's: read nothing more, then close
+        # aiohttp's lingering read of the unread body, bounded: long enough for the client to
+        # read the answer before the close (a close with its bytes unread is a reset, which
+        # can reach the client before the answer), short enough that trickling holds nothing
+        self._lingering_time = min(self._lingering_time, CUT_LINGER_S)
 
     def _arm(self) -> None:
         if self.header_timeout_s > 0 and self.transport is not None:

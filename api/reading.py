@@ -1,7 +1,8 @@
 """Every request body is read with a deadline (the proxy's routes and the worker's, a streamed
 state import included): a client that sends its headers and then trickles or stalls its body
 (slowloris, also one holding the worker's token) gets a 408 `request_timeout` after
-`body_timeout_s` and its connection is closed right after that answer (no lingering read).
+`body_timeout_s` and its connection is closed after that answer (at most 1 s of lingering
+read, so the client reads the answer before the close).
 
 Owns: `within` (a deadline around any body read), `read_body` (a whole body) and
 `body_deadline` (the worker's middleware: a POST's body read before its handler runs, except
