@@ -18,9 +18,9 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from prefixd.api.structured import Constraint
 from prefixd.backends.mlx.active import Active
 from prefixd.backends.mlx.chat import Sampling
-from prefixd.backends.mlx.grammar import Constraint
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
 from prefixd.backends.mlx.group import (
     CONTROL_ENV,

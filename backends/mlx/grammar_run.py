@@ -12,12 +12,15 @@ Runs on the generation thread.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
-from prefixd.backends.mlx.grammar import Constraint, Markers, lark
+from prefixd.api.structured import Constraint
+from prefixd.backends.mlx.grammar import Markers, lark
 from prefixd.backends.mlx.oai import ToolFormat
+from prefixd.metrics.worker import GRAMMAR_SECONDS
 
 log = logging.getLogger("prefixd.worker")
 
@@ -100,8 +103,13 @@ def grammar_mask(c: Constraint, tokenizers: GrammarTokenizers, tokenizer: Any, f
     text = lark(c, markers(tokenizer, fmt, prompt), token)
     if text is None:
         return None
+    t0 = time.perf_counter()
     matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(text),
                                    log_level=0)
+    seconds = time.perf_counter() - t0
+    GRAMMAR_SECONDS.observe(seconds)
+    log.info("worker: grammar compiled grammar_ms=%.2f grammar_bytes=%d tools=%d", 1000 * seconds,
+             len(text), len(c.tools))
     if matcher.is_error():  # schemas were checked at parse time: a bug, not a client mistake
         raise RuntimeError(f"grammar: {matcher.get_error()[:500]}")
     return GrammarMask(matcher, tok.vocab_size, list(tokenizer.eos_token_ids))

@@ -251,8 +251,9 @@ class ChatOutput:
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
         return reasoning, self._gate.feed(content) if content else ""
 
-    def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """The rest: (reasoning, content, tool_calls)."""
+    def finish(self, cut: bool = False) -> tuple[str, str, list[dict[str, Any]]]:
+        """The rest: (reasoning, content, tool_calls). `cut`: the reply ran out of tokens, so
+        a call still open is a cut call, not text: it is dropped (the calls before it stay)."""
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
         if content:
             content = self._gate.feed(content)
@@ -260,4 +261,6 @@ class ChatOutput:
         calls: list[dict[str, Any]] = []
         if held and self._tools is not None:
             held, calls = extract_tool_calls(held, self._tools, self._specs)
+            if cut and self._tools.start in held:
+                held = held[:held.index(self._tools.start)].rstrip()
         return reasoning, content + held, calls
