@@ -115,7 +115,7 @@ def _escape(key: str) -> str:
 
 def embed(schema: dict[str, Any], name: str) -> dict[str, Any]:
     """`schema` with each local `$ref` ("#", "#/...") rewritten to point under
-    `#/$defs/<name>`, where the embedding schema keeps it."""
+    `#/$defs/<name>`, where the embedding schema keeps it, and without its own `$id`."""
     base = f"#/$defs/{_escape(name)}"
 
     def walk(node: dict[str, Any], step: str = "", merged: bool = False) -> dict[str, Any]:
@@ -125,7 +125,8 @@ def embed(schema: dict[str, Any], name: str) -> dict[str, Any]:
             out["$ref"] = base + ref[1:]
         return out
 
-    return walk(schema)
+    # its own base URI would make the rewritten refs point into a document of that name
+    return {k: v for k, v in walk(schema).items() if k not in ("$id", "id")}
 
 
 def without_patterns(schema: dict[str, Any], bad: Callable[[str], bool]) -> dict[str, Any]:

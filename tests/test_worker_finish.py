@@ -161,3 +161,36 @@ async def test_a_model_that_would_go_on_still_finishes(client: TestClient,
         assert choice["finish_reason"] == "stop", (seed, choice)
         value = json.loads(choice["message"]["content"])
         assert violation(value, schema) is None and digits(value) <= 16, value
+
+
+async def test_a_call_repeated_exactly_ends_the_reply(client: TestClient,
+                                                      generator: Generator) -> None:
+    """A model pushed to go on after each call (a new line and `<tool_call>`), whose calls can
+    only be the same one: the reply ends at the first repeat, which is dropped (before: the
+    same call again and again until the length limit)."""
+    clock = tool("clock", {"type": "object", "properties": {"zone": {"enum": ["utc"]}},
+                           "required": ["zone"]})
+    bias = {str(token_id(generator, "<tool_call>")): 30, str(token_id(generator, "\n")): 30}
+    for seed in SEEDS:
+        out = await post(client, body(seed, generator, tools=[clock], tool_choice="required",
+                                      logit_bias=bias))
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == [
+            '{"zone": "utc"}']
+        assert out["usage"]["completion_tokens"] < MAX_TOKENS
+
+
+async def test_a_tool_schema_with_its_own_id(client: TestClient, generator: Generator) -> None:
+    """A tool's parameters that name themselves (`id`/`$id`, as schemastore files do) with refs
+    into their own `definitions` still resolve inside the calls' schema (before: a 500, the
+    refs read as the named document, which is nowhere)."""
+    params = {"id": "https://example.com/schemas/config.json#",
+              "$schema": "http://json-schema.org/draft-04/schema#",
+              "definitions": {"mode": {"enum": ["fast", "safe"]}},
+              "type": "object", "properties": {"mode": {"$ref": "#/definitions/mode"}},
+              "required": ["mode"]}
+    out = await post(client, body(0, generator, tools=[tool("configure", params)],
+                                  tool_choice="required", parallel_tool_calls=False))
+    [call] = out["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["mode"] in ("fast", "safe")

@@ -25,7 +25,7 @@ from prefixd.api.schema import (
     Request,
     validate,
 )
-from prefixd.api.structured import Constraint, constraint
+from prefixd.api.structured import Constraint, check, constraint
 
 MAX_TOP_LOGPROBS = 20
 
@@ -85,6 +85,7 @@ def gen_request(parsed: Parsed) -> GenRequest:
         c = constraint(req.response_format, tools, req.tool_choice, req.parallel_tool_calls)
     else:
         c = constraint(req.response_format, None, None, None)
+    check(c)  # the proxy checked it too; a client of the worker itself gets the same 400s
     sampling = replace(sampling, constraint=c)
     out = GenRequest(kind=parsed.kind, model=req.model, sampling=sampling,
                      stream=bool(req.stream), include_usage=req.wants_usage,
