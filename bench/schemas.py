@@ -131,8 +131,9 @@ async def run(model: str, files: list[Path], max_tokens: int) -> list[dict[str, 
                     rows.append(await one(client, path, schema, mode, max_tokens))
                     r = rows[-1]
                     print(f"{r['schema']:40} {mode:11} {r['status']} {r.get('finish', '-'):10}"
-                          f" {r.get('tokens', '-'):>4} {r['seconds']:5.1f}s valid={r.get('valid', '-')} "
-                          f"check={r['check_ms']:.1f}ms {r.get('error', '')[:80]}", flush=True)
+                          f" {r.get('tokens', '-'):>4} {r['seconds']:5.1f}s "
+                          f"valid={r.get('valid', '-')} check={r['check_ms']:.1f}ms "
+                          f"{r.get('error', '')[:80]}", flush=True)
     finally:
         gen.close()
     return rows

@@ -21,6 +21,12 @@ from real_schemas import PYDANTIC_ORDER, UNENFORCEABLE
 BROKEN = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}}
 FINE = {"type": "object", "properties": {"city": {"type": "string"}}}
 USER = [{"role": "user", "content": "hi"}]
+# OpenAPI-style inheritance: closing either part would forbid the other's required key
+MERGED = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}},
+                             "required": ["id"]}},
+          "allOf": [{"$ref": "#/$defs/Base"},
+                    {"type": "object", "properties": {"name": {"type": "string"}},
+                     "required": ["name"]}]}
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -91,7 +97,8 @@ async def test_schemas_the_worker_enforces_pass_and_are_timed(
     bodies = [chat(tools=[fn("order", PYDANTIC_ORDER)], tool_choice=choice)
               for choice in ("auto", "required")]
     bodies += [chat(response_format={"type": "json_schema", "json_schema": {
-        "name": name, "schema": schema}}) for name, schema in UNENFORCEABLE.items()]
+        "name": name, "schema": schema}}) for name, schema in {**UNENFORCEABLE,
+                                                              "merged": MERGED}.items()]
     caplog.set_level(logging.INFO, "prefixd.request")
     for body in bodies:
         async with http.post(base + "/v1/chat/completions", json=body) as r:
