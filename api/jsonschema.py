@@ -74,7 +74,9 @@ def tighten(schema: dict[str, Any]) -> dict[str, Any]:
     shared = _merged_refs(schema)
 
     def walk(node: dict[str, Any], pointer: str, merged: bool) -> dict[str, Any]:
-        out = _map(node, lambda s, step, m: walk(s, f"{pointer}/{step}", m))
+        # under `not` or `if` a narrower schema would allow more, not less: left as given
+        out = _map(node, lambda s, step, m: s if step in ("not", "if") else
+                   walk(s, f"{pointer}/{step}", m))
         if (isinstance(node.get("properties"), dict) and not merged and pointer not in shared
                 and not any(k in node for k in (*_OPEN, "allOf", "anyOf", "oneOf", "$ref"))):
             out["additionalProperties"] = False
