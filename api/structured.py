@@ -87,8 +87,8 @@ def response_schema(fmt: dict[str, Any] | None, where: Where = same) -> dict[str
 def tool_constraint(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None,
                     parallel: bool | None, where: Where = same) -> dict[str, Any]:
     """The `Constraint` fields of the calls `tools` and `tool_choice` allow (a forced call for
-    required or a named function); 400 for a choice naming no given function or a tool schema
-    that cannot be enforced."""
+    required or a named function: one call, unless `parallel_tool_calls` is true); 400 for a
+    choice naming no given function or a tool schema that cannot be enforced."""
     named = None
     if isinstance(choice, dict):
         named = (choice.get("function") or {}).get("name")
@@ -109,8 +109,11 @@ def tool_constraint(tools: list[dict[str, Any]], choice: str | dict[str, Any] | 
                           enforced(params, where(f"tools[{i}].function.parameters"))))
     if named is not None and not specs:
         raise _bad(f"'tool_choice' names {named!r}, which is not in 'tools'", where("tool_choice"))
-    return {"tools": tuple(specs), "required": choice == "required" or named is not None,
-            "parallel": parallel is not False}
+    forced = choice == "required" or named is not None
+    # a forced call is one call unless the client asks for more (llama.cpp's default): a
+    # small model otherwise writes call after call until max_tokens
+    return {"tools": tuple(specs), "required": forced,
+            "parallel": parallel if parallel is not None else not forced}
 
 
 def calls_schema(c: Constraint) -> dict[str, Any]:

@@ -139,7 +139,7 @@ async def test_a_forced_call_cut_by_max_tokens_is_length(client: TestClient,
     one = await post(client, {**req, "parallel_tool_calls": False})
     assert one["choices"][0]["finish_reason"] == "tool_calls"
     first = one["usage"]["completion_tokens"]
-    cut = await post(client, {**req, "max_tokens": first + 6})
+    cut = await post(client, {**req, "max_tokens": first + 6, "parallel_tool_calls": True})
     choice = cut["choices"][0]
     assert choice["finish_reason"] == "length", choice
     assert "<tool_call>" not in (choice["message"]["content"] or ""), choice
@@ -173,7 +173,7 @@ async def test_a_call_repeated_exactly_ends_the_reply(client: TestClient,
     bias = {str(token_id(generator, "<tool_call>")): 30, str(token_id(generator, "\n")): 30}
     for seed in SEEDS:
         out = await post(client, body(seed, generator, tools=[clock], tool_choice="required",
-                                      logit_bias=bias))
+                                      parallel_tool_calls=True, logit_bias=bias))
         choice = out["choices"][0]
         assert choice["finish_reason"] == "tool_calls", choice
         assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == [
@@ -194,3 +194,22 @@ async def test_a_tool_schema_with_its_own_id(client: TestClient, generator: Gene
                                   tool_choice="required", parallel_tool_calls=False))
     [call] = out["choices"][0]["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"])["mode"] in ("fast", "safe")
+
+
+@pytest.mark.parametrize("parallel", [None, True])
+async def test_a_forced_call_is_one_call_unless_more_are_asked_for(
+        client: TestClient, generator: Generator, parallel: bool | None) -> None:
+    """`tool_choice` required without `parallel_tool_calls`: one call, as llama.cpp (before:
+    a model pushed to go on wrote call after call until the length limit); with
+    `parallel_tool_calls: true`, more may follow."""
+    bias = {**short_strings(generator), str(token_id(generator, "<tool_call>")): 30,
+            str(token_id(generator, "\n")): 30}
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    out = await post(client, body(0, generator, logit_bias=bias, tools=[
+        tool("weather", WEATHER_PARAMS)], tool_choice="required", **extra))
+    choice = out["choices"][0]
+    if parallel is None:
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert len(choice["message"]["tool_calls"]) == 1
+    else:
+        assert len(choice["message"]["tool_calls"]) > 1, choice
