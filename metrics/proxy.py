@@ -23,6 +23,12 @@ WAITED = Histogram("prefixd_waited_behind_seconds",
 TTFT = Histogram("prefixd_time_to_first_token_seconds",
                  "Time from request arrival to the first streamed content chunk.",
                  ["backend", "model"], buckets=_LAT, registry=REGISTRY)
+GRAMMAR_CHECK = Histogram("prefixd_grammar_check_seconds",
+                          "Time to compile a request's JSON schemas (response format, tool "
+                          "parameters) before it is queued; a schema that does not compile "
+                          "is a 400 then.", buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                                     0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                          registry=REGISTRY)
 QUEUE_DEPTH = Gauge("prefixd_queue_depth", "Requests waiting for a backend slot.", ["backend"],
                     registry=REGISTRY)
 IN_FLIGHT = Gauge("prefixd_in_flight", "Requests being served by a backend.", ["backend"],

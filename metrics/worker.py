@@ -37,6 +37,11 @@ STAGE_SECONDS = Histogram("prefixd_worker_stage_seconds",
                           "first_token, commit).", ["stage"],
                           buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                    0.25, 0.5, 1, 2.5, 5, 10, 30, 120), registry=REGISTRY)
+GRAMMAR_SECONDS = Histogram("prefixd_worker_grammar_compile_seconds",
+                            "Time to compile one constrained reply's grammar (structured output: "
+                            "a JSON schema, tool calls) for the model's tokenizer.",
+                            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                     0.25, 0.5, 1, 2.5), registry=REGISTRY)
 PREFILL_PASSES = Histogram("prefixd_worker_prefill_passes",
                            "Forward passes one prompt prefill took (chunks, cut at checkpoint "
                            "positions).", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128),

@@ -31,6 +31,7 @@ class RequestTrace:
     completed: bool = False       # the last byte of the answer was sent
     transfer: str | None = None   # a prefix state moved in first: "<source>:<outcome>:<tokens>"
     max_tokens: str | None = None  # clamped to the window's room: "<asked>-><sent>"
+    grammar_ms: float | None = None  # compiling its JSON schemas (structured output)
 
     def tokens(self) -> tuple[int | None, int | None, int | None]:
         u = self.usage or Usage()
@@ -53,7 +54,8 @@ class RequestTrace:
             "waited_s": _r(self.waited()), "ttft_s": _r(ttft),
             "duration_s": _r(time.monotonic() - self.started), "prompt_tokens": prompt,
             "cached_tokens": cached, "completion_tokens": completion,
-            "transfer": self.transfer, "max_tokens": self.max_tokens, "error": self.error,
+            "transfer": self.transfer, "max_tokens": self.max_tokens,
+            "grammar_ms": self.grammar_ms, "error": self.error,
         }
 
     def finish(self, log_format: str) -> None:

@@ -10,9 +10,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import anthropic
 import openai
 import pytest
+from real_schemas import PYDANTIC_ORDER
 from schema_check import violation
 
 from prefixd.backends.managed import ManagedBackend
@@ -100,3 +102,48 @@ async def test_responses_text_format_answers_validate(prefixd: str) -> None:
                     text={"format": fmt}, temperature=1.0)  # type: ignore[arg-type]
                 text = resp.output_text
             assert violation(json.loads(text), TITLE) is None, text
+
+
+@pytest.mark.slow
+async def test_defs_tools_and_cut_calls_through_three_apis(prefixd: str) -> None:
+    """A tool whose parameters use pydantic's `$defs`/`$ref` works through every API and
+    `tool_choice` (before: a 500 each), and a forced call cut by the length limit is reported
+    as a cut in each API's terms, with no call markup as text (before: the cut call leaked)."""
+    schema = PYDANTIC_ORDER
+    chat_tool = {"type": "function", "function": {"name": "order", "parameters": schema}}
+    cases = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Order."}],
+                                          "tools": [chat_tool]}, "tool_choice",
+                 ("auto", "required", {"type": "function", "function": {"name": "order"}})),
+        "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Order."}],
+                                      "tools": [{"name": "order", "input_schema": schema}]},
+                     "tool_choice", ({"type": "auto"}, {"type": "any"},
+                                     {"type": "tool", "name": "order"})),
+        "responses": ("/v1/responses", {"input": "Order.", "tools": [
+            {"type": "function", "name": "order", "parameters": schema}]}, "tool_choice",
+            ("auto", "required", {"type": "function", "name": "order"})),
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        for api, (path, body, key, choices) in cases.items():
+            limit = "max_output_tokens" if api == "responses" else "max_tokens"
+            for choice in choices:
+                req = {"model": "tiny", **body, key: choice, limit: 12, "temperature": 0}
+                async with http.post(prefixd + path, json=req) as r:
+                    assert r.status == 200, (api, choice, await r.text())
+                    out = await r.json()
+                assert "<tool_call>" not in json.dumps(out), (api, out)
+                if choice in (choices[1], choices[2]):   # forced, and cut at 12 tokens
+                    assert _cut(api, out), (api, choice, out)
+
+
+def _cut(api: str, out: dict) -> bool:
+    """Whether `out` reports a reply cut by the length limit, with no finished call."""
+    if api == "chat":
+        choice = out["choices"][0]
+        return choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+    if api == "messages":
+        return out["stop_reason"] == "max_tokens" and all(
+            b["type"] != "tool_use" for b in out["content"])
+    return out["status"] == "incomplete" and out["incomplete_details"] == {
+        "reason": "max_output_tokens"} and all(i["type"] != "function_call"
+                                               for i in out["output"])

@@ -73,8 +73,12 @@ async def test_an_over_window_prompt_gets_its_apis_error_before_the_upstream(
     else:
         assert answer["error"]["code"] == "context_length_exceeded"
         message = answer["error"]["message"]
-    # Claude Code reads this sentence (Anthropic's own wording): N tokens > M maximum
-    assert message.startswith("prompt is too long: ") and "tokens > 999 maximum" in message
+    # Claude Code reads this sentence (Anthropic's own wording): N tokens > M maximum, M the
+    # window as /v1/models states it (not one less); the param is the client's own field
+    assert message.startswith("prompt is too long: ") and "tokens > 1000 maximum" in message
+    if api != "messages":
+        assert answer["error"]["param"] == {"responses": "input", "completions": "prompt"}.get(
+            api, "messages")
     assert "an estimate" in message                    # this upstream cannot tokenize
     assert upstream.received == [] and upstream_calls(upstream) == []
 
@@ -163,7 +167,7 @@ async def test_a_workers_window_and_exact_count(
     print(f"refused with an exact count in {(time.perf_counter() - started) * 1000:.1f} ms")
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith(
-        f"prompt is too long: {exact} tokens > {TINY_WINDOW - 1} maximum (backend w")
+        f"prompt is too long: {exact} tokens > {TINY_WINDOW} maximum (backend w")
     short = "Tell me about the river."
     async with client.post("/tokenize", json={**chat(short), "boundaries": False}) as r:
         n = len((await r.json())["tokens"])
@@ -200,7 +204,7 @@ async def test_a_managed_workers_window(tiny_model_dir: Callable[[str], Path],
             message = (await r.json())["error"]["message"]
         print(f"managed: refused in {(time.perf_counter() - started) * 1000:.1f} ms")
         assert message.startswith("prompt is too long: ")
-        assert f"> {TINY_WINDOW - 1} maximum" in message and "estimate" not in message
+        assert f"> {TINY_WINDOW} maximum" in message and "estimate" not in message
     finally:
         await server.shutdown(1.0)
 
@@ -209,8 +213,11 @@ def test_the_decision_at_the_edge() -> None:
     assert decide(Count(4095, True), 4096, 10, "b", "messages").sent == 1   # type: ignore[union-attr]
     assert decide(Count(100, True), 4096, None, "b", "messages") is None   # no limit asked
     assert decide(Count(100, False), 4096, 3996, "b", "messages") is None  # exactly the room
-    with pytest.raises(Exception, match="prompt is too long: 4096 tokens > 4095 maximum"):
+    with pytest.raises(Exception, match="prompt is too long: 4096 tokens = 4096 maximum, no "
+                       "room left to answer"):
         decide(Count(4096, True), 4096, None, "b", "messages")
+    with pytest.raises(Exception, match="prompt is too long: 4097 tokens > 4096 maximum"):
+        decide(Count(4097, True), 4096, None, "b", "messages")
 
 
 async def test_overlapping_probes_keep_the_working_probe_path(upstream: FakeUpstream) -> None:

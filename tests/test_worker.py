@@ -260,21 +260,22 @@ def test_extract_tool_calls_and_stop_matcher() -> None:
     assert m.feed("abc EN") == "abc " and m.flush() == "EN"
 
 
-async def test_text_after_a_tool_call_marker_is_held_to_the_end(client: TestClient,
-                                                                 generator: Generator) -> None:
+async def test_a_call_cut_by_max_tokens_is_held_and_not_text(client: TestClient,
+                                                              generator: Generator) -> None:
     # A logit bias makes the tiny model emit the marker token; with tools given, what follows
     # the marker is held back (the grammar makes it the start of a call), and being cut by
-    # max_tokens, no valid call: sent as text.
+    # max_tokens, no valid call: the reply is `length` with neither a call nor its markup.
     marker = generator.loaded.tokenizer.convert_tokens_to_ids("<tool_call>")
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
     body = chat(max_tokens=3, tools=tools, logit_bias={str(marker): 100})
     out = await post(client, body)
-    assert out["choices"][0]["message"]["content"] == "<tool_call>\n{"
+    assert out["choices"][0]["message"]["content"] == ""
     assert out["choices"][0]["finish_reason"] == "length"
     assert "tool_calls" not in out["choices"][0]["message"]
     events = await stream(client, body)
     deltas = [e["choices"][0]["delta"].get("content") for e in events[1:-1]]
-    assert deltas == ["<tool_call>\n{", None]  # one held-back delta, then the finish chunk
+    assert deltas == [None]  # held back to the end, then only the finish chunk
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def run_output(out: ChatOutput, pieces: list[str]) -> tuple[str, str, list[Any]]:

@@ -3,7 +3,7 @@ the same limits and 400s as the proxy) turned into a `GenRequest` for generation
 
 Owns: sampling options, the messages and tools in the shape HF chat templates expect, and the
 worker's own capability checks, each a 400 naming the parameter: `n` > 1, non-text content
-parts, a `response_format` or tool schema it cannot enforce (`grammar.py`), `echo`, `suffix`,
+parts, a `response_format` or tool schema it cannot enforce (`api/structured.py`), `echo`, `suffix`,
 `logprobs` in the wrong form. Every client mistake becomes an `ApiError(400)` here or in the
 schema, never deeper. Pure; no mlx, no I/O.
 """
@@ -25,7 +25,7 @@ from prefixd.api.schema import (
     Request,
     validate,
 )
-from prefixd.backends.mlx.grammar import Constraint, response_schema, tool_constraint
+from prefixd.api.structured import Constraint, check, constraint
 
 MAX_TOP_LOGPROBS = 20
 
@@ -80,14 +80,13 @@ def gen_request(parsed: Parsed) -> GenRequest:
     req, body = parsed.req, parsed.body
     _check_capabilities(req)
     sampling = _sampling(req)
-    schema = response_schema(req.response_format)
     tools = _tools(req, body) if isinstance(req, ChatRequest) else None
-    if tools:
-        assert isinstance(req, ChatRequest)
-        c = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls)
-        sampling = replace(sampling, constraint=replace(c, schema=schema))
-    elif schema is not None:
-        sampling = replace(sampling, constraint=Constraint(schema=schema))
+    if isinstance(req, ChatRequest):
+        c = constraint(req.response_format, tools, req.tool_choice, req.parallel_tool_calls)
+    else:
+        c = constraint(req.response_format, None, None, None)
+    check(c)  # the proxy checked it too; a client of the worker itself gets the same 400s
+    sampling = replace(sampling, constraint=c)
     out = GenRequest(kind=parsed.kind, model=req.model, sampling=sampling,
                      stream=bool(req.stream), include_usage=req.wants_usage,
                      logprobs=_logprobs(req))
@@ -204,7 +203,7 @@ def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
 def _tools(req: ChatRequest, body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The tool definitions as the client sent them (their bytes reach the template), or None.
     `tool_choice`: none drops them; auto (or absent) lets the model choose; required or a named
-    function forces a call (`grammar.tool_constraint`)."""
+    function forces a call (`structured.tool_constraint`)."""
     if req.tool_choice == "none":
         return None
     if not body.get("tools") and req.tool_choice not in (None, "auto"):

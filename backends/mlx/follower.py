@@ -19,10 +19,10 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from prefixd.api.structured import Constraint
 from prefixd.backends.mlx.active import Active
 from prefixd.backends.mlx.chat import Sampling
 from prefixd.backends.mlx.control import Channel, connect
-from prefixd.backends.mlx.grammar import Constraint
 from prefixd.backends.mlx.grammar_run import GrammarTokenizers
 from prefixd.backends.mlx.group import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_ENV, SECRET_ENV
 from prefixd.backends.mlx.jobs import Event, Job

@@ -12,12 +12,17 @@ Runs on the generation thread.
 from __future__ import annotations
 
 import logging
+import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from prefixd.backends.mlx.grammar import Constraint, Markers, lark
+from prefixd.api.structured import Constraint
+from prefixd.backends.mlx.grammar import Markers, lark
 from prefixd.backends.mlx.oai import ToolFormat
+from prefixd.metrics.worker import GRAMMAR_SECONDS
 
 log = logging.getLogger("prefixd.worker")
 
@@ -53,11 +58,33 @@ def markers(tokenizer: Any, fmt: ToolFormat, prompt: list[int]) -> Markers:
                    think_end=think_end)
 
 
-class GrammarMask:
-    """The logits processor of one constrained reply."""
+class CallRepeats:
+    """Whether the reply's latest tool call repeats an earlier one exactly: a small model
+    (SmolLM2 with the text fallback) otherwise writes the same call again until `max_tokens`.
+    Checked when the grammar could end the reply right after a call's end marker."""
 
-    def __init__(self, matcher: Any, vocab: int, eos: list[int]) -> None:
-        self.matcher, self.eos = matcher, eos
+    def __init__(self, decode: Callable[[list[int]], str], call: tuple[str, str]) -> None:
+        self.decode, self.ids = decode, list[int]()
+        self.end = call[1]
+        self.block = re.compile(re.escape(call[0]) + r"(.*?)" + re.escape(call[1]), re.DOTALL)
+
+    def repeated(self, token: int, accepting: bool) -> bool:
+        """After `token`: True when it ends a call that repeats an earlier one (only checked
+        where the grammar could end the reply, `accepting`)."""
+        self.ids.append(token)
+        if not accepting or not self.decode(self.ids[-8:]).rstrip().endswith(self.end):
+            return False
+        calls = [c.strip() for c in self.block.findall(self.decode(self.ids))]
+        return len(calls) > 1 and calls[-1] in calls[:-1]
+
+
+class GrammarMask:
+    """The logits processor of one constrained reply. `repeats`: ends the reply (EOS only)
+    once a call repeats an earlier one (`oai.extract_tool_calls` drops the repeat)."""
+
+    def __init__(self, matcher: Any, vocab: int, eos: list[int],
+                 repeats: CallRepeats | None = None) -> None:
+        self.matcher, self.eos, self.repeats = matcher, eos, repeats
         self.words = np.zeros((vocab + 31) // 32, dtype=np.int32)
         self.started = False
 
@@ -65,11 +92,16 @@ class GrammarMask:
         import mlx.core as mx
 
         m = self.matcher
+        repeated = False
         if self.started and not m.is_error():
-            m.consume_token(int(history[-1].item()))
+            token = int(history[-1].item())
+            m.consume_token(token)
+            repeated = self.repeats is not None and self.repeats.repeated(token,
+                                                                          m.is_accepting())
         self.started = True
-        if m.is_error():  # cannot happen with our own masks; end the reply rather than drift
-            log.warning("worker: grammar error, ending the reply: %s", m.get_error()[:200])
+        if m.is_error() or repeated:  # an error cannot happen with our own masks: end the reply
+            if m.is_error():          # rather than drift
+                log.warning("worker: grammar error, ending the reply: %s", m.get_error()[:200])
             self.words[:] = 0
             for eos in self.eos:
                 self.words[eos // 32] |= np.int32(1 << (eos % 32)) if eos % 32 < 31 else -(1 << 31)
@@ -97,11 +129,19 @@ def grammar_mask(c: Constraint, tokenizers: GrammarTokenizers, tokenizer: Any, f
             return f"<[{ids[0]}]>"
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    text = lark(c, markers(tokenizer, fmt, prompt), token)
+    marks = markers(tokenizer, fmt, prompt)
+    text = lark(c, marks, token)
     if text is None:
         return None
+    t0 = time.perf_counter()
     matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(text),
                                    log_level=0)
+    seconds = time.perf_counter() - t0
+    GRAMMAR_SECONDS.observe(seconds)
+    log.info("worker: grammar compiled grammar_ms=%.2f grammar_bytes=%d tools=%d", 1000 * seconds,
+             len(text), len(c.tools))
     if matcher.is_error():  # schemas were checked at parse time: a bug, not a client mistake
         raise RuntimeError(f"grammar: {matcher.get_error()[:500]}")
-    return GrammarMask(matcher, tok.vocab_size, list(tokenizer.eos_token_ids))
+    repeats = CallRepeats(lambda ids: str(tokenizer.decode(ids)), marks.call) \
+        if c.tools and c.parallel and marks.call is not None else None
+    return GrammarMask(matcher, tok.vocab_size, list(tokenizer.eos_token_ids), repeats)

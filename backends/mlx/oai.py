@@ -174,8 +174,11 @@ def _openai_call(call: Any) -> dict[str, Any] | None:
 def extract_tool_calls(text: str, fmt: ToolFormat = ToolFormat(), tools: Any = None,
                        ) -> tuple[str, list[dict[str, Any]]]:
     """Split the tool calls out of generated text, as OpenAI `tool_calls`. A block that does
-    not parse (e.g. cut by max_tokens) stays in the text."""
+    not parse (e.g. cut by max_tokens) stays in the text; a call that repeats an earlier one
+    exactly (same name and arguments: a model looping, `grammar_run.CallRepeats`) is
+    dropped."""
     calls: list[dict[str, Any]] = []
+    seen: set[tuple[str, str]] = set()
     tail = re.escape(fmt.end) if fmt.end else r"\Z"  # no end marker: the call runs to the end
     pattern = re.compile(re.escape(fmt.start) + r"(.*?)" + tail, re.DOTALL)
 
@@ -187,7 +190,12 @@ def extract_tool_calls(text: str, fmt: ToolFormat = ToolFormat(), tools: Any = N
         found = [_openai_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
         if not found or None in found:
             return match.group(0)
-        calls.extend(c for c in found if c is not None)
+        for c in found:
+            assert c is not None
+            key = (c["function"]["name"], c["function"]["arguments"])
+            if key not in seen:
+                seen.add(key)
+                calls.append(c)
         return ""
 
     rest = pattern.sub(take, text)
@@ -251,8 +259,9 @@ class ChatOutput:
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
         return reasoning, self._gate.feed(content) if content else ""
 
-    def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """The rest: (reasoning, content, tool_calls)."""
+    def finish(self, cut: bool = False) -> tuple[str, str, list[dict[str, Any]]]:
+        """The rest: (reasoning, content, tool_calls). `cut`: the reply ran out of tokens, so
+        a call still open is a cut call, not text: it is dropped (the calls before it stay)."""
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
         if content:
             content = self._gate.feed(content)
@@ -260,4 +269,6 @@ class ChatOutput:
         calls: list[dict[str, Any]] = []
         if held and self._tools is not None:
             held, calls = extract_tool_calls(held, self._tools, self._specs)
+            if cut and self._tools.start in held:
+                held = held[:held.index(self._tools.start)].rstrip()
         return reasoning, content + held, calls

@@ -35,6 +35,12 @@ def _with_breakdown(body: dict[str, Any], end: Finished) -> dict[str, Any]:
     return {**body, "prefixd": end.prefixd} if end.prefixd is not None else body
 
 
+def _finish_reason(end: Finished, calls: list[dict[str, Any]]) -> str:
+    """`tool_calls` for a reply that ended after its calls; a reply cut by `max_tokens` is
+    `length` whatever calls it finished before the cut (never a finished call)."""
+    return "tool_calls" if calls and end.finish_reason != "length" else end.finish_reason
+
+
 class Reply:
     """One response being built: its request, shapes, text splitter and log-probabilities not
     sent yet."""
@@ -74,8 +80,8 @@ class Reply:
             elif event.finish_reason == "cancelled":
                 return _stopped().response()
             else:
-                r, c, calls = self.output.finish()
-                finish = "tool_calls" if calls else event.finish_reason
+                r, c, calls = self.output.finish(cut=event.finish_reason == "length")
+                finish = _finish_reason(event, calls)
                 return web.json_response(_with_breakdown(self.shapes.final(
                     "".join(content) + c, finish, self._usage(event), tool_calls=calls,
                     reasoning="".join(reasoning) + r, logprobs=self._take_logprobs()), event))
@@ -113,13 +119,12 @@ class Reply:
         return resp
 
     async def _stream_end(self, resp: web.StreamResponse, end: Finished) -> None:
-        r, c, calls = self.output.finish()
+        r, c, calls = self.output.finish(cut=end.finish_reason == "length")
         if r or c or self._logprobs:
             await resp.write(sse(self.shapes.chunk(c, reasoning=r,
                                                    logprobs=self._take_logprobs())))
         if calls:
             await resp.write(sse(self.shapes.chunk(tool_calls=calls)))
-        await resp.write(sse(self.shapes.chunk(finish_reason="tool_calls" if calls
-                                               else end.finish_reason)))
+        await resp.write(sse(self.shapes.chunk(finish_reason=_finish_reason(end, calls))))
         if self.req.include_usage:
             await resp.write(sse(_with_breakdown(self.shapes.usage_chunk(self._usage(end)), end)))

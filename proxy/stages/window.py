@@ -55,8 +55,10 @@ class WindowStage:
             count = await _count(ex)
             if count is not None:
                 attempt.prompt_tokens = count.tokens
-                attempt.clamp = decide(count, window, asked, attempt.backend.name,
-                                       "messages" if ex.api.kind == "chat" else "prompt")
+                param = "messages" if ex.api.kind == "chat" else "prompt"
+                if ex.api.translator is not None:
+                    param = ex.api.translator.client_param(ex.client_body, param)
+                attempt.clamp = decide(count, window, asked, attempt.backend.name, param)
         if attempt.clamp is not None:
             ex.trace.max_tokens = f"{attempt.clamp.asked}->{attempt.clamp.sent}"
         await call_next(ex)
@@ -68,9 +70,12 @@ def decide(count: Count, window: int, asked: int | None, backend: str,
     `asked` to the room left, or None when it fits."""
     if count.tokens >= window:
         how = "" if count.exact else "an estimate; "
-        raise ApiError(400, f"prompt is too long: {count.tokens} tokens > {window - 1} "
-                       f"maximum ({how}backend {backend} has a context window of {window} "
-                       "tokens)", param=param, code="context_length_exceeded")
+        # the window as /v1/models states it; a prompt filling it exactly leaves no room
+        over = f"> {window} maximum" if count.tokens > window else \
+            f"= {window} maximum, no room left to answer"
+        raise ApiError(400, f"prompt is too long: {count.tokens} tokens {over} ({how}backend "
+                       f"{backend} has a context window of {window} tokens)", param=param,
+                       code="context_length_exceeded")
     room = window - count.tokens
     return Clamp(asked, room, window) if asked is not None and asked > room else None
 

@@ -35,6 +35,7 @@ from prefixd.proxy.translate.base import (
     stream_fields,
     want,
 )
+from prefixd.proxy.translate.params import anthropic_param
 
 _ROLES = ("user", "assistant", "system")
 _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
@@ -57,6 +58,9 @@ class AnthropicTranslator(Translator):
 
     def stream(self) -> StreamTranslator:
         return AnthropicStream()
+
+    def client_param(self, body: dict, param: str) -> str:
+        return anthropic_param(body, param)
 
     def error_body(self, status: int, type_: str, message: str, param: str | None,
                    code: str | None) -> dict:

@@ -62,6 +62,11 @@ class Translator(ABC):
     def stream(self) -> StreamTranslator:
         """A fresh per-response stream state."""
 
+    def client_param(self, body: dict, param: str) -> str:
+        """A field of the translated chat body (`param`, e.g. `tools[0].function.parameters`)
+        as the field of the client's `body` it came from (`translate/params.py`)."""
+        return param
+
     @abstractmethod
     def error_body(self, status: int, type_: str, message: str, param: str | None,
                    code: str | None) -> dict:

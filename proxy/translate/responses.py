@@ -34,6 +34,7 @@ from prefixd.proxy.translate.base import (
     stream_fields,
     want,
 )
+from prefixd.proxy.translate.params import responses_param
 from prefixd.proxy.translate.responses_out import NAMESPACE_SEP, ResponsesStream, response
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -67,6 +68,9 @@ class ResponsesTranslator(Translator):
 
     def stream(self) -> StreamTranslator:
         return ResponsesStream()
+
+    def client_param(self, body: dict, param: str) -> str:
+        return responses_param(body, param)
 
     def error_body(self, status: int, type_: str, message: str, param: str | None,
                    code: str | None) -> dict:
