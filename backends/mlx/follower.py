@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +45,12 @@ def serve(settings: WorkerSettings, spec: str) -> int:
     from prefixd.backends.mlx.ring import follow
 
     rank = int(os.environ[RANK_ENV])
+    # A stop is the leader's to order: SIGTERM/SIGINT sent to the whole group (systemd stopping
+    # the daemon's control group, Ctrl-C in a terminal) reach this rank too, and acting on them
+    # would end it before the leader had every rank persist. It ends on the leader's `exit`,
+    # when the leader is gone (its channel closes), or by SIGKILL.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         channel = connect(os.environ[CONTROL_ENV], os.environ[SECRET_ENV], rank,
                           JOIN_TIMEOUT_S)

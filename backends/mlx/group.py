@@ -152,16 +152,14 @@ class Leader:
         return [q.get(timeout=timeout) for q in self.replies]
 
     def close(self) -> None:
-        """Stop the followers (by PID: SIGTERM, then SIGKILL after 5 s)."""
+        """Stop the followers: `exit` on their channels (they act on no signal), then SIGKILL
+        by PID to one still there after 5 s."""
         self.closing = True
         for channel in self.channels:
             with contextlib.suppress(OSError):
                 channel.send({"op": "exit"})
             channel.close()
         deadline = time.monotonic() + 5.0
-        for child in self.children:
-            if child.poll() is None:
-                child.terminate()
         for child in self.children:
             try:
                 child.wait(max(0.1, deadline - time.monotonic()))
