@@ -1,6 +1,6 @@
 """Malformed HTTP (a request line, header or body framing that aiohttp refuses before any
 handler runs), answered the same way by the proxy (`proxy/guard.py`) and the worker
-(`backends/mlx/protocol.py`): a JSON error in the OpenAI shape, the connection closed, and at
+(`backends/mlx/server/protocol.py`): a JSON error in the OpenAI shape, the connection closed, and at
 most one bounded log line per kind every few seconds — never a traceback for a client's bytes
 (a managed worker's stderr is the proxy's log; an attacker must not fill it). Both sockets'
 connection protocols are `TimedHandler`s: a deadline for every request's headers, and a body

@@ -181,7 +181,7 @@ class ManagedBackend(BackendBase):
         if window is not None:
             return window
         if self._peeked is None:
-            from prefixd.backends.mlx.provision import config_window
+            from prefixd.backends.mlx.model.provision import config_window
 
             spec = self.config.model
             self._peeked = (None if spec is None else

@@ -7,10 +7,10 @@ lines for error messages, and a stop that cannot hang (SIGTERM to the group, gra
 period, SIGKILL, always reaped). Knows nothing about states or restarts: `supervisor`
 (with `states` and `lifecycle`) does.
 The worker's exit codes and its token variable are the worker's contract
-(`backends/mlx/__main__.py`, `backends/mlx/worker.py`), restated here so the proxy side
+(`backends/mlx/__main__.py`, `backends/mlx/server/app.py`), restated here so the proxy side
 never imports mlx. Every worker one proxy run starts gets the same transfer secret (the
 `transfer_secret` setting, else one generated for the run), so they can move prefix states
-between them (`backends/mlx/seal.py`).
+between them (`backends/mlx/server/seal.py`).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
 def _with_blas(enabled: bool, env: dict[str, str]) -> dict[str, str]:
     """Preload the system OpenBLAS in the worker (Linux), or keep our own preload out of it
     when disabled. `blas` never imports mlx, so the proxy stays free of it."""
-    if importlib.util.find_spec("prefixd.backends.mlx.blas") is None:
+    if importlib.util.find_spec("prefixd.backends.mlx.model.blas") is None:
         return env
-    from prefixd.backends.mlx.blas import blas_env
+    from prefixd.backends.mlx.model.blas import blas_env
 
     return blas_env(enabled, env)
 

@@ -14,7 +14,7 @@ import aiohttp
 
 from prefixd.api.values import count
 from prefixd.backends.base import WorkerLink
-from prefixd.backends.mlx import seal
+from prefixd.backends.mlx.server import seal
 
 
 async def worker_call(link: WorkerLink | None, path: str, payload: dict | None = None,

@@ -21,8 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from prefixd.backends.mlx.engine import Engine, EngineConfig
-from prefixd.backends.mlx.tinymodels import build_model
+from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+from prefixd.backends.mlx.model.tiny import build_model
 
 VARIANTS = {
     "in-pass": {"checkpoint_inpass": True},

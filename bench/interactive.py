@@ -793,7 +793,7 @@ def builtin_f32(args: argparse.Namespace) -> Path:
 
     from mlx_lm.utils import save_model
 
-    from prefixd.backends.mlx.provision import ensure_builtin, load_model
+    from prefixd.backends.mlx.model.provision import ensure_builtin, load_model
 
     src = ensure_builtin(BUILTIN, args.cache_dir)
     model, _ = load_model(str(src), args.cache_dir, dequantize=True)

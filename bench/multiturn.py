@@ -107,7 +107,7 @@ def free_port() -> int:
 
 
 def ensure_model(arch: str, models_dir: Path) -> Path:
-    from prefixd.backends.mlx.tinymodels import save_tiny_model
+    from prefixd.backends.mlx.model.tiny import save_tiny_model
 
     path = models_dir / arch
     if not (path / "model.safetensors").exists():

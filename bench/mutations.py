@@ -208,7 +208,7 @@ def check(runs: dict[str, Run]) -> list[str]:
 
 
 async def main_async(turns: int, keep: Path | None) -> int:
-    from prefixd.backends.mlx.tinymodels import save_tiny_model
+    from prefixd.backends.mlx.model.tiny import save_tiny_model
 
     work = keep or Path(tempfile.mkdtemp(prefix="prefixd-mutations-"))
     model_dir = work / "tiny-qwen3_next"

@@ -167,8 +167,8 @@ def part_b(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _engine(model: Any, root: Path, delay: float, **kw: Any) -> Any:
-    from prefixd.backends.mlx.disktier import DiskSpec
-    from prefixd.backends.mlx.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.engine.tierglue import DiskSpec
 
     return Engine(model, EngineConfig(**kw), DiskSpec(root, "bench", 8 * 2**30, delay, 256))
 
@@ -270,7 +270,7 @@ def _disk_restore(model: Any, root: Path, prompt: list[int]) -> tuple[float, flo
                                                                       str | None]:
     """(disk restore s, sequential read s of the same files, their bytes, cached tokens,
     tier) by a new Engine over `root`, the page cache dropped before each read."""
-    from prefixd.backends.mlx.chain import as_tokens
+    from prefixd.backends.mlx.disk.chain import as_tokens
 
     reader = _engine(model, root, 0.0)
     rec, _pos = reader.tiers.disk.lookup(as_tokens(prompt))
@@ -294,9 +294,9 @@ def part_e(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import mlx.core as mx
 
-    from prefixd.backends.mlx.engine import Engine, EngineConfig
-    from prefixd.backends.mlx.loading import wants_dequantize
-    from prefixd.backends.mlx.provision import load_model
+    from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.engine.loading import wants_dequantize
+    from prefixd.backends.mlx.model.provision import load_model
 
     spec = args.density_model or str(ensure_model(args.model, args.models_dir))
     model, _ = load_model(spec, args.cache_dir, dequantize=wants_dequantize("auto", spec))
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if "b" in args.parts:
         results["b"] = part_b(model_dir, args)
     if "c" in args.parts or "d" in args.parts:
-        from prefixd.backends.mlx.provision import load_model
+        from prefixd.backends.mlx.model.provision import load_model
 
         model, _ = load_model(str(model_dir), args.out)
         if "c" in args.parts:

@@ -30,8 +30,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from prefixd.api.errors import ApiError
 from prefixd.api.structured import check, constraint
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 from prefixd.proxy.settings import Settings
 
 OUT = Path(__file__).parent / "out"

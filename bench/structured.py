@@ -21,8 +21,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 from prefixd.proxy.settings import Settings
 
 SCHEMA = {"type": "object", "properties": {

@@ -46,7 +46,7 @@ from multiturn import ensure_model, free_port, stream_chat
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixd.backends.budget import estimate_footprint, weights_bytes
-from prefixd.backends.mlx.tinytok import WORDS
+from prefixd.backends.mlx.model.tinytok import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixd.backends.mlx.tinytok import WORDS
+from prefixd.backends.mlx.model.tinytok import WORDS
 
 
 @dataclass(frozen=True)

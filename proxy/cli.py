@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _DELEGATED = {"worker": "prefixd.backends.mlx.__main__",
-              "tiny-model": "prefixd.backends.mlx.tinymodels",
+              "tiny-model": "prefixd.backends.mlx.model.tiny",
               "demo": "prefixd.proxy.demo"}
 
 

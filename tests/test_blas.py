@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixd.backends.mlx.blas import REEXEC_MARKER, blas_env, describe_blas, find_openblas
+from prefixd.backends.mlx.model.blas import REEXEC_MARKER, blas_env, describe_blas, find_openblas
 
 OPENBLAS = find_openblas()
 needs_openblas = pytest.mark.skipif(OPENBLAS is None, reason="no system OpenBLAS (Linux only)")
@@ -19,7 +19,7 @@ needs_openblas = pytest.mark.skipif(OPENBLAS is None, reason="no system OpenBLAS
 MATMUL_SCRIPT = """
 import sys
 import mlx.core as mx
-from prefixd.backends.mlx.blas import describe_blas
+from prefixd.backends.mlx.model.blas import describe_blas
 a = mx.random.normal((256, 256), key=mx.random.key(0))
 b = mx.random.normal((256, 256), key=mx.random.key(1))
 mx.save(sys.argv[1], a @ b)
@@ -59,7 +59,7 @@ def test_preloaded_worker_uses_openblas_and_matches(tmp_path: Path) -> None:
 def test_reexec_preloads_once() -> None:
     code = (
         "import os\n"
-        "from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas\n"
+        "from prefixd.backends.mlx.model.blas import describe_blas, reexec_with_blas\n"
         "print('start', flush=True)\n"
         "reexec_with_blas()\n"
         "reexec_with_blas()\n"
@@ -69,7 +69,7 @@ def test_reexec_preloads_once() -> None:
     # One start before the exec, one after; the second call returns since OpenBLAS is loaded.
     assert out[:2] == ["start", "start"] and len(out) == 3
     assert out[2].startswith("1 OpenBLAS")
-    disabled = "from prefixd.backends.mlx.blas import reexec_with_blas as r; r(enabled=False)"
+    disabled = "from prefixd.backends.mlx.model.blas import reexec_with_blas as r; r(enabled=False)"
     assert _run(disabled + "; print('ok')", blas_env(False, os.environ)) == "ok\n"
 
 

@@ -15,18 +15,19 @@ from aiohttp.test_utils import TestClient, TestServer
 from pydantic import SecretStr
 from worker_fixtures import NAME, SETTINGS, chat, post
 
-from prefixd.backends.mlx import bundle, seal
-from prefixd.backends.mlx.disktier import DiskSpec
-from prefixd.backends.mlx.engine import Engine
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.tinymodels import (
+from prefixd.backends.mlx.engine import bundle
+from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.engine.tierglue import DiskSpec
+from prefixd.backends.mlx.model.tiny import (
     ARCHS,
     TINY_VOCAB,
     build_model,
     model_from_config,
     tiny_config,
 )
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server import seal
+from prefixd.backends.mlx.server.app import create_app
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings
 
 SYSTEM = 150          # a shared head: every conversation's prompt starts with these tokens

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from prefixd.backends.mlx import snapshot
-from prefixd.backends.mlx.engine import Engine, EngineConfig
-from prefixd.backends.mlx.placement import common_prefix, compute_interval, placement
-from prefixd.backends.mlx.stats import PromptStats
-from prefixd.backends.mlx.tinymodels import ARCHS, build_model, model_from_config, tiny_config
+from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.cache.placement import common_prefix, compute_interval, placement
+from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+from prefixd.backends.mlx.engine.stats import PromptStats
+from prefixd.backends.mlx.model.tiny import ARCHS, build_model, model_from_config, tiny_config
 
 LOGPROB_ATOL = 1e-4  # float32 tiny models; observed up to 2.3e-5 (gemma3_text), ~2e-6 others
 MAX_TOKENS = 4

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 from test_disk_tier import _engine, _run, _stop, _words
 
-from prefixd.backends.mlx import chain, diskfmt
-from prefixd.backends.mlx.engine import Engine
-from prefixd.backends.mlx.tinymodels import build_model
+from prefixd.backends.mlx.disk import chain
+from prefixd.backends.mlx.disk import fmt as diskfmt
+from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.model.tiny import build_model
 
 
 @pytest.fixture(scope="module")

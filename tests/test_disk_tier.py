@@ -21,10 +21,10 @@ from test_checkpoints import MAX_TOKENS, _cold, _run
 from test_checkpoints import _assert_same as _same  # warm == cold, within LOGPROB_ATOL
 from test_checkpoints import _settings as _config
 
-from prefixd.backends.mlx import diskfmt
-from prefixd.backends.mlx.disktier import DiskSpec
-from prefixd.backends.mlx.engine import Engine, EngineConfig
-from prefixd.backends.mlx.tinymodels import ARCHS, build_model
+from prefixd.backends.mlx.disk import fmt as diskfmt
+from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+from prefixd.backends.mlx.engine.tierglue import DiskSpec
+from prefixd.backends.mlx.model.tiny import ARCHS, build_model
 
 BOUNDS = (60, 150, 220)
 BLOCK = 64
@@ -229,7 +229,7 @@ def test_sliding_window_edits_recompute_at_most_64_beyond_the_edit(tmp_path: Pat
     """A sliding-window model (window 128, one global layer in six), default checkpoint
     settings: an edit anywhere inside a long message restores within 64 tokens of the edit,
     from RAM and, after a restart, from disk (disk records keep RAM's granularity)."""
-    from prefixd.backends.mlx.tinymodels import model_from_config, tiny_config
+    from prefixd.backends.mlx.model.tiny import model_from_config, tiny_config
 
     config = tiny_config("gemma3_text")
     config.update(num_hidden_layers=6, sliding_window=128, sliding_window_pattern=6)
@@ -262,7 +262,8 @@ def test_sliding_window_edits_recompute_at_most_64_beyond_the_edit(tmp_path: Pat
 def test_record_prefixes_without_token_copies() -> None:
     """The index answers prefix questions from shared blocks + tails: the same answers as
     comparing whole token lists."""
-    from prefixd.backends.mlx import chain, diskrec
+    from prefixd.backends.mlx.disk import chain
+    from prefixd.backends.mlx.disk import records as diskrec
 
     rng = random.Random(11)
     base = chain.as_tokens([rng.randrange(1, 50) for _ in range(700)])
@@ -337,7 +338,7 @@ def test_one_worker_per_directory(tmp_path: Path) -> None:
 
 def test_quantized_kv_round_trips(tmp_path: Path) -> None:
     """`kv_bits=8`: the blocks hold the quantized triples; warm after a restart == cold."""
-    from prefixd.backends.mlx.tinymodels import model_from_config, tiny_config
+    from prefixd.backends.mlx.model.tiny import model_from_config, tiny_config
 
     config = tiny_config("qwen3")
     config.update(head_dim=64)                      # quantizable: groups of 32 or 64
@@ -359,8 +360,8 @@ def test_quantized_kv_round_trips(tmp_path: Path) -> None:
 
 def test_a_chain_of_thousands_of_blocks_indexes(tmp_path: Path) -> None:
     """The start-up check walks block chains without recursion: 2,000 blocks of one prefix."""
-    from prefixd.backends.mlx.diskindex import open_tier
-    from prefixd.backends.mlx.diskwriter import Job, State
+    from prefixd.backends.mlx.disk.rebuild import open_tier
+    from prefixd.backends.mlx.disk.writer import Job, State
 
     block, n = 16, 32_000
     tokens = np.arange(n, dtype=np.int32) % 997
@@ -378,8 +379,9 @@ def test_lookup_by_key_index_matches_a_full_scan(tmp_path: Path) -> None:
     """The disk lookup reads only the records keyed on the prompt's block chain; it must find
     what comparing the prompt with every record finds (records sharing a first block, trimmable
     or not, last blocks whole or in part)."""
-    from prefixd.backends.mlx import chain, diskrec
-    from prefixd.backends.mlx.diskindex import open_tier
+    from prefixd.backends.mlx.disk import chain
+    from prefixd.backends.mlx.disk import records as diskrec
+    from prefixd.backends.mlx.disk.rebuild import open_tier
 
     block = 16
     tier = open_tier(tmp_path, "salt", ["KVCache"], 1 << 30, block)

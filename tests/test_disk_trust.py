@@ -31,9 +31,10 @@ import safetensors
 import safetensors.numpy
 from test_disk_tier import _cold, _engine, _run, _same, _stop, _words
 
-from prefixd.backends.mlx import chain, diskfmt
-from prefixd.backends.mlx.engine import Engine
-from prefixd.backends.mlx.tinymodels import build_model
+from prefixd.backends.mlx.disk import chain
+from prefixd.backends.mlx.disk import fmt as diskfmt
+from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.model.tiny import build_model
 
 ARCH = "falcon_h1"
 BASE = 300

@@ -107,9 +107,9 @@ async def test_sigterm_writes_everything_then_warm(tiny_model_dir: Callable[[str
 WRITER = textwrap.dedent("""
     import random, sys
     from pathlib import Path
-    from prefixd.backends.mlx.disktier import DiskSpec
-    from prefixd.backends.mlx.engine import Engine, EngineConfig
-    from prefixd.backends.mlx.tinymodels import build_model
+    from prefixd.backends.mlx.engine.tierglue import DiskSpec
+    from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.model.tiny import build_model
     import mlx.core as mx
     model = build_model("qwen3_5", seed=3)
     spec = DiskSpec(Path(sys.argv[1]), "crash-test", 1 << 30, 0.0, 64)
@@ -129,9 +129,9 @@ def test_sigkill_mid_write_leaves_nothing_that_loads(tmp_path: Path) -> None:
     leftovers of the cut writes must be skipped and removed."""
     from test_disk_tier import _cold, _run, _same
 
-    from prefixd.backends.mlx.disktier import DiskSpec
-    from prefixd.backends.mlx.engine import Engine, EngineConfig
-    from prefixd.backends.mlx.tinymodels import build_model
+    from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.engine.tierglue import DiskSpec
+    from prefixd.backends.mlx.model.tiny import build_model
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cut = []

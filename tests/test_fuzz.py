@@ -138,7 +138,7 @@ async def test_random_upstream_streams_never_break_the_answer(proxy, http, raw, 
 # --- the worker ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[object]:
-    from prefixd.backends.mlx.generation import Generator
+    from prefixd.backends.mlx.scheduler.generator import Generator
     from prefixd.backends.mlx.settings import WorkerSettings
 
     gen = Generator(WorkerSettings(_env_file=None, max_tokens_default=2,
@@ -152,7 +152,7 @@ def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[object]:
 async def worker(generator) -> AsyncIterator[object]:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from prefixd.backends.mlx.worker import create_app
+    from prefixd.backends.mlx.server.app import create_app
 
     async with TestClient(TestServer(create_app(generator, "tiny", generator.settings))) as c:
         yield c

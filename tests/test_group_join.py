@@ -241,7 +241,7 @@ def test_a_leader_named_by_its_host_listens_on_that_address_only(
 
 _RANK = """
 import json, sys
-from prefixd.backends.mlx import ring
+from prefixd.backends.mlx.group import ring
 rank = int(sys.argv[1])
 for line in sys.stdin:
     hostfile = line.strip()
@@ -265,7 +265,7 @@ def test_a_stranger_on_the_ring_is_found_and_the_ring_joined_again() -> None:
     1 does (as it could before the control channel's join). Their reports show the ring is
     not theirs; each undoes it in-process and joins again on new ports, and the all-reduce
     over the new ring is right."""
-    from prefixd.backends.mlx import ring
+    from prefixd.backends.mlx.group import ring
 
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for r in (0, 1)]

@@ -20,10 +20,11 @@ import pytest
 import safetensors.numpy
 from aiohttp.test_utils import TestClient, TestServer
 
-from prefixd.backends.mlx import bundle, seal
-from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.engine import bundle
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server import seal
+from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.mlx.worker import create_app
 
 SECRET = "the transfer secret of the fuzz"
 NAME = "tiny"

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from prefixd.backends.mlx.gguf import GGUFError, quantization_config, rename_tensors
-from prefixd.backends.mlx.provision import (
+from prefixd.backends.mlx.model.gguf import GGUFError, quantization_config, rename_tensors
+from prefixd.backends.mlx.model.provision import (
     BUILTIN_MODELS,
     ProvisionError,
     check_model_spec,
@@ -78,7 +78,7 @@ def test_unreachable_hub_id_fails_with_an_actionable_message(tmp_path: Path) -> 
     # HF_HUB_OFFLINE makes huggingface_hub fail at once, as it would with no hub reachable,
     # without sending anything to the network; it is read at import, hence a subprocess.
     code = ("import sys; from pathlib import Path\n"
-            "from prefixd.backends.mlx.provision import load_model\n"
+            "from prefixd.backends.mlx.model.provision import load_model\n"
             "load_model('prefixd-test/no-such-model', Path(sys.argv[1]))\n")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -225,7 +225,7 @@ def test_concurrent_first_use_converts_once(builtin_dir: tuple[Path, list[str]],
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
     code = ("import sys; from pathlib import Path\n"
-            "from prefixd.backends.mlx.provision import resolve_model\n"
+            "from prefixd.backends.mlx.model.provision import resolve_model\n"
             "print(resolve_model(sys.argv[1], Path(sys.argv[2])))\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, NAME, str(tmp_path)], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
@@ -315,7 +315,7 @@ def test_float_gguf_with_its_own_output_layer_converts(tmp_path: Path) -> None:
     import mlx.core as mx
     import mlx_lm
 
-    from prefixd.backends.mlx.gguf import convert_gguf
+    from prefixd.backends.mlx.model.gguf import convert_gguf
 
     tensors, tokens = _write_tiny_gguf(tmp_path / "tiny.gguf")
     convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from prefixd.backends.mlx import seal
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.protocol import WorkerRunner
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server import seal
+from prefixd.backends.mlx.server.app import create_app
+from prefixd.backends.mlx.server.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.mlx.worker import create_app
 
 TOKEN = "the-workers-token-0123"
 DEADLINE_S = 0.5

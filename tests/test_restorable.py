@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.backends.mlx.restorable import MAX_POSITIONS, restorable
-from prefixd.backends.mlx.store import CheckpointStore, Entry
+from prefixd.backends.mlx.cache.store import CheckpointStore, Entry
+from prefixd.backends.mlx.engine.restorable import MAX_POSITIONS, restorable
 from prefixd.proxy.routing.index import Boundary, Chain, PrefixIndex, Restorable
 
 T = list(range(1000, 1300))        # a request's tokens (prompt + reply as stored)

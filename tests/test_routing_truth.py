@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from fake_upstream import FakeUpstream
 from worker_fixtures import chat, post
 
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 from prefixd.proxy.prefix.segments import flatten
 from prefixd.proxy.routing.index import boundaries
 from prefixd.proxy.server import Server

@@ -16,12 +16,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from prefixd.backends.mlx.chat import Sampling
-from prefixd.backends.mlx.engine import Engine, Turn
-from prefixd.backends.mlx.jobs import Job
-from prefixd.backends.mlx.prompt import Prompt
-from prefixd.backends.mlx.schedule import AGE_LIMIT, MIN_SLICE, Schedule, drive
-from prefixd.backends.mlx.stats import PromptStats
+from prefixd.backends.mlx.chat.prompt import Prompt
+from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine.engine import Engine, Turn
+from prefixd.backends.mlx.engine.stats import PromptStats
+from prefixd.backends.mlx.scheduler.jobs import Job
+from prefixd.backends.mlx.scheduler.schedule import AGE_LIMIT, MIN_SLICE, Schedule, drive
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings, _words
 
 BOUNDS = (60, 150, 220)
@@ -173,7 +173,7 @@ OTHER_ARCHS = {
 
 @pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
 def test_a_pass_pauses_exactly_on_other_architectures(arch: str) -> None:
-    from prefixd.backends.mlx.tinymodels import model_from_config
+    from prefixd.backends.mlx.model.tiny import model_from_config
     model = CountingModel(model_from_config(OTHER_ARCHS[arch], seed=1))
     rng = random.Random(31)
     long, short = _words(rng, 300), _words(rng, 10)
@@ -451,5 +451,5 @@ def test_a_slice_is_its_time_at_the_measured_prefill_rate() -> None:
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next", "qwen3_5",
                                         "falcon_h1"])
 def model(request: pytest.FixtureRequest) -> Any:
-    from prefixd.backends.mlx.tinymodels import build_model
+    from prefixd.backends.mlx.model.tiny import build_model
     return CountingModel(build_model(request.param, seed=3))

@@ -7,7 +7,7 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixd.backends.mlx.placement import (
+from prefixd.backends.mlx.cache.placement import (
     auto_interval,
     common_prefix,
     compute_interval,
@@ -15,7 +15,7 @@ from prefixd.backends.mlx.placement import (
     placement_marks,
     tail_mark,
 )
-from prefixd.backends.mlx.store import (
+from prefixd.backends.mlx.cache.store import (
     CheckpointStore,
     Entry,
 )

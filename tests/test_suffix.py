@@ -1,4 +1,4 @@
-"""Tokenizing only a prompt's new part (`backends/mlx/suffix.py`): interleaved conversations,
+"""Tokenizing only a prompt's new part (`backends/mlx/chat/suffix.py`): interleaved conversations,
 edits of earlier messages, branches and odd text give exactly the tokens and message boundaries
 of tokenizing whole prompts, while most tokens come from earlier prompts."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from prefixd.backends.mlx.chat import parse_request
-from prefixd.backends.mlx.prompt import Renderer
+from prefixd.backends.mlx.chat.prompt import Renderer
+from prefixd.backends.mlx.chat.request import parse_request
 
 ODD = ["Hello  world,\n\n\tthe river's 12,345 é 日本語 🙂", "<|im_start|> inside text",
        "trailing spaces   ", "\n\n\n", "def f(x):\n    return x  # ok", "ÿ\u200b\u00a0nbsp"]

@@ -16,8 +16,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from prefixd.backends.mlx import tinytok
-from prefixd.backends.mlx.tinymodels import ARCHS, TINY_VOCAB, build_model, main
+from prefixd.backends.mlx.model import tinytok
+from prefixd.backends.mlx.model.tiny import ARCHS, TINY_VOCAB, build_model, main
 
 EXPECTED_CACHES = {
     "qwen3": ["KVCache"] * 2,

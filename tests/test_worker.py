@@ -14,11 +14,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from mlx_lm.tool_parsers import mistral as mistral_tools
 from worker_fixtures import HELLO, NAME, SETTINGS, chat, post, post_get, stream, streamed_text
 
-from prefixd.backends.mlx.chat import GenRequest, Sampling, parse_request
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.oai import ChatOutput, StopMatcher, ToolFormat, extract_tool_calls
-from prefixd.backends.mlx.prompt import Renderer
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.chat.oai import ChatOutput, StopMatcher, ToolFormat, extract_tool_calls
+from prefixd.backends.mlx.chat.prompt import Renderer
+from prefixd.backends.mlx.chat.request import GenRequest, Sampling, parse_request
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 
 
 async def test_chat_non_stream_shape(client: TestClient) -> None:

@@ -25,7 +25,7 @@ from schema_check import violation
 from test_worker_structured import json_schema, token_id
 from worker_fixtures import chat, post
 
-from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.scheduler.generator import Generator
 
 REAL = {"pydantic": PYDANTIC_ORDER, "zod": ZOD_EVENT, "kube": KUBE_DEPLOYMENT,
         "function": WEATHER_PARAMS}

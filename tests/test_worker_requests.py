@@ -16,11 +16,11 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache
 from worker_fixtures import HELLO, NAME, SETTINGS, chat, post, post_get, stream
 
-from prefixd.backends.mlx.chat import parse_request
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.prompt import Renderer
-from prefixd.backends.mlx.stats import STAGES
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.chat.prompt import Renderer
+from prefixd.backends.mlx.chat.request import parse_request
+from prefixd.backends.mlx.engine.stats import STAGES
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 
 LOGPROB_ATOL = 1e-4
 

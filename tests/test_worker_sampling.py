@@ -12,10 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from mlx_lm.sample_utils import make_sampler
 
-from prefixd.backends.mlx.active import _reset_random_state
-from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.scheduler.active import _reset_random_state
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.mlx.worker import create_app
 
 
 @pytest.fixture(scope="module")

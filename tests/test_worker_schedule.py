@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.backends.mlx.chat import Sampling
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.jobs import Finished, Job, Queued
-from prefixd.backends.mlx.output import Delta
-from prefixd.backends.mlx.prompt import Prompt
+from prefixd.backends.mlx.chat.prompt import Prompt
+from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.scheduler.jobs import Finished, Job, Queued
+from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.settings import WorkerSettings
 
 LONG, SHORT = 3000, 12

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient
 from schema_check import violation
 from worker_fixtures import chat, post, stream, streamed_text
 
-from prefixd.backends.mlx.generation import Generator
+from prefixd.backends.mlx.scheduler.generator import Generator
 
 NESTED = {"type": "object", "properties": {
     "user": {"type": "object", "properties": {

@@ -14,10 +14,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from worker_fixtures import SETTINGS, post, stream
 
-from prefixd.backends.mlx.chat import parse_request
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.oai import ToolFormat
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.chat.oai import ToolFormat
+from prefixd.backends.mlx.chat.request import parse_request
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 
 # HuggingFaceTB/SmolLM2-135M-Instruct's chat template: no `tools`, no `tool_calls`.
 SMOLLM2_TEMPLATE = (

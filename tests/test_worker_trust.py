@@ -22,7 +22,7 @@ import aiohttp
 from test_import_trust import Y, _forged
 from worker_process import free_port, running_worker, stop
 
-from prefixd.backends.mlx import seal
+from prefixd.backends.mlx.server import seal
 
 KEY = "k3y"
 SECRET = "the transfer secret of this test"

@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 
     Each architecture is written once per session (seed 0) and shared by every test.
     """
-    from prefixd.backends.mlx.tinymodels import save_tiny_model
+    from prefixd.backends.mlx.model.tiny import save_tiny_model
 
     built: dict[str, Path] = {}
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.worker import create_app
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.server.app import create_app
 from prefixd.proxy.settings import Settings
 
 __all__ = ["client", "generator"]

@@ -26,14 +26,14 @@ from aiohttp import web
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from prefixd.backends.mlx.blas import describe_blas, reexec_with_blas
-from prefixd.backends.mlx.follower import is_follower
-from prefixd.backends.mlx.follower import serve as follower_serve
-from prefixd.backends.mlx.generation import Generator
-from prefixd.backends.mlx.group import is_loopback
-from prefixd.backends.mlx.protocol import WorkerRunner
+from prefixd.backends.mlx.group.leader import is_loopback
+from prefixd.backends.mlx.model.blas import describe_blas, reexec_with_blas
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.scheduler.replay import is_follower
+from prefixd.backends.mlx.scheduler.replay import serve as follower_serve
+from prefixd.backends.mlx.server.app import TOKEN_ENV, create_app
+from prefixd.backends.mlx.server.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.mlx.worker import TOKEN_ENV, create_app
 from prefixd.backends.parent import follow_parent, watch_parent
 
 log = logging.getLogger("prefixd.worker")

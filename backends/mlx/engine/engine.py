@@ -1,0 +1,343 @@
+"""The generation engine of the mlx worker: restore the longest cached prefix, prefill the rest
+with checkpoints, decode, and commit what the KV state holds back to the checkpoint store.
+
+Owns: the prefill/decode loop (so prefill chunks can end exactly at checkpoint positions), the
+restore decision and its fallbacks, taking checkpoints and the commit at the end of a request
+(`checkpointing.py`, a mixin), per-request `PromptStats`, and the face other workers' states
+come in and go out through (`bundle.py`). What this model's cache supports is probed at start
+(`probe.py`); the counts and cache metrics are `cachecounts.py`; policy (placement, lookup,
+budget) lives in `placement.py` and `store.py`; per-class cache handling in `snapshot.py`;
+the disk tier behind `disktier.py`. Called from one thread only (the worker's single-thread
+executor), so nothing here locks. In a group worker (`group.py`) every rank runs the same
+Engine calls in lockstep on its own layers; the values a rank computes from its layers alone
+(sizes, trimmability, whether a restore worked, what the start-up probes found) go through
+`agree` so every rank's store decides as the leader's, and the prefill passes have the same
+shapes on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.cache.store import CheckpointStore, Entry
+from prefixd.backends.mlx.engine import probe
+from prefixd.backends.mlx.engine.checkpointing import Checkpointing
+from prefixd.backends.mlx.engine.counts import CacheCounts
+from prefixd.backends.mlx.engine.run import Run
+from prefixd.backends.mlx.engine.stats import PromptStats
+from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
+from prefixd.backends.mlx.group.lockstep import SOLO, Solo
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from prefixd.backends.mlx.settings import WorkerSettings
+
+log = logging.getLogger("prefixd.worker.cache")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the Engine reads of the worker's settings (same names, same meaning)."""
+
+    cache_bytes: int = 4 * 1024**3
+    checkpoint_interval: int | None = None  # None: sized automatically at start-up
+    checkpoint_interval_policy: str = "bytes"   # "cost": also bounded by the pass cost
+    checkpoint_inpass: bool = True              # capture inside passes where verified
+    checkpoint_tail: int = 4
+    prefill_chunk: int = 512
+    kv_bits: int | None = None
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:
+        values = {f.name: getattr(settings, f.name) for f in fields(cls)}
+        return cls(**{**values, **override})
+
+
+@dataclass(eq=False)
+class Turn:
+    """One request's own view of the Engine (several may be under way: `schedule.py`): its
+    stats and store entry (set when it starts), its live state, and the prefill pass size
+    its scheduler asks for (None: `prefill_chunk`) and whether, between two layers of one,
+    it yields to another job (`preempt`; None: never)."""
+
+    slicer: Callable[[], int] | None = None
+    preempt: Callable[[], bool] | None = None
+    stats: PromptStats | None = None
+    entry: Entry | None = None
+    run: Run | None = None
+
+
+class Engine(Checkpointing):
+    """One model, one checkpoint store, one generation at a time."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig,
+                 disk: DiskSpec | None = None, model_id: str | None = None,
+                 agree: Solo = SOLO) -> None:
+        self.model = model
+        self.config = config
+        self.agree = agree
+        # what identifies the model's weights (`disktier.model_fingerprint`): states move
+        # only between workers of the same one (`bundle.py`)
+        self.model_id = model_id or (disk.model_id if disk else None)
+        self._reference: list[Any] | None = None
+        self.store = CheckpointStore(config.cache_bytes)
+        self.last_stats: PromptStats | None = None
+        self.counts = CacheCounts()
+        self._kv = probe.kv_quantization(model, config.kv_bits)
+        if config.kv_bits and not self._kv:
+            self.counts.fallback("kv_quant_unsupported")
+        template = self.fresh_cache()
+        self._unsupported = snapshot.unsupported(template)
+        if agree.any(bool(self._unsupported)) and not self._unsupported:
+            self._unsupported = "another rank of the group holds a cache it cannot snapshot"
+        if self._unsupported:
+            log.warning("prompt cache disabled for this model: %s; every prompt is prefilled "
+                        "cold", self._unsupported)
+        self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
+        # checkpoints are taken (at the same positions on every rank of a group)
+        self._checkpoints = agree.any(bool(self._snap_idx))
+        # Windows as the only snapshotted layers: a checkpoint below the window trims back.
+        self._trim_below = agree.min(snapshot.trimmable_below(template, self._snap_idx))
+        if agree.distributed:   # no timed probes: the same passes on every rank
+            self.inpass = probe.group_inpass(model, self.fresh_cache, self._snap_idx,
+                                             config.checkpoint_inpass, agree)
+            self.interval_choice = None
+            self.interval = probe.group_interval(
+                model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
+                budget=config.cache_bytes, chunk=config.prefill_chunk, agree=agree)
+            self.reference_leaves()
+        else:
+            self.inpass = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
+                                              config.checkpoint_inpass)
+            self.interval, self.interval_choice = probe.pick_interval(
+                model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
+                budget=config.cache_bytes, chunk=config.prefill_chunk,
+                by_cost=config.checkpoint_interval_policy == "cost" and self.inpass is None)
+        # estimated size of one checkpoint
+        self.checkpoint_bytes = (self.interval_choice.checkpoint_bytes if self.interval_choice
+                                 else None)
+        # RAM first, disk second (disk only when `disk` is given and the cache is supported)
+        self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
+                              self._snap_idx, config, agree)
+        self.counts.budget(config.cache_bytes)
+        self.counts.gauges(self.store)
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """How often each fallback happened since start, by reason."""
+        return self.counts.fallbacks
+
+    # --- setup -------------------------------------------------------------------------------
+    def fresh_cache(self) -> list[Any]:
+        """An empty live cache of this engine's kind (KV quantized if configured)."""
+        cache = make_prompt_cache(self.model)
+        return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
+
+    # --- restore -----------------------------------------------------------------------------
+    def _restore(self, prompt: list[int], stats: PromptStats, count: bool = True,
+                 namespace: str = "") -> tuple[list[Any], int]:
+        """(live cache, tokens already in it) from the request's cache partition (`namespace`);
+        the fallback reason and times go to `stats`, the tier hit or miss to the metrics unless
+        `count` is False (an export)."""
+        t0 = time.perf_counter()
+        if self._unsupported:
+            self.counts.fallback("unsupported_cache")
+            stats.fallback = "unsupported_cache"
+            return self.fresh_cache(), 0
+        match = self.store.lookup(prompt, namespace)
+        t1 = time.perf_counter()
+        stats.lookup_s = t1 - t0
+        loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
+                                    self.fresh_cache, count, namespace)
+        if loaded is not None:
+            stats.restore_s = time.perf_counter() - t1
+            return loaded.cache, loaded.pos
+        if match is None:
+            return self.fresh_cache(), 0
+        self.tiers.used(match.entry)
+        snap = match.checkpoint.payload if match.checkpoint else None
+        try:
+            cache: list[Any] | None = snapshot.restore(match.entry.payload, snap, match.pos)
+        except Exception:
+            log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
+            cache = None
+        # a group restores on every rank or on none: a rank that cannot makes the request cold
+        if not self.agree.all(cache is not None) or cache is None:
+            reason = "restore_error" if cache is None else "group_restore_error"
+            self.counts.fallback(reason)
+            stats.fallback = reason
+            return self.fresh_cache(), 0
+        stats.restore_s = time.perf_counter() - t1
+        return cache, match.pos
+
+    def restore_only(self, prompt: list[int], stats: PromptStats,
+                     namespace: str = "") -> tuple[list[Any], int]:
+        """`_restore` for an export (`bundle.py`): the same restore, without counting a hit
+        or a miss in the tier metrics (no request is served)."""
+        if self._unsupported:
+            return self.fresh_cache(), 0
+        return self._restore(prompt, stats, count=False, namespace=namespace)
+
+    def cached_now(self, prompt: Sequence[int], namespace: str = "") -> int:
+        """Prompt tokens a restore from RAM would reuse now (the scheduler's estimate of a
+        waiting job's remaining prefill; nothing is restored or marked used)."""
+        match = None if self._unsupported else self.store.peek(prompt, namespace)
+        return match.pos if match else 0
+
+    def reference_leaves(self) -> list[Any]:
+        """This model's cache leaves after a one-token pass: the classes, array shapes and
+        dtypes an imported state must have (`bundle.py`)."""
+        if self._reference is None:
+            cache = self.fresh_cache()
+            self.model(mx.array([[0]]), cache=cache)
+            snapshot.evaluate(cache)
+            self._reference = snapshot.leaves(cache)
+        return self._reference
+
+    def adopt(self, tokens: list[int], cache: list[Any], namespace: str = "") -> int:
+        """Store a state another worker computed (`bundle.import_`) as if a request of
+        `namespace` had ended at `tokens`; the tokens stored (0: the cache is unsupported or
+        the budget refused it)."""
+        if self._unsupported or not tokens:
+            return 0
+        held = self.store.lookup([*tokens, -1], namespace)   # restores all of it: keep ours
+        if held is not None and held.pos >= len(tokens):
+            return len(tokens)
+        entry = self.store.begin(tokens, namespace)
+        stored = self.store.finish(entry, tokens, cache, snapshot.nbytes(cache),
+                                   snapshot.trimmable(cache), self._end_snapshot)
+        if stored:
+            self.tiers.committed(entry)
+        self.counts.gauges(self.store)
+        return len(tokens) if stored else 0
+
+    # --- generation --------------------------------------------------------------------------
+    def generate(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
+                 logits_processors: list | None = None, max_tokens: int,
+                 boundaries: Sequence[int] = (),
+                 should_stop: Callable[[], bool] = lambda: False,
+                 namespace: str = "", turn: Turn | None = None) -> Iterator[int]:
+        """Restore, prefill (checkpointing), then yield sampled token ids until max_tokens.
+
+        Stops early when `should_stop()` is true between prefill chunks or before a decode step,
+        or when the caller closes the generator. On a normal end (max_tokens, or the caller
+        closing the generator) the last yielded token is fed through the model once more, so
+        the KV covers prompt + every generated token; then, on every exit, the tokens actually
+        in the KV state are committed. `turn` (or `self.last_stats`, the latest request's) gets
+        this request's stats from its start (cached and recomputed tokens once the prefill
+        ended; the commit time at the end) and its store entry. `namespace`: the request's
+        cache partition (per-key isolation): it restores from and is stored in that partition
+        only.
+        """
+        steps = self.steps(prompt, sampler=sampler, logits_processors=logits_processors,
+                           max_tokens=max_tokens, boundaries=boundaries,
+                           should_stop=should_stop, namespace=namespace, turn=turn)
+        try:
+            for token in steps:
+                if token is not None:
+                    yield token
+        finally:
+            steps.close()
+
+    def steps(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
+              logits_processors: list | None = None, max_tokens: int,
+              boundaries: Sequence[int] = (),
+              should_stop: Callable[[], bool] = lambda: False,
+              namespace: str = "", turn: Turn | None = None) -> Generator[int | None, None, None]:
+        """`generate`, one forward pass per step: None after each prefill pass but the last,
+        then a token per decode step (`schedule.py` interleaves jobs this way). The prefill
+        passes are cut to `turn.slicer()` tokens when it is set."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        prompt = list(prompt)
+        turn = turn or Turn()
+        stats = turn.stats = self.last_stats = PromptStats(len(prompt))
+        cache, start = self._restore(prompt, stats, namespace=namespace)
+        entry = turn.entry = None if self._unsupported else self.store.begin(prompt, namespace)
+        if entry is not None and stats.tier == "disk":
+            self._capture_restored(entry, cache, start)
+        run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop,
+                  self.inpass, turn.slicer, turn.preempt)
+        turn.run = run
+
+        def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
+            self._capture(entry, run, pos, interval, stats, payload)
+
+        try:
+            # the prefill's own time: not the passes of other jobs run while it was paused
+            # (the prefill rate it feeds decides whether a disk load beats recomputing)
+            prefill_s, t0 = 0.0, time.perf_counter()
+            for _ in run.prefill_passes(*self._plan(len(prompt), start, boundaries), capture):
+                prefill_s += time.perf_counter() - t0
+                yield None
+                t0 = time.perf_counter()
+            prefill_s += time.perf_counter() - t0
+            stats.prefill_s, stats.segments, stats.yields = prefill_s, run.segments, run.yields
+            if self.agree.any(bool(run.tap_failure)) and not run.tap_failure:
+                run.tap_failure = "on another rank of the group"
+            if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
+                log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
+                            "checkpoints from now on", run.tap_failure)
+                self.counts.fallback("inpass_error")
+                self.inpass = None
+            self.counts.request(stats, start, run.pos - start)
+            self.tiers.prefilled(stats)
+            if run.logits is not None:
+                yield from run.decode(run.logits, sampler, logits_processors or [], max_tokens,
+                                      stats)
+        finally:
+            t0 = time.perf_counter()
+            self._commit(entry, run)
+            self.counts.gauges(self.store)
+            stats.commit_s = time.perf_counter() - t0
+
+    def cache_info(self) -> dict:
+        """JSON for GET /v1/cache."""
+        info = self.store.info()
+        return {
+            **info,
+            **self.counts.info(info),
+            "disabled_reason": self._unsupported,
+            "kv_bits": self._kv[0] if self._kv else None,
+            "checkpoint_interval": self.interval,  # effective (the setting may be auto)
+            "checkpoint_bytes_estimate": self.checkpoint_bytes,
+            "checkpoint_interval_auto": (self.interval_choice.info() if self.interval_choice
+                                         else None),
+            "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
+            "disk": self.tiers.info(),
+            "misses": self.tiers.misses(),
+        }
+
+    # --- the disk tier (generation thread) ----------------------------------------------------
+    def next_write_due(self) -> float | None:
+        """When (time.monotonic) the next idle entry is due to be written, if any."""
+        return self.tiers.next_due()
+
+    def write_due(self) -> int:
+        """Submit the writes that are due; how many entries."""
+        return self.tiers.flush(self.tiers.due())
+
+    def due_writes(self) -> list[int]:
+        """The store positions of the entries due to be written (a group's leader journals
+        them, and every rank then `write`s them)."""
+        return self.tiers.due()
+
+    def write(self, positions: list[int]) -> int:
+        return self.tiers.flush(positions)
+
+    def persist(self) -> None:
+        """Submit everything not yet on disk (at shutdown); `close` waits for it."""
+        self.tiers.flush_all()
+
+    def close(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) for pending disk writes, then stop the writer."""
+        return self.tiers.close(timeout)

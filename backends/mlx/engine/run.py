@@ -1,0 +1,187 @@
+"""One generation's live model state: prefill (cut at checkpoint positions) and decode.
+
+Owns: the live cache of the running request, how far it got (`pos` prompt tokens and the `fed`
+generated tokens are in it), and whether an exception left it in an unknown state (`broken`).
+Knows nothing of the checkpoint store: the Engine says where to capture (`marks`) and what to do
+there (`capture`), and commits `tokens` with `cache` when the run ends. With `inpass` (the
+model passed `tap.verify`), a pass is not cut at marks: the marks inside it are captured from
+the pass itself (`tap.py`), so checkpoints add no forward passes.
+
+A prefill pass can yield in the middle (`preempt`, from the worker's scheduler): its graph is
+built whole, then evaluated a layer at a time (the cache leaves in layer order), and between two
+layers `preempt()` may say another job should run first. The pass then waits as it is, its
+residual stream (tokens x hidden size) the only activation it keeps, while other jobs run their
+own passes; evaluated later, it gives exactly what it gives unpaused (the same graph, the same
+operations on the same inputs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine import tap
+from prefixd.backends.mlx.engine.stats import PromptStats
+
+# Called at each mark the prefill reaches: (position, is an in-message interval mark, the
+# checkpoint payload when the pass computed it (an in-pass mark), else None: take it from the
+# live cache, which is at that position).
+# a checkpoint inside a pass whose tap failed: not taken (a group's ranks all skip it)
+LOST: Any = {"lost": True}
+Capture = Callable[[int, bool, "snapshot.Snapshot | None"], None]
+
+
+class Run:
+    """The live state of one generation."""
+
+    def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
+                 chunk: int, should_stop: Callable[[], bool],
+                 inpass: tuple[int, ...] | None = None,
+                 slicer: Callable[[], int] | None = None,
+                 preempt: Callable[[], bool] | None = None) -> None:
+        self.model, self.cache, self.prompt, self.chunk = model, cache, prompt, chunk
+        self.slicer = slicer  # the pass size a scheduler asks for now (at most `chunk`)
+        self.preempt = preempt  # between two layers of a prefill pass: yield to another job?
+        self.midpass = False  # a prefill pass is waiting half-evaluated (it yielded)
+        self.yields = 0  # how many times a prefill pass yielded in the middle
+        self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
+        self.start, self.should_stop = start, should_stop
+        self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
+        self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
+        self.pos = start  # prompt tokens in the KV state
+        self.fed: list[int] = []  # generated tokens in the KV state
+        self.pending: int | None = None  # the last yielded token, not yet fed to the model
+        self.broken = False  # an exception hit mid-forward: the cache state is unknown
+        self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token the cache holds."""
+        return self.prompt[:self.pos] + self.fed
+
+    @property
+    def advanced(self) -> bool:
+        """Whether the cache holds more than the state it was restored from."""
+        return self.pos > self.start or bool(self.fed)
+
+    def _forward(self, tokens: list[int], logits: bool = True,
+                 offsets: tuple[int, ...] = ()) -> tuple[mx.array, dict[int, snapshot.Snapshot]]:
+        """The model over `tokens`; with `logits`, the last position's, evaluated together with
+        the cache and the checkpoints at `offsets` inside the pass (one sync)."""
+        try:
+            next(self._forward_steps(tokens, logits, offsets, staged=False))
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("an unstaged forward never yields")
+
+    def _forward_steps(self, tokens: list[int], logits: bool, offsets: tuple[int, ...],
+                       staged: bool) -> Generator[None, None, tuple[mx.array,
+                                                                    dict[int, snapshot.Snapshot]]]:
+        """`_forward`; `staged` (a prefill pass with a `preempt`): evaluated a cache leaf (a
+        layer) at a time, yielding between two when `preempt()` says so."""
+        self.broken = True
+        recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass is not None else None
+        with tap.tapping(recorder):
+            out = self.model(mx.array(tokens)[None], cache=self.cache)
+        last = out[:, -1, :] if logits else None
+        snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
+        if recorder is not None and recorder.failed:
+            self.tap_failure = self.tap_failure or recorder.failed
+        if staged and self.preempt is not None:
+            for leaf in snapshot.leaves(self.cache)[:-1]:
+                mx.eval(leaf.state)
+                if self.preempt():
+                    self.midpass, self.yields = True, self.yields + 1
+                    yield
+                    self.midpass = False
+        snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if recorder and snaps else ()))
+        self.broken = False
+        return (last if last is not None else out), snaps
+
+    def prefill_passes(self, marks: dict[int, bool], final: int,
+                       capture: Capture) -> Iterator[None]:
+        """Run prompt[pos:] through the model, ending a pass at every mark and calling
+        `capture` there; the last pass runs from `final` (or from where the prefill is, if
+        beyond) to the end. One forward pass per step: it yields after each pass, and between
+        two layers of one when `preempt()` says so (`midpass`; a scheduler may run other jobs'
+        passes then; the live cache waits as it is), and leaves the last
+        token's logits in `logits` (None if should_stop() ended it). A pass is at most `chunk`
+        tokens, or `slicer()` when one is given (read before each pass); checkpoints land at
+        the same positions whatever the pass sizes (marks inside a pass are captured in it,
+        or the pass is cut there)."""
+        n = len(self.prompt)
+        final = min(max(final, self.pos), n - 1)
+        cuts = [] if self.inpass is not None else sorted(p for p in marks
+                                                          if self.pos < p < final)
+        self.logits = None
+        while self.pos < final:
+            if self.should_stop():
+                return
+            size = min(self.chunk, self.slicer()) if self.slicer else self.chunk
+            end = min([final, self.pos + size, *(p for p in cuts if p > self.pos)])
+            # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
+            yield from self._pass(end, marks, capture)
+            mx.clear_cache()
+            yield
+        if self.should_stop():
+            return
+        self.logits = yield from self._pass(n, marks, capture, logits=True)
+
+    def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
+              logits: bool = False) -> Generator[None, None, mx.array]:
+        """One prefill pass over prompt[pos:end], timed (its own time: not while it waited
+        half-evaluated), then the captures of the marks it reached; with `logits`, the last
+        position's logits, evaluated with the cache."""
+        t0, own, start = time.perf_counter(), 0.0, self.pos
+        inner = tuple(p - start for p in sorted(marks) if start < p < end)
+        steps = self._forward_steps(self.prompt[start:end], logits, inner, staged=True)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                out, snaps = done.value
+                break
+            own += time.perf_counter() - t0
+            yield
+            t0 = time.perf_counter()
+        self.segments.append((end - start, own + time.perf_counter() - t0))
+        self.pos = end
+        for r in inner if self.inpass is not None else ():   # a failed tap loses them all
+            capture(start + r, marks[start + r], snaps.get(r, LOST))
+        if end in marks:
+            capture(end, marks[end], None)
+        return out
+
+    def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
+               processors: list, max_tokens: int, stats: PromptStats) -> Iterator[int]:
+        for i in range(max_tokens):
+            t0 = time.perf_counter()
+            if processors:
+                history = mx.array(self.prompt + self.fed)
+                for proc in processors:
+                    logits = proc(history, logits)
+            token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)))
+            if i == 0:
+                stats.first_token_s = time.perf_counter() - t0
+            self.pending = token
+            yield token
+            if i == max_tokens - 1 or self.should_stop():
+                return
+            logits, _ = self._forward([token])
+            self.fed.append(token)
+            self.pending = None
+
+    def feed_pending(self) -> None:
+        """Feed the last yielded token on a normal end (max_tokens, or the caller closing the
+        generator at EOS or a stop string), so the cache covers the whole reply and the next
+        turn starts after it. Not when should_stop() ended the request (the client left).
+        Raises what the model raises (the run is then `broken`)."""
+        token, self.pending = self.pending, None
+        if token is None or self.broken or self.should_stop():
+            return
+        self._forward([token], logits=False)
+        self.fed.append(token)

@@ -1,0 +1,133 @@
+"""From sampled token ids to what the client gets: text deltas (detokenized, cut at stop
+strings) and the log-probabilities of the tokens behind each delta. Runs on the generation
+thread; the mlx sampler and logits processors are built here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from prefixd.backends.mlx.chat.logprobs import TokenLogprob
+from prefixd.backends.mlx.chat.oai import StopMatcher
+from prefixd.backends.mlx.chat.request import Sampling
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text to send, and the log-probabilities of the tokens it came from (if asked for)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+def sampling_functions(s: Sampling, vocab: int, grammar: Any = None
+                       ) -> tuple[Callable[[Any], Any], list[Any]]:
+    """mlx-lm's sampler and logits processors, then `grammar` (structured output's mask,
+    `grammar_run.py`) last, so no bias or penalty can bring back a token it forbids. A `top_k`
+    of the vocabulary's size or more keeps every token (mlx-lm raises on it, inside its
+    compiled sampler). A request with a `seed` samples from its own random key
+    (`SeededSampler`), so jobs interleaved on the thread cannot change each other's draws."""
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    top_k = s.top_k if 0 < s.top_k < vocab else 0
+    sampler: Callable[[Any], Any] = make_sampler(s.temperature, s.top_p, s.min_p, top_k=top_k)
+    if s.seed is not None and s.temperature > 0:
+        sampler = SeededSampler(s, top_k, s.seed)
+    processors = make_logits_processors(
+        s.logit_bias, s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty)
+    if grammar is not None:
+        processors.append(grammar)
+    return sampler, processors
+
+
+class SeededSampler:
+    """mlx-lm's sampling chain (top-p, min-p, top-k, then a categorical draw at the
+    temperature) with the job's own key instead of MLX's global random state: split once per
+    token exactly as the global state is, so a seeded request draws the tokens it would
+    alone (and as it did when the worker reseeded the global state) however many jobs run
+    between its steps."""
+
+    def __init__(self, s: Sampling, top_k: int, seed: int) -> None:
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self.methods: list[Callable[[Any], Any]] = []
+        if 0 < s.top_p < 1.0:
+            self.methods.append(lambda x: apply_top_p(x, s.top_p))
+        if s.min_p != 0.0:
+            self.methods.append(lambda x: apply_min_p(x, s.min_p))
+        if top_k > 0:
+            self.methods.append(lambda x: apply_top_k(x, top_k))
+        self.scale, self.key = 1.0 / s.temperature, mx.random.key(seed & 0xFFFFFFFFFFFFFFFF)
+
+    def __call__(self, logprobs: Any) -> Any:
+        import mlx.core as mx
+
+        for method in self.methods:
+            logprobs = method(logprobs)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * self.scale, key=draw)
+
+
+class LogprobTap:
+    """The sampler, keeping the log-probabilities it was given, so the chosen token's and the
+    `top` most likely ones can be reported (`logprobs` requests only)."""
+
+    def __init__(self, sampler: Callable[[Any], Any], top: int, tokenizer: Any) -> None:
+        self.sampler, self.top, self.tokenizer = sampler, top, tokenizer
+        self.lp: Any = None
+
+    def __call__(self, lp: Any) -> Any:
+        self.lp = lp
+        return self.sampler(lp)
+
+    def take(self, token: int) -> TokenLogprob:
+        import mlx.core as mx
+
+        row = self.lp.reshape(-1).astype(mx.float32)
+        top: tuple[tuple[str, float], ...] = ()
+        k = min(self.top, row.size)
+        if k:
+            ids = mx.argpartition(-row, k - 1)[:k]
+            ids = ids[mx.argsort(-row[ids])]
+            # 1-D arrays: lists (mlx's stub gives `tolist` every form an array may take)
+            pairs = zip(cast(list[int], ids.tolist()), cast(list[float], row[ids].tolist()),
+                        strict=True)
+            top = tuple((self._text(i), v) for i, v in pairs)
+        return TokenLogprob(self._text(token), float(row[token].item()), top)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+class TextOut:
+    """Generated tokens to text deltas: detokenized, cut at stop strings (`StopMatcher`), each
+    delta with the log-probabilities of the tokens it came from."""
+
+    def __init__(self, emit: Callable[[Delta], None], stops: tuple[str, ...], detok: Any) -> None:
+        self.emit, self.detok = emit, detok
+        self.stops = StopMatcher(stops)
+        self._logprobs: list[TokenLogprob] = []
+
+    def add(self, token: int, logprob: TokenLogprob | None) -> None:
+        self.detok.add_token(token)
+        if logprob is not None:
+            self._logprobs.append(logprob)
+        self._send(self.stops.feed(self.detok.last_segment))
+
+    def finish(self) -> None:
+        """The rest of the text once generation ended (nothing after a stop string)."""
+        if self.stops.hit:
+            return
+        self.detok.finalize()
+        self._send(self.stops.feed(self.detok.last_segment) + self.stops.flush(), last=True)
+
+    def _send(self, text: str, last: bool = False) -> None:
+        # Tokens whose text is held back (a possible stop string) wait for the next delta; those
+        # of a stop string itself are never sent.
+        if text or (last and self._logprobs):
+            self.emit(Delta(text, tuple(self._logprobs)))
+            self._logprobs = []

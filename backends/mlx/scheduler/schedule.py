@@ -1,0 +1,275 @@
+"""The worker's scheduler: with `max_active` > 1, several jobs are under way on the one
+generation thread, and it runs exactly one forward pass at a time (issue 26).
+
+Owns: which waiting job is admitted (at most `max_active`, and only while the estimated live
+caches of the admitted jobs fit `active_kv_bytes`: a job that does not fit waits; one job alone
+is always admitted), which admitted job's pass runs next, whether a pass under way pauses
+between two layers for a job that just arrived, and how many tokens a prefill pass takes.
+Nothing here runs mlx: a job's passes are its `Task` (`active.Active`, one `Engine.steps` step
+each), and `Generator` owns starting and ending jobs.
+
+Policy, between passes:
+- a job whose client left first, before aging (it ends at its next pass, committing what it
+  computed: at once, or after the rest of a paused pass). Then the soonest first token: a short
+  prompt (at most `prefill_chunk` tokens) one pass from its first token (at most
+  `prefill_slice` tokens left: a title call, a chat turn). Then decoding jobs (0 left). Then
+  the other prefills, the least remaining first: a long prompt's last slices included (at its
+  depth they are not short); a job not started yet counts what the worker's cache does not
+  hold of it (a follow-up turn is its new tokens). Ties go to the job that ran least recently
+  (decode steps of running jobs are interleaved round-robin);
+- a job that arrives during a pass and ranks in a better class than the job whose pass it is
+  (a short prompt arriving during a long prefill) does not wait for the pass to end: the pass
+  pauses after the layer under way (`run.Run`: its graph is evaluated a layer at a time), the
+  newcomer runs, and the paused pass resumes later where it stopped, with the result it would
+  have given unpaused. So a short request waits for about one layer of the pass under way (a
+  slice / the model's depth: tens of ms), not the slice. A group worker's passes never pause
+  (its ranks run whole passes in lockstep);
+- aging: a job that other jobs' passes kept waiting `AGE_LIMIT` slices' time in a row
+  (`AGE_LIMIT` x `prefill_slice_ms`: 2 s by default; with `prefill_slice_ms` 0, `AGE_LIMIT`
+  passes) runs next, the longest kept first, and its pass then runs to its end (it never pauses
+  for a newcomer). So between two passes of an admitted job there are at most that much of other
+  jobs' passes plus one pass of each other job (`max_active` - 1 passes): nobody starves. A
+  paused pass's own time does not count as its run: it ages on. Counted in time, a run of cheap
+  decode steps does not age a long prefill as fast as its own expensive slices would;
+- a prefill pass is a slice of about `prefill_slice_ms`: as many tokens as the job's own last
+  pass ran in that time (its rate at its depth in the prompt, which falls as the prompt grows;
+  the worker's measured prefill rate for its first pass; `prefill_slice` tokens before any is
+  measured), at least `MIN_SLICE` tokens and at most `prefill_chunk`; a short prompt with at most
+  `prefill_slice` tokens left prefills them in one pass. Alone too: an aged pass, which does not
+  pause, and a decode step waiting for a pass are kept at most about one slice. With
+  `prefill_slice_ms` 0, slices are `prefill_slice` tokens while others wait, whole chunks alone.
+  A paused prefill keeps its live cache as it is (nothing is recomputed or copied), and its
+  checkpoints land where they would unpaused (placement is by position,
+  `run.Run.prefill_passes`);
+- a cancelled job stops within one pass (its Engine generator commits what it computed);
+- a job's time admitted but paused while other jobs' passes ran is its `paused_s`, reported
+  beside its `queue_s` (time waiting to be admitted): together, its time behind others. While
+  it waits to be admitted it is told its place in line (`Queued`, a `: queued position=N`
+  comment in its stream, as the proxy's queue says it).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prefixd.backends.mlx.scheduler.jobs import Job, Queued
+
+AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
+MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
+
+
+class Task(Protocol):
+    """One admitted job's passes (`generation.Active`)."""
+
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill (0 once decoding)."""
+        ...
+
+    def pass_rate(self) -> float | None:
+        """Tokens per second of its last prefill pass (None before its first)."""
+        ...
+
+    def advance(self) -> bool:
+        """One forward pass, or its part up to a pause; True when the job has ended (its result
+        is set, never raises)."""
+        ...
+
+    def midpass(self) -> bool:
+        """Whether its last `advance` left a pass paused between two layers."""
+        ...
+
+
+@dataclass(eq=False)
+class Slot:
+    """An admitted job: its estimated live cache, its task once started, its aging."""
+
+    job: Job
+    kv_bytes: int
+    task: Task | None = None
+    last: int = 0      # the tick of its last pass
+    skipped: int = 0   # other jobs' passes since its last
+    kept: float = 0.0  # seconds of other jobs' passes since its last
+    aged: bool = False  # picked by aging: its pass runs to its end (never pauses)
+    cached: int = 0     # its prompt tokens the worker's cache held when it was admitted
+
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill: before it starts, those its cache estimate leaves."""
+        return self.task.remaining() if self.task else len(self.job.prompt.tokens) - self.cached
+
+
+class Schedule:
+    """Pure policy over waiting and admitted jobs (no threads, no mlx)."""
+
+    def __init__(self, max_active: int, prefill_slice: int, prefill_chunk: int,
+                 active_kv_bytes: int, kv_bytes_per_token: int, slice_ms: float = 0.0,
+                 prefill_rate: Callable[[], float | None] = lambda: None,
+                 cached: Callable[[Job], int] = lambda job: 0) -> None:
+        self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
+        self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
+            kv_bytes_per_token
+        self.slice_ms, self.rate, self.cached = slice_ms, prefill_rate, cached
+        self.waiting: deque[Job] = deque()
+        self.active: list[Slot] = []
+        self.tick = 0
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    def cancelled(self) -> list[Job]:
+        """Waiting jobs whose client left (taken out; they end without running)."""
+        gone = [j for j in self.waiting if j.cancelled]
+        self.waiting = deque(j for j in self.waiting if not j.cancelled)
+        return gone
+
+    def admit(self) -> list[Slot]:
+        """Admit waiting jobs in order while they fit (count and live-cache bytes)."""
+        out: list[Slot] = []
+        while self.waiting and len(self.active) < self.max_active:
+            job = self.waiting[0]
+            cost = (len(job.prompt.tokens) + job.max_tokens) * self.per_token
+            used = sum(s.kv_bytes for s in self.active)
+            if self.active and used + cost > self.kv_budget:
+                break
+            slot = Slot(self.waiting.popleft(), cost, cached=self.cached(job))
+            self.active.append(slot)
+            out.append(slot)
+        return out
+
+    def pick(self) -> Slot:
+        """The admitted job whose pass runs next (see the module docstring)."""
+        slot, aged = self._choose()
+        slot.aged = aged
+        return slot
+
+    def _choose(self) -> tuple[Slot, bool]:
+        """The job that runs next, and whether aging chose it."""
+        gone = [s for s in self.active if s.job.cancelled]
+        if gone:      # its next pass ends it (after the rest of a paused pass)
+            return gone[0], False
+        if self.slice_ms > 0:
+            limit = AGE_LIMIT * self.slice_ms / 1000
+            aged = [s for s in self.active if s.kept >= limit]
+        else:
+            aged = [s for s in self.active if s.skipped >= AGE_LIMIT]
+        if aged:
+            return max(aged, key=lambda s: (s.kept, s.skipped, -s.last)), True
+        return min(self.active, key=self._rank), False
+
+    def preempts(self, slot: Slot) -> bool:
+        """Whether `slot`'s pass under way should pause between two layers: a job ranks in a
+        better class than it now (one that arrived meanwhile). Never a pass aging chose, nor a
+        cancelled job's (it ends after its pass)."""
+        if slot.aged or slot.job.cancelled:
+            return False
+        best, _ = self._choose()
+        return best is not slot and self._rank(best)[0] < self._rank(slot)[0]
+
+    def _rank(self, s: Slot) -> tuple[int, int, int]:
+        left = s.remaining()
+        if self._one_pass(s, left):
+            return 0, left, s.last      # its next pass gives its first token
+        return (1 if left == 0 else 2), left, s.last
+
+    def _one_pass(self, s: Slot, left: int) -> bool:
+        """A short prompt's prefill whose next pass is its last."""
+        return 0 < left <= self.slice_tokens and len(s.job.prompt.tokens) <= self.chunk
+
+    def ran(self, slot: Slot, seconds: float = 0.0, paused: bool = False,
+            others: Sequence[Slot] | None = None) -> None:
+        """`slot`'s pass ran, for `seconds` (`paused`: part of it, up to a pause): `others`
+        (the other admitted jobs) were kept waiting that long."""
+        self.tick += 1
+        if not paused:
+            slot.last, slot.skipped, slot.kept = self.tick, 0, 0.0
+        for s in self.active if others is None else others:
+            if s is not slot:
+                s.skipped += 1
+                s.kept += seconds
+
+    def slice(self, slot: Slot | None = None) -> int:
+        """Tokens of `slot`'s next prefill pass (see the module docstring)."""
+        if self.slice_ms <= 0:
+            return self.slice_tokens if len(self.active) + len(self.waiting) > 1 else self.chunk
+        if slot is not None and self._one_pass(slot, slot.remaining()):
+            return self.slice_tokens    # a short prompt's prefill: one pass to its first token
+        rate = slot.task.pass_rate() if slot is not None and slot.task is not None else None
+        rate = rate or self.rate()
+        if not rate:
+            return self.slice_tokens
+        return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
+
+    def remove(self, slot: Slot) -> None:
+        self.active.remove(slot)
+
+
+def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
+          start: Callable[[Job, Callable[[], int], Callable[[], bool]], Task],
+          end: Callable[[Job], None],
+          arrived: Callable[[], Sequence[Job]] = lambda: ()) -> None:
+    """Run jobs until none is admitted or waiting (on the generation thread). `take(idle)`:
+    the jobs submitted since, or None to stop (only when `idle` and none was submitted: the
+    caller decides that under its lock, so a job submitted then starts a new loop); `start`:
+    a job's task (never raises), given its slicer and its `preempt` (asked between two layers
+    of its pass); `end(job)`: a job cancelled while it waited; `arrived()`: the jobs submitted
+    since, during a pass (cheap when none was)."""
+
+    def admit(jobs: Sequence[Job]) -> None:
+        for job in jobs:
+            schedule.add(job)
+        for job in schedule.cancelled():
+            end(job)
+        for slot in schedule.admit():
+            slot.job.queue_s = time.perf_counter() - slot.job.submitted
+        for i, job in enumerate(schedule.waiting, 1):   # the rest: their place in line
+            if job.position != i:
+                job.position = i
+                job._emit(Queued(i))
+
+    def preempt(slot: Slot) -> bool:
+        jobs = arrived()
+        if not jobs:
+            return False
+        admit(jobs)
+        return schedule.preempts(slot)
+
+    while True:
+        jobs = take(schedule.idle())
+        if jobs is None:
+            return
+        admit(jobs)
+        if not schedule.active:
+            continue
+        slot = schedule.pick()
+        if slot.task is None:
+            slot.task = start(slot.job, functools.partial(schedule.slice, slot),
+                              functools.partial(preempt, slot))
+        others = [s for s in schedule.active if s is not slot]   # admitted before the pass
+        t0 = time.perf_counter()
+        done = slot.task.advance()
+        spent = time.perf_counter() - t0
+        for other in others:
+            other.job.paused_s += spent
+        schedule.ran(slot, spent, slot.task.midpass(), others)
+        if done:
+            schedule.remove(slot)
+
+
+def kv_bytes_per_token(leaves: Sequence[Any]) -> int:
+    """Rough live-cache bytes per token of a model, from its cache leaves after a pass: the
+    keys and values of its attention layers (recurrent states are fixed-size; a sliding window
+    is counted as if unbounded: an overestimate)."""
+    total = 0
+    for c in leaves:
+        for arrays in (getattr(c, "keys", None), getattr(c, "values", None)):
+            for a in arrays if isinstance(arrays, tuple) else (arrays,):
+                if a is not None and getattr(a, "ndim", 0) == 4 and a.shape[2]:
+                    total += a.nbytes // a.shape[2]
+    return total
