@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixd.backends.mlx.group.leader import is_loopback
+from prefixd.backends.mlx.group.start import is_loopback
 
 PROCESS_OVERHEAD = 300 * 2**20      # interpreter, mlx runtime, tokenizer: measured ~250 MiB
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")

@@ -21,7 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+from prefixd.backends.mlx.engine.engine import Engine, EngineConfig, Turn
+from prefixd.backends.mlx.engine.pacing import Pacing
 from prefixd.backends.mlx.model.tiny import build_model
 
 VARIANTS = {
@@ -37,9 +38,12 @@ def _greedy(lp: mx.array) -> mx.array:
 
 def trial(engine: Engine, base: list[int], turn: list[int], bounds: list[int]) -> tuple:
     """Turn 1 (cold, stored), then the measured turn 2 that appends to it."""
-    list(engine.generate(base, sampler=_greedy, max_tokens=1, boundaries=bounds[:2]))
-    list(engine.generate(turn, sampler=_greedy, max_tokens=1, boundaries=bounds))
-    s = engine.last_stats
+    for prompt, marks in ((base, bounds[:2]), (turn, bounds)):   # as the worker runs a job
+        request = Turn(Pacing(engine.config.prefill_chunk))
+        for _ in engine.steps(prompt, sampler=_greedy, max_tokens=1, boundaries=marks,
+                              turn=request):
+            pass
+    s = request.stats
     assert s is not None and s.cached_tokens >= len(base) - 1
     return s.prefill_s, len(s.segments), s.checkpoints
 

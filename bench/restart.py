@@ -174,13 +174,27 @@ def _engine(model: Any, root: Path, delay: float, **kw: Any) -> Any:
 
 
 def _generate(engine: Any, prompt: list[int], bounds: tuple[int, ...] = ()) -> list[int]:
+    """A request as the worker runs it (`Engine.steps`, whole chunks: a job alone); its
+    stats in `LAST[engine]`."""
     import mlx.core as mx
 
-    return list(engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1),
-                                max_tokens=8, boundaries=bounds))
+    from prefixd.backends.mlx.engine.engine import Turn
+    from prefixd.backends.mlx.engine.pacing import Pacing
+
+    turn = Turn(Pacing(engine.config.prefill_chunk))
+    steps = engine.steps(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=8,
+                         boundaries=bounds, turn=turn)
+    tokens = [step for step in steps if isinstance(step, int)]
+    LAST[engine] = turn.stats
+    return tokens
+
+
+LAST: dict[Any, Any] = {}   # an engine's last request's stats
 
 
 def part_c(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from prefixd.backends.mlx.scheduler.writes import hand_over
+
     rows = []
     for turns, gap in ((args.agent_turns, 1.0), (20, 3.0)):
         root = Path(tempfile.mkdtemp(prefix="restart-c-"))
@@ -194,9 +208,7 @@ def part_c(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             prompt = prompt + _generate(engine, prompt, bounds)
             prompt += [rng.randrange(1, 1000) for _ in range(rng.randrange(200, 2000))]
             while time.monotonic() - t0 < gap:          # the agent runs its tool meanwhile
-                due = engine.next_write_due()
-                if due is not None and due <= time.monotonic():
-                    engine.write_due()
+                hand_over(engine, engine.lockstep)   # what the worker does between jobs
                 time.sleep(0.05)
         engine.persist()
         engine.close(120)
@@ -244,12 +256,12 @@ def part_d(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     for _ in range(3):
         cold = _engine(model, root / "cold", 0.0, cache_bytes=0)
         _generate(cold, prompt)
-        cold_s = cold.last_stats.prefill_s
+        cold_s = LAST[cold].prefill_s
         cold.close(5)
         writer = _engine(model, root, 0.0)
         _generate(writer, prompt)
         _generate(writer, prompt)                    # RAM restore of the same prompt
-        ram_s = writer.last_stats.lookup_s + writer.last_stats.restore_s
+        ram_s = LAST[writer].lookup_s + LAST[writer].restore_s
         writer.persist()
         writer.close(60)
         restores = [_disk_restore(model, root, prompt) for _ in range(args.restores)]
@@ -282,7 +294,7 @@ def _disk_restore(model: Any, root: Path, prompt: list[int]) -> tuple[float, flo
     read_s = time.perf_counter() - t0
     _drop_page_cache(files)
     _generate(reader, prompt)
-    st = reader.last_stats
+    st = LAST[reader]
     reader.close(5)
     return st.disk_load_s, read_s, nbytes, st.cached_tokens, st.tier
 

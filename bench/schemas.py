@@ -121,7 +121,7 @@ async def one(client: TestClient, path: Path, schema: dict[str, Any], mode: str,
 async def run(model: str, files: list[Path], max_tokens: int) -> list[dict[str, Any]]:
     settings = Settings(_env_file=None)
     gen = Generator(settings)
-    gen.load_blocking(model)
+    await gen.load(model)
     rows: list[dict[str, Any]] = []
     try:
         async with TestClient(TestServer(create_app(gen, "m", settings))) as client:

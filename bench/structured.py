@@ -72,7 +72,7 @@ async def one(client: TestClient, prompt: str, extra: dict[str, Any], max_tokens
 async def run(model: str, repeats: int, max_tokens: int) -> dict[str, list[float]]:
     settings = Settings(_env_file=None, max_tokens_default=max_tokens)
     gen = Generator(settings)
-    gen.load_blocking(model)
+    await gen.load(model)
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     try:
         async with TestClient(TestServer(create_app(gen, "m", settings))) as client:

@@ -23,6 +23,7 @@ from prefixd.backends.mlx.cache.placement import common_prefix, compute_interval
 from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.model.tiny import ARCHS, build_model, model_from_config, tiny_config
+from tests.engine_steps import generate, turn_for
 
 LOGPROB_ATOL = 1e-4  # float32 tiny models; observed up to 2.3e-5 (gemma3_text), ~2e-6 others
 MAX_TOKENS = 4
@@ -61,10 +62,11 @@ def _run(engine: Engine, prompt: list[int], bounds: Sequence[int] = (),
         logprobs.append(np.array(lp.astype(mx.float32)))
         return mx.argmax(lp, axis=-1)
 
-    tokens = list(engine.generate(prompt, sampler=greedy, max_tokens=max_tokens,
-                                  boundaries=bounds))
-    assert engine.last_stats is not None
-    return tokens, logprobs, engine.last_stats
+    turn = turn_for(engine)
+    tokens = list(generate(engine, prompt, sampler=greedy, max_tokens=max_tokens,
+                           boundaries=bounds, turn=turn))
+    assert turn.stats is not None
+    return tokens, logprobs, turn.stats
 
 
 def _assert_same(warm: tuple, cold: tuple) -> None:
@@ -228,10 +230,10 @@ def test_stopped_or_closed_generation_commits_what_the_kv_holds(model: CountingM
     prompt = _words(rng, 200)
     engine = Engine(model, _settings())
     chunks = iter(range(3))
-    assert list(engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=4,
+    assert list(generate(engine, prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=4,
                                 should_stop=lambda: next(chunks, None) is None)) == []
     assert [len(e.tokens) for e in engine.store.entries] == [48]
-    gen = engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50)
+    gen = generate(engine, prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50)
     assert engine.store.entries[0].tokens == prompt[:48]
     got = [next(gen), next(gen)]
     gen.close()  # e.g. a stop string: both tokens are fed, the last one on close
@@ -241,7 +243,7 @@ def test_stopped_or_closed_generation_commits_what_the_kv_holds(model: CountingM
     _assert_same(warm, _cold(model, [*prompt, *got, 5]))
     # should_stop() (the client went away) ends it without feeding the last token
     stop = False
-    gen = engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50,
+    gen = generate(engine, prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=50,
                           should_stop=lambda: stop)
     got = [next(gen), next(gen)]
     stop = True
@@ -354,9 +356,9 @@ def test_metrics_and_cache_info_report_hits() -> None:
     engine = Engine(build_model("qwen3_next", seed=3), _settings())
     prompt = _words(random.Random(15), 100)
     _run(engine, prompt, (40,))
-    _run(engine, [*prompt[:90], 5, 6, 7])
+    stats = _run(engine, [*prompt[:90], 5, 6, 7])[2]
     info = engine.cache_info()
-    assert info["hit_tokens_total"] == engine.last_stats.cached_tokens > 0
+    assert info["hit_tokens_total"] == stats.cached_tokens > 0
     assert sample("prefixd_worker_cached_tokens_total") - cached0 == info["hit_tokens_total"]
     assert sample("prefixd_worker_cache_bytes", kind="checkpoint") > 0
     assert info["bytes_used"] <= info["bytes_budget"] and info["checkpoints"] > 0
@@ -426,8 +428,7 @@ def test_stats_account_for_every_pass_and_checkpoint(model: CountingModel) -> No
     engine = Engine(model, _settings())
     prompt = _words(random.Random(21), 150)
     model.tokens = model.calls = 0
-    _run(engine, prompt, BOUNDS[:1], max_tokens=1)
-    stats = engine.last_stats
+    stats = _run(engine, prompt, BOUNDS[:1], max_tokens=1)[2]
     (entry,) = engine.store.entries
     # max_tokens=1: no decode pass; the one generated token is fed at the end
     assert len(stats.segments) == model.calls - 1

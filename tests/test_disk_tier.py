@@ -11,6 +11,7 @@ extends it restores exactly `len(prompt) + MAX_TOKENS` tokens.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from prefixd.backends.mlx.disk import fmt as diskfmt
 from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
 from prefixd.backends.mlx.engine.tierglue import DiskSpec
 from prefixd.backends.mlx.model.tiny import ARCHS, build_model
+from prefixd.backends.mlx.scheduler.writes import hand_over
 
 BOUNDS = (60, 150, 220)
 BLOCK = 64
@@ -87,7 +89,7 @@ def test_each_block_is_written_once_and_superseded_turns_never(tmp_path: Path) -
         prompt = prompt + reply + _words(10 + turn, 70)
     assert not _files(tmp_path), "an active conversation was written before it went idle"
     (entry,) = engine.store.entries
-    engine.tiers.tiers.flush_due(float("inf"))
+    hand_over(engine, engine.lockstep, math.inf)
     assert engine.close(30.0)
     info = engine.cache_info()["disk"]
     assert info["written_blocks"] == len(entry.tokens) // BLOCK
@@ -125,7 +127,7 @@ def test_disk_budget_is_never_exceeded(tmp_path: Path) -> None:
     engine = _engine(model, tmp_path, budget=budget)
     for i in range(8):
         _run(engine, _words(30 + i, 260), (100,))
-        engine.tiers.tiers.flush_due(float("inf"))
+        hand_over(engine, engine.lockstep, math.inf)
         assert engine.tiers.disk.drain(30.0)
         on_disk = sum(p.stat().st_size for p in _files(tmp_path))
         assert on_disk <= budget
@@ -307,7 +309,7 @@ def test_idle_turns_write_each_kv_position_about_once(tmp_path: Path) -> None:
     turns = 6
     for t in range(turns):
         reply = _run(engine, prompt, (len(prompt) - 30,))[0]
-        engine.tiers.tiers.flush_due(float("inf"))       # idle: this turn is written
+        hand_over(engine, engine.lockstep, math.inf)       # idle: this turn is written
         assert engine.tiers.disk.drain(30.0)
         prompt = prompt + reply + _words(81 + t, 150)
     (key_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -35,6 +36,7 @@ from prefixd.backends.mlx.disk import chain
 from prefixd.backends.mlx.disk import fmt as diskfmt
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.model.tiny import build_model
+from prefixd.backends.mlx.scheduler.writes import hand_over
 
 ARCH = "falcon_h1"
 BASE = 300
@@ -290,7 +292,7 @@ def test_a_full_disk_leaves_no_temp_file_and_no_unreferenced_block(small_fs: Pat
         n += 1
         assert n < 60, "the file system never filled up"
         _run(engine, _words(200 + n, 700))
-        engine.tiers.tiers.flush_due(float("inf"))
+        hand_over(engine, engine.lockstep, math.inf)
         assert engine.tiers.disk.drain(30.0)
     assert engine.close(5)
     (key_dir,) = [p for p in small_fs.iterdir() if p.is_dir()]

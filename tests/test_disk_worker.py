@@ -108,7 +108,8 @@ WRITER = textwrap.dedent("""
     import random, sys
     from pathlib import Path
     from prefixd.backends.mlx.engine.tierglue import DiskSpec
-    from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
+    from prefixd.backends.mlx.engine.engine import Engine, EngineConfig, Turn
+    from prefixd.backends.mlx.engine.pacing import Pacing
     from prefixd.backends.mlx.model.tiny import build_model
     import mlx.core as mx
     model = build_model("qwen3_5", seed=3)
@@ -117,7 +118,10 @@ WRITER = textwrap.dedent("""
     for i in range(10_000):
         rng = random.Random(i)
         prompt = [rng.randrange(1, 1000) for _ in range(900)]
-        list(engine.generate(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=2))
+        steps = engine.steps(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=2,
+                             turn=Turn(Pacing(64)))
+        for _ in steps:
+            pass
         engine.persist()
         print("wrote", i, flush=True)
 """)

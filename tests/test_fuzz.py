@@ -20,6 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.worker_fixtures import loaded
+
 EXAMPLES = int(os.environ.get("PREFIXD_FUZZ_EXAMPLES", "60"))
 REPORT = os.environ.get("PREFIXD_FUZZ_REPORT")     # a file: statuses and RSS are written there
 STATUSES: collections.Counter[str] = collections.Counter()
@@ -143,7 +145,7 @@ def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[object]:
 
     gen = Generator(WorkerSettings(_env_file=None, max_tokens_default=2,
                                    use_system_blas=False))
-    gen.load_blocking(str(tiny_model_dir("qwen3")))
+    loaded(gen, str(tiny_model_dir("qwen3")))
     yield gen
     gen.close()
 

@@ -271,3 +271,88 @@ def test_a_group_stopped_as_a_whole_keeps_every_ranks_records(
         warm = _post(url, second)
     assert warm["prefixd"]["cache"]["tier"] == "disk"
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# Put on a follower's path (PYTHONPATH): rank 1 fails one prefill pass, once, when the flag file
+# exists (an error on one rank only: the others' passes went fine).
+FAULT_SITE = '''
+import os
+if os.environ.get("PREFIXD_GROUP_RANK") == "1" and os.environ.get("TEST_GROUP_FAULT"):
+    import prefixd.backends.mlx.engine.run as run
+    flag, original = os.environ["TEST_GROUP_FAULT"], run.Run._pass
+
+    def _pass(self, *args, **kwargs):
+        if os.path.exists(flag):
+            os.unlink(flag)
+            raise RuntimeError("a fault injected on rank 1")
+        return (yield from original(self, *args, **kwargs))
+
+    run.Run._pass = _pass
+'''
+
+
+@pytest.mark.parametrize("fault", ["stop", "error"])
+async def test_a_stopped_or_failing_follower_restarts_the_group_and_no_request_is_lost(
+        fault: str, tiny_model_dir: Callable[[str], Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower stopped mid-request (SIGSTOP: alive, silent) is found by the leader's
+    watchdog within its bound; a step that fails on the follower alone ends that rank, which
+    ends the leader. Either way the supervisor restarts the group as one and every request in
+    flight answers 200, with the replies the group gave before."""
+    import asyncio
+
+    import aiohttp
+
+    from prefixd.backends.managed import ManagedBackend
+    from prefixd.backends.states import ProcState
+    from prefixd.proxy.server import Server, make_proxy
+    from prefixd.proxy.settings import Settings
+
+    flag = tmp_path / "fault"
+    if fault == "error":
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(FAULT_SITE)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+        monkeypatch.setenv("TEST_GROUP_FAULT", str(flag))
+    settings = Settings(_env_file=None, prefix_detect=False, group_watchdog_s=3.0, backends=[
+        {"name": "big", "kind": "mlx", "model": str(tiny_model_dir("qwen3_next")),
+         "models": ["big"], "hosts": ["127.0.0.1", "127.0.0.1"], "parallel": "pipeline"}])
+    backend = ManagedBackend(settings.backends[0], settings)
+    server = Server(make_proxy(settings, [backend]))
+    await server.start("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.port}"
+    stopped: psutil.Process | None = None
+    try:
+        await backend.wait_for(ProcState.READY, timeout=120)
+        async with aiohttp.ClientSession() as http:
+            async def ask(b: dict[str, Any]) -> tuple[int, Any]:
+                async with http.post(base + "/v1/chat/completions", json=b) as r:
+                    return r.status, (await r.json()).get("choices")
+
+            bodies = [{"model": "big", "max_tokens": 4 + i, "temperature": 0, "messages": [
+                {"role": "user", "content": f"question {i}: " + "word " * (300 * (i + 1))}]}
+                for i in range(3)]
+            before = [await ask(b) for b in bodies]      # the group's replies, unharmed
+            leader = psutil.Process(backend.status().detail["pid"])
+            queue = server.proxy.queues["big"]
+            if fault == "error":
+                flag.write_text("fail the next pass")
+            tasks = [asyncio.create_task(ask(b)) for b in bodies]
+            for _ in range(500):                    # until the proxy has sent one (deadline)
+                if queue.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+            if fault == "stop":
+                stopped = leader.children()[0]
+                stopped.suspend()
+            after = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+            assert after == before                         # every one answered 200, the same
+            assert backend.status().detail["pid"] != leader.pid     # by a new group
+            if fault == "error":
+                assert not flag.exists()                   # the fault fired (once)
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.kill()
+        await server.shutdown(10.0)

@@ -25,6 +25,7 @@ from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.server import seal
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
+from tests.worker_fixtures import loaded
 
 SECRET = "the transfer secret of the fuzz"
 NAME = "tiny"
@@ -49,7 +50,7 @@ def pair(tiny_model_dir: Callable[[str], Path], tmp_path: Path
     gens = []
     for _ in range(2):
         gen = Generator(_settings(tmp_path))
-        gen.load_blocking(str(tiny_model_dir("qwen3")))
+        loaded(gen, str(tiny_model_dir("qwen3")))
         gens.append(gen)
     yield gens[0], gens[1]
     for gen in gens:

@@ -24,6 +24,7 @@ from prefixd.backends.mlx.server import seal
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.server.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
+from tests.worker_fixtures import loaded
 
 TOKEN = "the-workers-token-0123"
 DEADLINE_S = 0.5
@@ -37,7 +38,7 @@ def generator(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Te
                               cache_dir=tmp_path_factory.mktemp("cache"),
                               transfer_secret="the transfer secret of the test")
     gen = Generator(settings)
-    gen.load_blocking(str(tiny_model_dir("qwen3")))
+    loaded(gen, str(tiny_model_dir("qwen3")))
     yield gen
     gen.close()
 

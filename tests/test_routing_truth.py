@@ -22,6 +22,7 @@ from prefixd.proxy.prefix.segments import flatten
 from prefixd.proxy.routing.index import boundaries
 from prefixd.proxy.server import Server
 from prefixd.proxy.settings import Settings
+from tests.worker_fixtures import loaded
 
 # In-message checkpoints every 128 tokens after each message start (set, not sized to the model,
 # so the branch below lands between two of them).
@@ -34,7 +35,7 @@ SYSTEM = "You are a cache agent. Keep the state of every request. " * 4
 def hybrid(tiny_model_dir: Callable[[str], Path]) -> Iterator[tuple[Generator, Path]]:
     model = tiny_model_dir("qwen3_next")
     gen = Generator(SETTINGS)
-    gen.load_blocking(str(model))
+    loaded(gen, str(model))
     yield gen, model
     gen.close()
 

@@ -13,15 +13,27 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import mlx.core as mx
 import pytest
 
-from prefixd.backends.mlx.chat.prompt import Prompt
+from prefixd.backends.mlx.chat.prompt import Prompt, Renderer
 from prefixd.backends.mlx.chat.request import Sampling
-from prefixd.backends.mlx.engine.engine import Engine, Turn
+from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.engine.loading import Loaded
 from prefixd.backends.mlx.engine.stats import PromptStats
+from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
+from prefixd.backends.mlx.group.lockstep import Lockstep
+from prefixd.backends.mlx.scheduler.active import Active
 from prefixd.backends.mlx.scheduler.jobs import Job
+from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.scheduler.schedule import AGE_LIMIT, MIN_SLICE, Schedule, drive
+from prefixd.backends.mlx.scheduler.steps import (
+    Decision,
+    Decoded,
+    Finished,
+    Paused,
+    Prefilled,
+    Step,
+)
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings, _words
 
 BOUNDS = (60, 150, 220)
@@ -32,45 +44,47 @@ def _job(tokens: Sequence[int], max_tokens: int = 4) -> Job:
                lambda e: None, asyncio.Queue())
 
 
-class EngineTask:
-    """A job's `Engine.steps`, one per `advance` (what `active.Active` does, without text)."""
+class Observed:
+    """The worker's own `Active` on the Engine, its typed steps logged as they come, its text
+    kept (an observer: every step is the real one)."""
 
-    def __init__(self, engine: Engine, job: Job, slicer: Callable[[], int], log: list[str],
-                 name: str, bounds: Sequence[int] = (),
-                 preempt: Callable[[], bool] | None = None) -> None:
-        self.turn = Turn(slicer, preempt)
-        self.job, self.log, self.name, self.tokens = job, log, name, []
-        self.steps = engine.steps(job.prompt.tokens, sampler=lambda lp: mx.argmax(lp, axis=-1),
-                                  max_tokens=4, boundaries=bounds,
-                                  should_stop=job._cancel.is_set, turn=self.turn)
+    def __init__(self, engine: Engine, tokenizer: Any, job: Job, log: list[str], name: str,
+                 bounds: Sequence[int] = (), preempt: Callable[[], bool] | None = None) -> None:
+        self.deltas: list[str] = []
+        job.prompt = Prompt(job.prompt.tokens, list(bounds))
+        job.emit = lambda e: self.deltas.append(e.text) if isinstance(e, Delta) else None
+        loaded = Loaded(engine.model, tokenizer, Renderer(tokenizer), engine, None)
+        self.active = Active(loaded, GrammarTokenizers(), job, Lockstep(), preempt)
+        self.job, self.log, self.name, self.turn = job, log, name, self.active.turn
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
 
     def remaining(self) -> int:
-        run = self.turn.run
-        return len(self.job.prompt.tokens) if run is None else len(run.prompt) - run.pos
+        return self.active.remaining()
 
     def pass_rate(self) -> float | None:
         return None
 
-    def midpass(self) -> bool:
-        return self.turn.run is not None and self.turn.run.midpass
-
-    def advance(self) -> bool:
-        token = next(self.steps, -1)
-        if token == -1:
-            self.log.append(f"{self.name}:end")
-            return True
-        what = "token" if token is not None else "pause" if self.midpass() else "prefill"
-        self.log.append(f"{self.name}:{what}")
-        if token is None:
-            return False
-        self.tokens.append(token)
-        return False
+    def step(self, decision: Decision) -> Step:
+        step = self.active.step(decision)
+        kind = {Prefilled: "prefill", Paused: "pause", Decoded: "token"}.get(type(step), "end")
+        self.log.append(f"{self.name}:{kind}")
+        return step
 
 
-def _interleave(engine: Engine, jobs: dict[str, tuple[Job, Sequence[int]]], slice_: int = 5
-                ) -> tuple[dict[str, EngineTask], list[str]]:
+def _text(tokenizer: Any, tokens: list[int]) -> str:
+    """What the worker sends of these sampled tokens: up to the first end-of-sequence."""
+    eos = set(tokenizer.eos_token_ids)
+    ended = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return str(tokenizer.decode(tokens[:ended]))
+
+
+def _interleave(engine: Engine, tokenizer: Any, jobs: dict[str, tuple[Job, Sequence[int]]],
+                slice_: int = 5) -> tuple[dict[str, Observed], list[str]]:
     log: list[str] = []
-    tasks: dict[str, EngineTask] = {}
+    tasks: dict[str, Observed] = {}
     schedule = Schedule(2, slice_, engine.config.prefill_chunk, 1 << 40, 1)
     arrivals = [[job] for job, _ in jobs.values()]   # one per pass: the first starts alone
     names = {id(job): (name, bounds) for name, (job, bounds) in jobs.items()}
@@ -79,21 +93,22 @@ def _interleave(engine: Engine, jobs: dict[str, tuple[Job, Sequence[int]]], slic
         out = arrivals.pop(0) if arrivals else []
         return None if idle and not out else out
 
-    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
+    def start(job: Job, preempt: Callable[[], bool]) -> Observed:
         name, bounds = names[id(job)]
-        tasks[name] = EngineTask(engine, job, slicer, log, name, bounds, preempt)
+        tasks[name] = Observed(engine, tokenizer, job, log, name, bounds, preempt)
         return tasks[name]
 
-    drive(schedule, take, start, lambda job: log.append("cancelled-waiting"))
+    drive(schedule, take, start, lambda job, result: log.append(f"ended:{result}"))
     return tasks, log
 
 
 def test_interleaved_jobs_equal_serial_and_checkpoints_land_in_place(
-        model: CountingModel) -> None:
+        model: CountingModel, tokenizer: Any) -> None:
     rng = random.Random(26)
     long, short = _words(rng, 300), _words(rng, 12)
     engine = Engine(model, _settings())
-    tasks, log = _interleave(engine, {"long": (_job(long), BOUNDS), "short": (_job(short), ())})
+    tasks, log = _interleave(engine, tokenizer,
+                             {"long": (_job(long), BOUNDS), "short": (_job(short), ())})
     # the long one started first (alone: a whole chunk), the short one ran to its end while
     # the long one was still prefilling
     assert log[0] == "long:prefill"
@@ -102,8 +117,8 @@ def test_interleaved_jobs_equal_serial_and_checkpoints_land_in_place(
     serial = Engine(model, _settings())
     want_long = _run(serial, long, BOUNDS)
     want_short = _run(serial, short)
-    assert tasks["long"].tokens == want_long[0]
-    assert tasks["short"].tokens == want_short[0]
+    assert tasks["long"].text == _text(tokenizer, want_long[0])
+    assert tasks["short"].text == _text(tokenizer, want_short[0])
     _assert_in_place_then_warm(engine, model, long, want_long[0], rng)
 
 
@@ -127,7 +142,7 @@ def _assert_in_place_then_warm(engine: Engine, model: CountingModel, long: list[
 
 
 def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
-        model: CountingModel) -> None:
+        model: CountingModel, tokenizer: Any) -> None:
     """The long prompt's pass under way pauses after a layer for a short prompt that arrives
     during it; the short one runs to its end, then the pass resumes where it stopped. Outputs,
     pass sizes and checkpoints are those of the serial runs, and warm == cold holds after."""
@@ -135,7 +150,7 @@ def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
     long, short = _words(rng, 300), _words(rng, 10)
     engine = Engine(model, _settings())
     chunk = engine.config.prefill_chunk
-    tasks, log = _interleave_mid_pass(engine, long, short)
+    tasks, log = _interleave_mid_pass(engine, tokenizer, long, short)
     assert log[0] == "long:pause"
     assert log.index("short:end") < log.index("long:prefill")
     run = tasks["long"].turn.run
@@ -143,8 +158,8 @@ def test_a_short_job_arriving_during_a_pass_runs_before_that_pass_ends(
     assert run.segments[0][0] == chunk            # the paused pass was not cut short
     serial = Engine(model, _settings())
     want_long, want_short = _run(serial, long, BOUNDS), _run(serial, short)
-    assert tasks["long"].tokens == want_long[0]
-    assert tasks["short"].tokens == want_short[0]
+    assert tasks["long"].text == _text(tokenizer, want_long[0])
+    assert tasks["short"].text == _text(tokenizer, want_short[0])
     segments = [n for n, _ in run.segments]         # before the warm runs reuse the engine
     alone_stats = _assert_in_place_then_warm(engine, model, long, want_long[0], rng)
     assert segments == [n for n, _ in alone_stats.segments]
@@ -172,25 +187,25 @@ OTHER_ARCHS = {
 
 
 @pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
-def test_a_pass_pauses_exactly_on_other_architectures(arch: str) -> None:
+def test_a_pass_pauses_exactly_on_other_architectures(arch: str, tokenizer: Any) -> None:
     from prefixd.backends.mlx.model.tiny import model_from_config
     model = CountingModel(model_from_config(OTHER_ARCHS[arch], seed=1))
     rng = random.Random(31)
     long, short = _words(rng, 300), _words(rng, 10)
     engine = Engine(model, _settings())
-    tasks, log = _interleave_mid_pass(engine, long, short)
+    tasks, log = _interleave_mid_pass(engine, tokenizer, long, short)
     run = tasks["long"].turn.run
     assert log[0] == "long:pause" and run is not None and run.yields == 1
     serial = Engine(model, _settings())
-    assert tasks["long"].tokens == _run(serial, long)[0]
-    assert tasks["short"].tokens == _run(serial, short)[0]
+    assert tasks["long"].text == _text(tokenizer, _run(serial, long, BOUNDS)[0])
+    assert tasks["short"].text == _text(tokenizer, _run(serial, short)[0])
 
 
-def _interleave_mid_pass(engine: Engine, long: list[int], short: list[int]
-                         ) -> tuple[dict[str, EngineTask], list[str]]:
+def _interleave_mid_pass(engine: Engine, tokenizer: Any, long: list[int], short: list[int]
+                         ) -> tuple[dict[str, Observed], list[str]]:
     """The long prompt starts alone; the short one arrives during its first pass."""
     log: list[str] = []
-    tasks: dict[str, EngineTask] = {}
+    tasks: dict[str, Observed] = {}
     inbox: list[list[Job]] = [[_job(long)]]
     later = [_job(short)]
 
@@ -198,18 +213,21 @@ def _interleave_mid_pass(engine: Engine, long: list[int], short: list[int]
         out = inbox.pop(0) if inbox else []
         return None if idle and not out else out
 
-    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
+    def start(job: Job, preempt: Callable[[], bool]) -> Observed:
         name = "long" if job.prompt.tokens == long else "short"
-        tasks[name] = EngineTask(engine, job, slicer, log, name, BOUNDS if name == "long" else (),
-                                 preempt)
+        tasks[name] = Observed(engine, tokenizer, job, log, name,
+                               BOUNDS if name == "long" else (), preempt)
+        if name == "long":
+            inbox.append(later)       # the short one arrives during the long one's first pass
         return tasks[name]
 
     drive(Schedule(2, 12, engine.config.prefill_chunk, 1 << 40, 1), take, start,
-          lambda job: None, lambda: [later.pop()] if later else [])
+          lambda job, result: None, lambda: list(inbox[0]) if inbox else [])
     return tasks, log
 
 
-def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel) -> None:
+def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel,
+                                                            tokenizer: Any) -> None:
     """A job cancelled while its pass is paused runs first: the rest of that pass (no more
     pauses), then it ends, and what it computed is committed and restores exactly."""
     rng = random.Random(29)
@@ -225,15 +243,17 @@ def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel
         out = inbox.pop(0) if inbox else []
         return None if idle and not out else out
 
-    def start(job: Job, slicer: Callable[[], int], preempt: Callable[[], bool]) -> EngineTask:
+    def start(job: Job, preempt: Callable[[], bool]) -> Observed:
         name = "long" if job is jobs["long"] else "short"
         if name == "short":
             jobs["long"].cancel()              # its client leaves while its pass is paused
-        return EngineTask(engine, job, slicer, log, name, BOUNDS if name == "long" else (),
-                          preempt)
+        else:
+            inbox.append(later)                # the short one arrives during its first pass
+        return Observed(engine, tokenizer, job, log, name, BOUNDS if name == "long" else (),
+                        preempt)
 
-    drive(Schedule(2, 12, chunk, 1 << 40, 1), take, start, lambda job: None,
-          lambda: [later.pop()] if later else [])
+    drive(Schedule(2, 12, chunk, 1 << 40, 1), take, start, lambda job, result: None,
+          lambda: list(inbox[0]) if inbox else [])
     assert log[:4] == ["long:pause", "short:prefill", "long:prefill", "long:end"]
     assert log[-1] == "short:end"
     assert [len(e.tokens) for e in engine.store.entries if e.tokens == long[:len(e.tokens)]] \
@@ -243,18 +263,18 @@ def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel
     _assert_same(warm, _cold(model, long[:chunk] + short))
 
 
-def test_a_cancelled_job_stops_within_one_slice(model: CountingModel) -> None:
+def test_a_cancelled_job_stops_within_one_slice(model: CountingModel, tokenizer: Any) -> None:
     rng = random.Random(27)
     long, short = _words(rng, 300), _words(rng, 40)
     engine = Engine(model, _settings())
     job = _job(long)
-    log: list[str] = []
-    task = EngineTask(engine, job, lambda: 5, log, "long", BOUNDS)
+    task = Observed(engine, tokenizer, job, [], "long", BOUNDS)
     for _ in range(3):
-        assert task.advance() is False
+        assert task.step(Decision(5, job.cancelled)) == Prefilled(5)
     assert task.turn.run is not None and task.turn.run.pos == 15
     job.cancel()
-    assert task.advance() is True and log[-1] == "long:end"
+    end = task.step(Decision(5, job.cancelled))
+    assert isinstance(end, Finished) and end.finish_reason == "cancelled"
     # what it computed is committed (the store holds its first 15 tokens)
     assert [len(e.tokens) for e in engine.store.entries] == [15]
     warm = _run(engine, long[:15] + short)
@@ -272,12 +292,9 @@ class FakeTask:
     def pass_rate(self) -> float | None:
         return self.rate
 
-    def advance(self) -> bool:
+    def step(self, decision: Decision) -> Step:
         self.left = max(0, self.left - 256)   # a pass of prefill_slice tokens
-        return False
-
-    def midpass(self) -> bool:
-        return False
+        return Prefilled(256)
 
 
 def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
@@ -292,7 +309,7 @@ def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
         slot = schedule.pick()
         picks.append(slots.index(slot))
         assert slot.task is not None
-        slot.task.advance()
+        slot.task.step(Decision(256, False))
         schedule.ran(slot)
     # the short prompt one pass from its first token first, then decoding (the job that
     # was decoding, then that one in turn), before the longer prefills, which wait at most
@@ -301,7 +318,7 @@ def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
     runs = [k for k, p in enumerate(picks) if p == 0]
     gaps = [b - a - 1 for a, b in zip([-1, *runs[:-1]], runs, strict=True)]
     assert gaps and max(gaps) <= AGE_LIMIT + 3
-    assert schedule.slice() == 256
+    assert schedule.pass_tokens() == 256
 
 
 def test_aging_by_time_lets_cheap_decode_steps_run_before_an_expensive_slice() -> None:
@@ -332,15 +349,18 @@ def test_a_pass_pauses_only_for_a_newcomer_in_a_better_class() -> None:
     schedule.add(_job([1] * 5000))
     (long,) = schedule.admit()
     long.task = FakeTask(5000)
-    assert schedule.pick() is long and not schedule.preempts(long)
-    schedule.add(_job([1] * 3000))                 # a longer prefill: same class, waits
+    assert schedule.pick() is long and not schedule.preempts(long, [])
+    longer = _job([1] * 3000)                      # a longer prefill: same class, waits
+    assert not schedule.preempts(long, [longer])
+    schedule.add(longer)                           # admitted between two passes
     (other,) = schedule.admit()
     other.task = FakeTask(3000)
-    assert not schedule.preempts(long)
-    schedule.add(_job([1] * 60))                   # a short prompt: one pass from its token
+    short_job = _job([1] * 60)                     # a short prompt: one pass from its token
+    assert schedule.preempts(long, [short_job])
+    assert len(schedule.active) == 2 and not schedule.waiting   # asking admitted nobody
+    schedule.add(short_job)
     (short,) = schedule.admit()
     short.task = FakeTask(60)
-    assert schedule.preempts(long)
     schedule.ran(long, 0.3, paused=True, others=[other])
     assert long.kept == 0.0 and other.kept == 0.3 and short.kept == 0.0
     assert schedule.pick() is short
@@ -348,10 +368,11 @@ def test_a_pass_pauses_only_for_a_newcomer_in_a_better_class() -> None:
     assert schedule.pick() is other and other.aged  # the longest kept first (2.3 s)
     schedule.ran(other, 0.1)
     assert schedule.pick() is long and long.aged   # its pauses did not reset its 2.1 s
-    schedule.add(_job([1] * 50))
+    arriving = _job([1] * 50)
+    assert not schedule.preempts(long, [arriving])  # an aged pass runs to its end
+    schedule.add(arriving)
     (newcomer,) = schedule.admit()
     newcomer.task = FakeTask(50)
-    assert not schedule.preempts(long)             # an aged pass runs to its end
     newcomer.job.cancel()
     assert schedule.pick() is newcomer             # a job whose client left ends first
 
@@ -368,10 +389,8 @@ def test_a_deep_prompts_last_slice_is_not_a_short_prompt() -> None:
     assert schedule.pick() is decoding
     schedule.remove(decoding)
     assert schedule.pick() is deep
-    schedule.add(_job([1] * 40))
-    (fresh,) = schedule.admit()
-    fresh.task = FakeTask(40)
-    assert schedule.preempts(deep)
+    arriving = _job([1] * 40)
+    assert schedule.preempts(deep, [arriving])
 
 
 def test_a_follow_up_ranks_by_the_tokens_its_cache_lacks() -> None:
@@ -409,7 +428,7 @@ def test_admission_counts_live_cache_bytes() -> None:
     alone = Schedule(2, 256, 512, 10, 10)
     alone.add(_job([1] * 500))
     assert len(alone.admit()) == 1   # one job alone always runs
-    assert alone.slice() == 512
+    assert alone.pass_tokens() == 512
 
 
 def test_admission_counts_the_reply_too() -> None:
@@ -427,25 +446,32 @@ def test_a_slice_is_its_time_at_the_measured_prefill_rate() -> None:
     schedule = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=250, prefill_rate=lambda: rate[0])
     schedule.add(_job([1] * 4000))
     (slot,) = schedule.admit()
-    assert schedule.slice(slot) == 96              # no rate measured yet: prefill_slice
+    assert schedule.pass_tokens(slot) == 96              # no rate measured yet: prefill_slice
     for tps, tokens in ((1000.0, 250), (400.0, 100), (20.0, MIN_SLICE), (1e6, 512)):
         rate[0] = tps                              # the worker's rate (alone too)
-        assert schedule.slice(slot) == tokens, tps
+        assert schedule.pass_tokens(slot) == tokens, tps
     slot.task = FakeTask(3000, rate=50.0)          # its own last pass: 50 tokens/s, deep in
-    assert schedule.slice(slot) == MIN_SLICE       # its prompt: 12.5 tokens -> the floor
+    assert schedule.pass_tokens(slot) == MIN_SLICE       # its prompt: 12.5 tokens -> the floor
     slot.task = FakeTask(3000, rate=800.0)
-    assert schedule.slice(slot) == 200
+    assert schedule.pass_tokens(slot) == 200
     slot.task = FakeTask(90, rate=50.0)            # the long prompt's last 90 tokens: deep,
-    assert schedule.slice(slot) == MIN_SLICE       # so by time
+    assert schedule.pass_tokens(slot) == MIN_SLICE       # so by time
     schedule.add(_job([1] * 90))
     (short,) = schedule.admit()
     short.task = FakeTask(90)                      # a short prompt's rest: one pass, however
-    assert schedule.slice(short) == 96             # slow the passes deep in another prompt
+    assert schedule.pass_tokens(short) == 96             # slow the passes deep in another prompt
     fixed = Schedule(2, 96, 512, 1 << 30, 1, slice_ms=0, prefill_rate=lambda: 1000.0)
     fixed.add(_job([1] * 4000))
-    assert fixed.slice() == 512                    # prefill_slice_ms 0: whole chunks alone,
+    assert fixed.pass_tokens() == 512                    # prefill_slice_ms 0: whole chunks alone,
     fixed.add(_job([1] * 10))
-    assert fixed.slice() == 96                     # token slices while others wait
+    assert fixed.pass_tokens() == 96                     # token slices while others wait
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Callable[[str], Any]) -> Any:
+    """The tiny models' tokenizer (their vocabulary), as the worker loads it."""
+    from mlx_lm.tokenizer_utils import load
+    return load(tiny_model_dir("qwen3"))
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next", "qwen3_5",

@@ -16,12 +16,13 @@ from prefixd.backends.mlx.scheduler.active import _reset_random_state
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
+from tests.worker_fixtures import loaded
 
 
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[Generator]:
     gen = Generator(WorkerSettings(_env_file=None, max_tokens_default=3, use_system_blas=False))
-    gen.load_blocking(str(tiny_model_dir("qwen3")))
+    loaded(gen, str(tiny_model_dir("qwen3")))
     yield gen
     gen.close()
 

@@ -18,6 +18,7 @@ from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job, Queued
 from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.settings import WorkerSettings
+from tests.worker_fixtures import loaded
 
 LONG, SHORT = 3000, 12
 
@@ -32,7 +33,7 @@ def _settings(max_active: int) -> WorkerSettings:
 def gen(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
         ) -> Iterator[Generator]:
     g = Generator(_settings(request.param))
-    g.load_blocking(str(tiny_model_dir("qwen3")))
+    loaded(g, str(tiny_model_dir("qwen3")))
     yield g
     g.close()
 
@@ -154,7 +155,7 @@ async def test_a_job_waiting_for_room_is_told_its_place(
     import asyncio
 
     g = Generator(_settings(3).model_copy(update={"active_kv_share": 1e-12}))
-    g.load_blocking(str(tiny_model_dir("qwen3")))
+    loaded(g, str(tiny_model_dir("qwen3")))
     try:
         long, short = _prompts()
         orders: list[list[str]] = [[], [], []]

@@ -18,6 +18,7 @@ from prefixd.backends.mlx.chat.oai import ToolFormat
 from prefixd.backends.mlx.chat.request import parse_request
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.server.app import create_app
+from tests.worker_fixtures import loaded
 
 # HuggingFaceTB/SmolLM2-135M-Instruct's chat template: no `tools`, no `tool_calls`.
 SMOLLM2_TEMPLATE = (
@@ -45,7 +46,7 @@ def plain(tiny_model_dir: Callable[[str], Path],
     shutil.copytree(tiny_model_dir("qwen3"), folder)
     (folder / "chat_template.jinja").write_text(SMOLLM2_TEMPLATE)
     gen = Generator(SETTINGS)
-    gen.load_blocking(str(folder))
+    loaded(gen, str(folder))
     yield gen
     gen.close()
 

@@ -4,6 +4,8 @@ model load per test module that uses them), and the request helpers the tests im
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,14 @@ from prefixd.proxy.settings import Settings
 
 __all__ = ["client", "generator"]
 
+
+def loaded(gen: Generator, model: str) -> Generator:
+    """`gen` with `model` loaded by the worker's own `Generator.load` (on an event loop of its
+    own, in a thread: callable from a sync fixture or an async test alike)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, gen.load(model)).result()
+    return gen
+
 SETTINGS = Settings(_env_file=None, max_tokens_default=6, use_system_blas=False)
 NAME = "tiny-qwen3"
 HELLO = [{"role": "system", "content": "You are a cache."},
@@ -26,8 +36,7 @@ HELLO = [{"role": "system", "content": "You are a cache."},
 
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[Generator]:
-    gen = Generator(SETTINGS)
-    gen.load_blocking(str(tiny_model_dir("qwen3")))
+    gen = loaded(Generator(SETTINGS), str(tiny_model_dir("qwen3")))
     yield gen
     gen.close()
 

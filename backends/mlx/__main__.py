@@ -26,7 +26,7 @@ from aiohttp import web
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from prefixd.backends.mlx.group.leader import is_loopback
+from prefixd.backends.mlx.group.start import is_loopback
 from prefixd.backends.mlx.model.blas import describe_blas, reexec_with_blas
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.replay import is_follower

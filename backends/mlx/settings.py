@@ -133,6 +133,11 @@ class WorkerSettings(BaseSettings):
         "auto", description="Worker (group): how the model is split: pipeline (consecutive "
         "layers per rank), tensor (every layer's heads), auto (pipeline where mlx-lm has it). In "
         "the proxy's env file: the split of every managed mlx backend that names none.")
+    group_watchdog_s: float = Field(
+        10.0, ge=1.0, description="Worker (group): a rank the leader has not heard from for this "
+        "long (its heartbeats come every watchdog/5 s, or 1 s, from their own thread: a long "
+        "pass does not delay them; a stopped or hung process sends none) ends the group, which "
+        "the supervisor restarts, sending the requests in flight again.")
     max_tokens_default: int = Field(1024, ge=1, description="Worker: max_tokens when a "
                                     "request gives none.")
     kv_bits: int | None = Field(None, description="Worker: quantize the KV cache to this many "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixd.backends.mlx.cache.placement import common_prefix
@@ -37,6 +37,21 @@ class Prompt:
     tokens: list[int]
     boundaries: list[int]
     timings: dict[str, float] = field(default_factory=dict)  # template/tokenize/boundaries, s
+    thinking: bool = False  # it leaves a think block open: the reply starts in reasoning
+
+
+# The generation prompt a template appends (`<|im_start|>assistant\n<think>\n`) lies within
+# the prompt's last tokens; looking no further keeps a `<think>` quoted in a message out of it.
+GENERATION_TAIL = 16
+
+
+def opens_think(tokenizer: Any, tokens: list[int]) -> bool:
+    """Whether the prompt leaves a think block open (decided once per prompt: the reply's text
+    split and a constraint's grammar both follow it)."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return False
+    tail = tokens[-GENERATION_TAIL:]
+    return bool(tokenizer.rfind_think_start(tail) > tokenizer.rfind_think_end(tail))
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -85,7 +100,13 @@ class Renderer:
 
     def build(self, req: GenRequest, *, boundaries: bool = True,
               should_stop: Callable[[], bool] = never) -> Prompt:
-        """The prompt token ids and (for chat, if asked) the message boundaries."""
+        """The prompt token ids, (for chat, if asked) the message boundaries, and whether it
+        leaves a think block open."""
+        prompt = self._build(req, boundaries, should_stop)
+        return replace(prompt, thinking=opens_think(self.tokenizer, prompt.tokens))
+
+    def _build(self, req: GenRequest, boundaries: bool,
+               should_stop: Callable[[], bool]) -> Prompt:
         tok, t0 = self.tokenizer, time.perf_counter()
         if req.kind == "completion":
             assert req.prompt is not None

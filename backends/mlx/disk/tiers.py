@@ -117,10 +117,6 @@ class Tiers:
         """The entries idle for `write_delay` (due to be written now)."""
         return [e for e, t in self.due.items() if t <= now]
 
-    def flush_due(self, now: float) -> int:
-        """Submit the jobs of entries idle for `write_delay`; how many were submitted."""
-        return self.flush(self.ready(now))
-
     def flush(self, entries: Sequence[Entry]) -> int:
         """Submit the jobs of these due entries; how many were submitted."""
         for e in entries:

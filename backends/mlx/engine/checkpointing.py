@@ -1,7 +1,7 @@
 """Taking checkpoints during a prefill and committing what a request leaves: the part of the
 Engine (`engine.py`, a mixin of it) that turns the live cache into store entries and
 checkpoints, at the positions `placement.prefill_plan` gives. In a group worker every size and
-trimmability it stores is the ranks' agreed one (`agree.py`), so every rank's store decides
+trimmability it stores is the ranks' agreed one (`group/lockstep.py`), so every rank's store decides
 alike. Called on the generation thread only, like the rest of the Engine.
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from prefixd.backends.mlx.cache.store import CheckpointStore
     from prefixd.backends.mlx.engine.counts import CacheCounts
     from prefixd.backends.mlx.engine.tierglue import TierGlue
-    from prefixd.backends.mlx.group.lockstep import Solo
+    from prefixd.backends.mlx.group.lockstep import Lockstep
 
 log = logging.getLogger("prefixd.worker.cache")
 
@@ -31,7 +31,7 @@ class Checkpointing:
     """The Engine's checkpoints and commits (its state: the Engine's own)."""
 
     store: CheckpointStore
-    agree: Solo
+    lockstep: Lockstep
     counts: CacheCounts
     tiers: TierGlue
     interval: int
@@ -52,7 +52,7 @@ class Checkpointing:
                  stats: PromptStats, payload: snapshot.Snapshot | None = None) -> None:
         """Checkpoint at `pos`: `payload` (taken inside the pass), else the live cache, which is
         at `pos`. A failure costs the checkpoint, not the reply."""
-        if entry is None or self.agree.any(payload is LOST):   # lost in the pass (a rank's)
+        if entry is None or self.lockstep.any(payload is LOST):   # lost in the pass (a rank's)
             return
         t0 = time.perf_counter()
         try:
@@ -60,15 +60,14 @@ class Checkpointing:
                 payload, size = snapshot.take(run.cache, self._snap_idx)
             else:
                 size = snapshot.payload_bytes(payload)
-            size = self.agree.max(size)    # a group budgets its largest rank's bytes
+            size = self.lockstep.max(size)    # a group budgets its largest rank's bytes
             if self.store.add_checkpoint(
                     entry, pos, payload, size, interval=interval,
-                    trimmable=self.agree.all(snapshot.snapshot_trimmable(payload))):
+                    trimmable=self.lockstep.all(snapshot.snapshot_trimmable(payload))):
                 stats.checkpoints += 1
                 stats.checkpoint_bytes += size
         except Exception:
-            if self.agree.distributed:     # the ranks' stores would part: the group stops
-                raise
+            self.lockstep.local_failure()     # a group's stores would part: it raises
             log.exception("checkpoint at %d failed; continuing without it", pos)
             self.counts.fallback("checkpoint_error")
         stats.checkpoint_s += time.perf_counter() - t0
@@ -78,8 +77,8 @@ class Checkpointing:
         if self._checkpoints:
             payload, size = snapshot.take(cache, self._snap_idx)
             self.store.add_checkpoint(
-                entry, pos, payload, self.agree.max(size),
-                trimmable=self.agree.all(snapshot.snapshot_trimmable(payload)))
+                entry, pos, payload, self.lockstep.max(size),
+                trimmable=self.lockstep.all(snapshot.snapshot_trimmable(payload)))
 
     def _commit(self, entry: Entry | None, run: Run) -> None:
         """Store what the KV state holds (the last yielded token fed first, unless should_stop()
@@ -99,13 +98,12 @@ class Checkpointing:
                 return
             snapshot.trim_padding(run.cache)     # stored (and budgeted) without spare capacity
             if self.store.finish(entry, run.tokens, run.cache,
-                                 self.agree.max(snapshot.nbytes(run.cache)),
-                                 self.agree.all(snapshot.trimmable(run.cache)),
+                                 self.lockstep.max(snapshot.nbytes(run.cache)),
+                                 self.lockstep.all(snapshot.trimmable(run.cache)),
                                  self._end_snapshot):
                 self.tiers.committed(entry)
         except Exception:
-            if self.agree.distributed:
-                raise
+            self.lockstep.local_failure()     # a group's stores would part: it raises
             log.exception("storing this request's prompt cache failed; the reply is unaffected")
             self.counts.fallback("commit_error")
             self.store.discard(entry)
@@ -114,5 +112,6 @@ class Checkpointing:
         if not self._checkpoints:
             return None
         payload, size = snapshot.take(entry.payload, self._snap_idx)
-        return payload, self.agree.max(size), self.agree.all(snapshot.snapshot_trimmable(payload))
+        trimmable = self.lockstep.all(snapshot.snapshot_trimmable(payload))
+        return payload, self.lockstep.max(size), trimmable
 

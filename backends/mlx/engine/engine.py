@@ -8,18 +8,18 @@ come in and go out through (`bundle.py`). What this model's cache supports is pr
 (`probe.py`); the counts and cache metrics are `cachecounts.py`; policy (placement, lookup,
 budget) lives in `placement.py` and `store.py`; per-class cache handling in `snapshot.py`;
 the disk tier behind `disktier.py`. Called from one thread only (the worker's single-thread
-executor), so nothing here locks. In a group worker (`group.py`) every rank runs the same
-Engine calls in lockstep on its own layers; the values a rank computes from its layers alone
-(sizes, trimmability, whether a restore worked, what the start-up probes found) go through
-`agree` so every rank's store decides as the leader's, and the prefill passes have the same
-shapes on every rank.
+executor), so nothing here locks. In a group worker every rank runs the same Engine calls in
+lockstep on its own layers; the values a rank computes from its layers alone (sizes,
+trimmability, whether a restore worked, what the start-up probes found) go through the
+`lockstep` (`group/lockstep.py`) so every rank's store decides as the leader's, and the
+prefill passes have the same shapes on every rank. The Engine never asks which rank it is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +31,10 @@ from prefixd.backends.mlx.cache.store import CheckpointStore, Entry
 from prefixd.backends.mlx.engine import probe
 from prefixd.backends.mlx.engine.checkpointing import Checkpointing
 from prefixd.backends.mlx.engine.counts import CacheCounts
-from prefixd.backends.mlx.engine.run import Run
+from prefixd.backends.mlx.engine.run import Pacing, Run, Step
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
-from prefixd.backends.mlx.group.lockstep import SOLO, Solo
+from prefixd.backends.mlx.group.lockstep import Lockstep
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -64,13 +64,11 @@ class EngineConfig:
 
 @dataclass(eq=False)
 class Turn:
-    """One request's own view of the Engine (several may be under way: `schedule.py`): its
-    stats and store entry (set when it starts), its live state, and the prefill pass size
-    its scheduler asks for (None: `prefill_chunk`) and whether, between two layers of one,
-    it yields to another job (`preempt`; None: never)."""
+    """One request's own view of the Engine (several may be under way: `scheduler/`): its
+    pacing (the next pass's size and whether a pass pauses, set by its scheduler before each
+    step), its stats and store entry (set when it starts) and its live state."""
 
-    slicer: Callable[[], int] | None = None
-    preempt: Callable[[], bool] | None = None
+    pacing: Pacing
     stats: PromptStats | None = None
     entry: Entry | None = None
     run: Run | None = None
@@ -81,39 +79,38 @@ class Engine(Checkpointing):
 
     def __init__(self, model: nn.Module, config: EngineConfig,
                  disk: DiskSpec | None = None, model_id: str | None = None,
-                 agree: Solo = SOLO) -> None:
+                 lockstep: Lockstep | None = None) -> None:
         self.model = model
         self.config = config
-        self.agree = agree
+        self.lockstep = lockstep = lockstep or Lockstep()
         # what identifies the model's weights (`disktier.model_fingerprint`): states move
         # only between workers of the same one (`bundle.py`)
         self.model_id = model_id or (disk.model_id if disk else None)
         self._reference: list[Any] | None = None
         self.store = CheckpointStore(config.cache_bytes)
-        self.last_stats: PromptStats | None = None
         self.counts = CacheCounts()
         self._kv = probe.kv_quantization(model, config.kv_bits)
         if config.kv_bits and not self._kv:
             self.counts.fallback("kv_quant_unsupported")
         template = self.fresh_cache()
         self._unsupported = snapshot.unsupported(template)
-        if agree.any(bool(self._unsupported)) and not self._unsupported:
+        if lockstep.any(bool(self._unsupported)) and not self._unsupported:
             self._unsupported = "another rank of the group holds a cache it cannot snapshot"
         if self._unsupported:
             log.warning("prompt cache disabled for this model: %s; every prompt is prefilled "
                         "cold", self._unsupported)
         self._snap_idx = () if self._unsupported else snapshot.snapshot_indices(template)
         # checkpoints are taken (at the same positions on every rank of a group)
-        self._checkpoints = agree.any(bool(self._snap_idx))
+        self._checkpoints = lockstep.any(bool(self._snap_idx))
         # Windows as the only snapshotted layers: a checkpoint below the window trims back.
-        self._trim_below = agree.min(snapshot.trimmable_below(template, self._snap_idx))
-        if agree.distributed:   # no timed probes: the same passes on every rank
+        self._trim_below = lockstep.min(snapshot.trimmable_below(template, self._snap_idx))
+        if lockstep.untimed:   # no timed probes: the same passes on every rank
             self.inpass = probe.group_inpass(model, self.fresh_cache, self._snap_idx,
-                                             config.checkpoint_inpass, agree)
+                                             config.checkpoint_inpass, lockstep)
             self.interval_choice = None
             self.interval = probe.group_interval(
                 model, self.fresh_cache, self._snap_idx, fixed=config.checkpoint_interval,
-                budget=config.cache_bytes, chunk=config.prefill_chunk, agree=agree)
+                budget=config.cache_bytes, chunk=config.prefill_chunk, lockstep=lockstep)
             self.reference_leaves()
         else:
             self.inpass = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
@@ -127,7 +124,7 @@ class Engine(Checkpointing):
                                  else None)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
-                              self._snap_idx, config, agree)
+                              self._snap_idx, config, lockstep)
         self.counts.budget(config.cache_bytes)
         self.counts.gauges(self.store)
 
@@ -171,7 +168,7 @@ class Engine(Checkpointing):
             log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
             cache = None
         # a group restores on every rank or on none: a rank that cannot makes the request cold
-        if not self.agree.all(cache is not None) or cache is None:
+        if not self.lockstep.all(cache is not None) or cache is None:
             reason = "restore_error" if cache is None else "group_restore_error"
             self.counts.fallback(reason)
             stats.fallback = reason
@@ -221,52 +218,31 @@ class Engine(Checkpointing):
         return len(tokens) if stored else 0
 
     # --- generation --------------------------------------------------------------------------
-    def generate(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
-                 logits_processors: list | None = None, max_tokens: int,
-                 boundaries: Sequence[int] = (),
-                 should_stop: Callable[[], bool] = lambda: False,
-                 namespace: str = "", turn: Turn | None = None) -> Iterator[int]:
-        """Restore, prefill (checkpointing), then yield sampled token ids until max_tokens.
-
-        Stops early when `should_stop()` is true between prefill chunks or before a decode step,
-        or when the caller closes the generator. On a normal end (max_tokens, or the caller
-        closing the generator) the last yielded token is fed through the model once more, so
-        the KV covers prompt + every generated token; then, on every exit, the tokens actually
-        in the KV state are committed. `turn` (or `self.last_stats`, the latest request's) gets
-        this request's stats from its start (cached and recomputed tokens once the prefill
-        ended; the commit time at the end) and its store entry. `namespace`: the request's
-        cache partition (per-key isolation): it restores from and is stored in that partition
-        only.
-        """
-        steps = self.steps(prompt, sampler=sampler, logits_processors=logits_processors,
-                           max_tokens=max_tokens, boundaries=boundaries,
-                           should_stop=should_stop, namespace=namespace, turn=turn)
-        try:
-            for token in steps:
-                if token is not None:
-                    yield token
-        finally:
-            steps.close()
-
     def steps(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
               logits_processors: list | None = None, max_tokens: int,
               boundaries: Sequence[int] = (),
               should_stop: Callable[[], bool] = lambda: False,
-              namespace: str = "", turn: Turn | None = None) -> Generator[int | None, None, None]:
-        """`generate`, one forward pass per step: None after each prefill pass but the last,
-        then a token per decode step (`schedule.py` interleaves jobs this way). The prefill
-        passes are cut to `turn.slicer()` tokens when it is set."""
+              namespace: str = "", turn: Turn) -> Generator[Step, None, None]:
+        """Restore, prefill (checkpointing), decode: one forward pass per step (`run.Step`:
+        `Prefilled` after each prefill pass but the last, `Paused` inside one, then the token
+        of each decode step, up to `max_tokens`). Each pass's size is `turn.pacing`'s when it
+        starts. Stops early when `should_stop()` is true between passes, or when the caller
+        closes the generator. On a normal end (max_tokens, or the caller closing it) the last
+        token is fed through the model once more, so the KV covers prompt + every generated
+        token; then, on every exit, the tokens actually in the KV state are committed. `turn`
+        gets this request's stats from its start (cached and recomputed tokens once the
+        prefill ended; the commit time at the end) and its store entry. `namespace`: the
+        request's cache partition (per-key isolation): it restores from and is stored in that
+        partition only."""
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
-        turn = turn or Turn()
-        stats = turn.stats = self.last_stats = PromptStats(len(prompt))
+        stats = turn.stats = PromptStats(len(prompt))
         cache, start = self._restore(prompt, stats, namespace=namespace)
         entry = turn.entry = None if self._unsupported else self.store.begin(prompt, namespace)
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
-        run = Run(self.model, cache, prompt, start, self.config.prefill_chunk, should_stop,
-                  self.inpass, turn.slicer, turn.preempt)
+        run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass)
         turn.run = run
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
@@ -276,13 +252,14 @@ class Engine(Checkpointing):
             # the prefill's own time: not the passes of other jobs run while it was paused
             # (the prefill rate it feeds decides whether a disk load beats recomputing)
             prefill_s, t0 = 0.0, time.perf_counter()
-            for _ in run.prefill_passes(*self._plan(len(prompt), start, boundaries), capture):
+            for step in run.prefill_passes(*self._plan(len(prompt), start, boundaries),
+                                           capture):
                 prefill_s += time.perf_counter() - t0
-                yield None
+                yield step
                 t0 = time.perf_counter()
             prefill_s += time.perf_counter() - t0
             stats.prefill_s, stats.segments, stats.yields = prefill_s, run.segments, run.yields
-            if self.agree.any(bool(run.tap_failure)) and not run.tap_failure:
+            if self.lockstep.any(bool(run.tap_failure)) and not run.tap_failure:
                 run.tap_failure = "on another rank of the group"
             if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
                 log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
@@ -322,14 +299,10 @@ class Engine(Checkpointing):
         """When (time.monotonic) the next idle entry is due to be written, if any."""
         return self.tiers.next_due()
 
-    def write_due(self) -> int:
-        """Submit the writes that are due; how many entries."""
-        return self.tiers.flush(self.tiers.due())
-
-    def due_writes(self) -> list[int]:
-        """The store positions of the entries due to be written (a group's leader journals
-        them, and every rank then `write`s them)."""
-        return self.tiers.due()
+    def due_writes(self, at: float | None = None) -> list[int]:
+        """The store positions of the entries due to be written at `at` (None: now; a group's
+        leader journals them, and every rank then `write`s them)."""
+        return self.tiers.due(at)
 
     def write(self, positions: list[int]) -> int:
         return self.tiers.flush(positions)

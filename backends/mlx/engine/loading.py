@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.backends.mlx.chat.prompt import Renderer
-from prefixd.backends.mlx.group.lockstep import SOLO, Solo
+from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker")
@@ -38,7 +38,7 @@ def max_context(model: Any) -> int | None:
     return window_of(getattr(model, "args", None))
 
 
-def load(settings: WorkerSettings, spec: str, agree: Solo = SOLO) -> Loaded:
+def load(settings: WorkerSettings, spec: str, lockstep: Lockstep | None = None) -> Loaded:
     """Resolve and load `spec` (this rank's shard of it, in a group), build its Engine (RAM
     and disk budgets), warm it up."""
     from prefixd.backends.mlx.engine.engine import Engine, EngineConfig
@@ -46,7 +46,8 @@ def load(settings: WorkerSettings, spec: str, agree: Solo = SOLO) -> Loaded:
 
     target = resolve_model(spec, settings.cache_dir, progress=log.info)
     dequantize = wants_dequantize(settings.dequantize, spec)
-    group, mode = getattr(agree, "group", None), None
+    lockstep = lockstep or Lockstep()
+    group, mode = lockstep.group, None
     model, tokenizer = load_model(target, settings.cache_dir, progress=log.info,
                                   dequantize=dequantize and group is None,
                                   **({"lazy": True} if group is not None else {}))
@@ -56,16 +57,16 @@ def load(settings: WorkerSettings, spec: str, agree: Solo = SOLO) -> Loaded:
             from prefixd.backends.mlx.model.provision import dequantize_model
 
             dequantize_model(model)
-        log.info("worker: rank %d of %d holds its %s-parallel shard", agree.rank, agree.size,
+        log.info("worker: rank %d of %d holds its %s-parallel shard", lockstep.rank, lockstep.size,
                  mode)
     from prefixd.backends.mlx.engine.tierglue import model_fingerprint
 
     model_id = model_fingerprint(target, dequantize)
-    if agree.distributed:   # each rank's disk tier holds its own shard's states
-        model_id += f":rank{agree.rank}of{agree.size}:{mode}"
+    lockstep.mode = mode or ""
+    model_id += lockstep.shard   # a group's ranks: each disk tier holds its own shard's states
     disk = disk_spec(settings, model_id)
     engine = Engine(model, EngineConfig.from_settings(
-        settings, cache_bytes=agree.min(ram_budget(settings))), disk, model_id, agree)
+        settings, cache_bytes=lockstep.min(ram_budget(settings))), disk, model_id, lockstep)
     warm_up(model, engine.fresh_cache(), tokenizer)
     loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model), mode)
     log.info("worker: model %s loaded (%s, max context %s)", spec,

@@ -135,28 +135,28 @@ def pick_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[in
 
 
 def group_interval(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...], *,
-                   fixed: int | None, budget: int, chunk: int, agree: Any) -> int:
-    """A group worker's interval (`agree.Ring`): the same on every rank, with the same forward
-    pass on each whatever its layers, and no timing: by bytes, from the rank whose checkpoint
-    is largest."""
+                   fixed: int | None, budget: int, chunk: int, lockstep: Any) -> int:
+    """A group worker's interval (`group/lockstep.py`): the same on every rank, with the same
+    forward pass on each whatever its layers, and no timing: by bytes, from the rank whose
+    checkpoint is largest."""
     if fixed is not None:
         return fixed
     probe = fresh()
     mx.eval(model(mx.array([[0]]), cache=probe))
     snapshot.evaluate(probe)
-    size = agree.max(snapshot.checkpoint_bytes(probe, snap_idx, chunk) if snap_idx else 0)
+    size = lockstep.max(snapshot.checkpoint_bytes(probe, snap_idx, chunk) if snap_idx else 0)
     return auto_interval(size, budget)
 
 
 def group_inpass(model: Any, fresh: Callable[[], list[Any]], snap_idx: tuple[int, ...],
-                 enabled: bool, agree: Any) -> tuple[int, ...] | None:
+                 enabled: bool, lockstep: Any) -> tuple[int, ...] | None:
     """`inpass_leaves` for a group: the same probe passes on every rank, and in-pass capture
     on every rank or none (a rank with nothing to snapshot gets `()`: its passes are not cut
     either)."""
     if not enabled:
         return None
     why = tap.verify(model, fresh, snap_idx, every_pass=True)
-    if not agree.all(why is None):
+    if not lockstep.all(why is None):
         log.info("checkpoints cut prefill passes in this group (in-pass capture: %s)",
                  why or "refused on another rank")
         return None

@@ -7,24 +7,30 @@ there (`capture`), and commits `tokens` with `cache` when the run ends. With `in
 model passed `tap.verify`), a pass is not cut at marks: the marks inside it are captured from
 the pass itself (`tap.py`), so checkpoints add no forward passes.
 
-A prefill pass can yield in the middle (`preempt`, from the worker's scheduler): its graph is
-built whole, then evaluated a layer at a time (the cache leaves in layer order), and between two
-layers `preempt()` may say another job should run first. The pass then waits as it is, its
-residual stream (tokens x hidden size) the only activation it keeps, while other jobs run their
-own passes; evaluated later, it gives exactly what it gives unpaused (the same graph, the same
-operations on the same inputs).
+The steps are typed: a prefill pass yields `Prefilled` when it ends, `Paused(layer)` when it
+stops between two layers, a decode step the token it sampled. A pass's size is the `Pacing`
+its caller set before the step (the scheduler decides it, `scheduler/schedule.py`); nothing
+here sizes passes but the checkpoint marks that cut them.
+
+A prefill pass can pause in the middle (`pacing.preempt`, from the worker's scheduler): its
+graph is built whole, then evaluated a layer at a time (the cache leaves in layer order), and
+between two layers `preempt()` may say another job should run first. The pass then waits as it
+is, its residual stream (tokens x hidden size) the only activation it keeps, while other jobs
+run their own passes; evaluated later, it gives exactly what it gives unpaused (the same graph,
+the same operations on the same inputs).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import mlx.core as mx
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
+from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
 from prefixd.backends.mlx.engine.stats import PromptStats
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
@@ -35,19 +41,18 @@ LOST: Any = {"lost": True}
 Capture = Callable[[int, bool, "snapshot.Snapshot | None"], None]
 
 
+Step = Prefilled | Paused | int   # an int: the token a decode step sampled
+Forward = tuple[mx.array, dict[int, "snapshot.Snapshot"]]   # logits, in-pass checkpoints
+
+
 class Run:
     """The live state of one generation."""
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
-                 chunk: int, should_stop: Callable[[], bool],
-                 inpass: tuple[int, ...] | None = None,
-                 slicer: Callable[[], int] | None = None,
-                 preempt: Callable[[], bool] | None = None) -> None:
-        self.model, self.cache, self.prompt, self.chunk = model, cache, prompt, chunk
-        self.slicer = slicer  # the pass size a scheduler asks for now (at most `chunk`)
-        self.preempt = preempt  # between two layers of a prefill pass: yield to another job?
-        self.midpass = False  # a prefill pass is waiting half-evaluated (it yielded)
-        self.yields = 0  # how many times a prefill pass yielded in the middle
+                 pacing: Pacing, should_stop: Callable[[], bool],
+                 inpass: tuple[int, ...] | None = None) -> None:
+        self.model, self.cache, self.prompt, self.pacing = model, cache, prompt, pacing
+        self.yields = 0  # how many times a prefill pass paused in the middle
         self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
         self.start, self.should_stop = start, should_stop
         self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
@@ -69,20 +74,19 @@ class Run:
         return self.pos > self.start or bool(self.fed)
 
     def _forward(self, tokens: list[int], logits: bool = True,
-                 offsets: tuple[int, ...] = ()) -> tuple[mx.array, dict[int, snapshot.Snapshot]]:
+                 offsets: tuple[int, ...] = ()) -> Forward:
         """The model over `tokens`; with `logits`, the last position's, evaluated together with
         the cache and the checkpoints at `offsets` inside the pass (one sync)."""
         try:
             next(self._forward_steps(tokens, logits, offsets, staged=False))
         except StopIteration as done:
             return done.value
-        raise AssertionError("an unstaged forward never yields")
+        raise AssertionError("an unstaged forward never pauses")
 
     def _forward_steps(self, tokens: list[int], logits: bool, offsets: tuple[int, ...],
-                       staged: bool) -> Generator[None, None, tuple[mx.array,
-                                                                    dict[int, snapshot.Snapshot]]]:
+                       staged: bool) -> Generator[Paused, None, Forward]:
         """`_forward`; `staged` (a prefill pass with a `preempt`): evaluated a cache leaf (a
-        layer) at a time, yielding between two when `preempt()` says so."""
+        layer) at a time, pausing between two when `preempt()` says so."""
         self.broken = True
         recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass is not None else None
         with tap.tapping(recorder):
@@ -91,28 +95,29 @@ class Run:
         snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
         if recorder is not None and recorder.failed:
             self.tap_failure = self.tap_failure or recorder.failed
-        if staged and self.preempt is not None:
-            for leaf in snapshot.leaves(self.cache)[:-1]:
+        preempt = self.pacing.preempt
+        if staged and preempt is not None:
+            leaves = snapshot.leaves(self.cache)
+            for layer, leaf in enumerate(leaves[:-1]):
                 mx.eval(leaf.state)
-                if self.preempt():
-                    self.midpass, self.yields = True, self.yields + 1
-                    yield
-                    self.midpass = False
+                if preempt():
+                    self.yields += 1
+                    yield Paused(layer, len(leaves))
         snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if recorder and snaps else ()))
         self.broken = False
         return (last if last is not None else out), snaps
 
     def prefill_passes(self, marks: dict[int, bool], final: int,
-                       capture: Capture) -> Iterator[None]:
+                       capture: Capture) -> Generator[Prefilled | Paused, None, None]:
         """Run prompt[pos:] through the model, ending a pass at every mark and calling
         `capture` there; the last pass runs from `final` (or from where the prefill is, if
-        beyond) to the end. One forward pass per step: it yields after each pass, and between
-        two layers of one when `preempt()` says so (`midpass`; a scheduler may run other jobs'
-        passes then; the live cache waits as it is), and leaves the last
-        token's logits in `logits` (None if should_stop() ended it). A pass is at most `chunk`
-        tokens, or `slicer()` when one is given (read before each pass); checkpoints land at
-        the same positions whatever the pass sizes (marks inside a pass are captured in it,
-        or the pass is cut there)."""
+        beyond) to the end. One forward pass per step: `Prefilled` after each pass but the
+        last, `Paused` between two layers of one when `preempt()` says so (a scheduler may run
+        other jobs' passes then; the live cache waits as it is); the last pass leaves the
+        last token's logits in `logits` (None if should_stop() ended it). A pass is
+        `pacing.tokens` (read before each pass); checkpoints land at the same positions
+        whatever the pass sizes (marks inside a pass are captured in it, or the pass is cut
+        there)."""
         n = len(self.prompt)
         final = min(max(final, self.pos), n - 1)
         cuts = [] if self.inpass is not None else sorted(p for p in marks
@@ -121,18 +126,19 @@ class Run:
         while self.pos < final:
             if self.should_stop():
                 return
-            size = min(self.chunk, self.slicer()) if self.slicer else self.chunk
-            end = min([final, self.pos + size, *(p for p in cuts if p > self.pos)])
+            start = self.pos
+            end = min([final, self.pos + max(1, self.pacing.tokens),
+                       *(p for p in cuts if p > self.pos)])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
             yield from self._pass(end, marks, capture)
             mx.clear_cache()
-            yield
+            yield Prefilled(end - start)
         if self.should_stop():
             return
         self.logits = yield from self._pass(n, marks, capture, logits=True)
 
     def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
-              logits: bool = False) -> Generator[None, None, mx.array]:
+              logits: bool = False) -> Generator[Paused, None, mx.array]:
         """One prefill pass over prompt[pos:end], timed (its own time: not while it waited
         half-evaluated), then the captures of the marks it reached; with `logits`, the last
         position's logits, evaluated with the cache."""
@@ -141,12 +147,12 @@ class Run:
         steps = self._forward_steps(self.prompt[start:end], logits, inner, staged=True)
         while True:
             try:
-                next(steps)
+                paused = next(steps)
             except StopIteration as done:
                 out, snaps = done.value
                 break
             own += time.perf_counter() - t0
-            yield
+            yield paused
             t0 = time.perf_counter()
         self.segments.append((end - start, own + time.perf_counter() - t0))
         self.pos = end
@@ -157,7 +163,8 @@ class Run:
         return out
 
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
-               processors: list, max_tokens: int, stats: PromptStats) -> Iterator[int]:
+               processors: list, max_tokens: int, stats: PromptStats
+               ) -> Generator[int, None, None]:
         for i in range(max_tokens):
             t0 = time.perf_counter()
             if processors:

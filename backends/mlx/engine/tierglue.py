@@ -29,9 +29,9 @@ from prefixd.backends.mlx.disk import fs as diskfs
 from prefixd.backends.mlx.disk.persist import LoadError, load_record
 from prefixd.backends.mlx.disk.rebuild import open_tier
 from prefixd.backends.mlx.disk.records import Record
-from prefixd.backends.mlx.disk.tiers import Decision, Tiers, now
+from prefixd.backends.mlx.disk.tiers import Tiers, now
 from prefixd.backends.mlx.engine.stats import PromptStats
-from prefixd.backends.mlx.group.lockstep import SOLO, Solo
+from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.metrics import worker as metrics
 
 log = logging.getLogger("prefixd.worker.disk")
@@ -96,8 +96,9 @@ def cache_key(spec: DiskSpec, shape: list[str], kv_bits: int | None) -> str:
 
 class TierGlue:
     def __init__(self, store: CheckpointStore, template: list[Any], spec: DiskSpec | None,
-                 snap_idx: tuple[int, ...], config: Any, agree: Solo = SOLO) -> None:
-        self.agree = agree
+                 snap_idx: tuple[int, ...], config: Any,
+                 lockstep: Lockstep | None = None) -> None:
+        self.lockstep = lockstep or Lockstep()
         leaves = snapshot.leaves(template)
         kv_idx = [i for i in range(len(leaves)) if i not in snap_idx]
         self.tiers = Tiers(None, kv_idx, snap_idx, spec.write_delay if spec else 0.0)
@@ -135,33 +136,20 @@ class TierGlue:
         d = self.tiers.decide(prompt, ram_pos, namespace)
         stats.known_tokens, stats.miss = d.known, d.reason
         stats.tier = "ram" if ram_pos else None
-        if self.agree.distributed:     # the leader's choice, each rank's own record of it
-            return self._group_restore(prompt, ram_pos, stats, fresh, tally, d)
-        if d.disk is None:
-            tally(stats, ram_pos)
-            return None
-        rec, pos = d.disk
-        loaded = self._load(rec, pos, fresh, stats)
-        if loaded is None:
-            tally(stats, ram_pos)
-            return None
-        tally(stats, pos)
-        return loaded
-
-    def _group_restore(self, prompt: list[int], ram_pos: int, stats: PromptStats,
-                       fresh: Callable[[], list[Any]], tally: Callable[..., None],
-                       d: Decision) -> Restore | None:
-        """A group's disk restore: the leader decides the position; every rank loads its own
-        record of that prefix (its layers); unless every rank did, none uses it and the
-        request restores from RAM (the same on every rank), the miss named `group_disk`."""
-        pos = self.agree.leader(d.disk[1] if d.disk is not None else 0)
+        # the leader's choice (in one process: this one's); each rank of a group loads its
+        # own record of that prefix (its layers); unless every rank did, none uses it and the
+        # request restores from RAM (the same on every rank), the miss named `group_disk`
+        pos = self.lockstep.leader(d.disk[1] if d.disk is not None else 0)
         if not pos:
             tally(stats, ram_pos)
             return None
-        found = self.disk.lookup(chain.as_tokens(prompt[:pos + 1])) if self.disk else None
+        if d.disk is not None and d.disk[1] == pos:
+            found: tuple[Record, int] | None = d.disk
+        else:
+            found = self.disk.lookup(chain.as_tokens(prompt[:pos + 1])) if self.disk else None
         loaded = self._load(found[0], pos, fresh, stats) \
             if found is not None and found[1] == pos else None
-        if not self.agree.all(loaded is not None):
+        if not self.lockstep.all(loaded is not None):
             stats.tier = "ram" if ram_pos else None
             stats.miss = stats.miss or "group_disk"
             tally(stats, ram_pos)
@@ -225,10 +213,10 @@ class TierGlue:
     def next_due(self) -> float | None:
         return self.tiers.next_due()
 
-    def due(self) -> list[int]:
-        """The store positions of the entries due to be written now (a group's leader
-        journals them: its followers write the same entries)."""
-        entries = self.tiers.ready(now())
+    def due(self, at: float | None = None) -> list[int]:
+        """The store positions of the entries due to be written at `at` (a `now()` time; None:
+        now). A group's leader journals them: its followers write the same entries."""
+        entries = self.tiers.ready(now() if at is None else at)
         return [i for i, e in enumerate(self.store.entries) if e in set(entries)]
 
     def flush(self, positions: list[int]) -> int:

@@ -46,16 +46,11 @@ class GrammarTokenizers:
         return self._tok
 
 
-def markers(tokenizer: Any, fmt: ToolFormat, prompt: list[int]) -> Markers:
+def markers(tokenizer: Any, fmt: ToolFormat, thinking: bool) -> Markers:
     """The tool-call markers (when the format's calls are JSON) and, if the prompt leaves a
-    think block open, its end marker."""
-    think_end = None
-    if getattr(tokenizer, "has_thinking", False):
-        tail = prompt[-16:]
-        if tokenizer.rfind_think_start(tail) > tokenizer.rfind_think_end(tail):
-            think_end = tokenizer.think_end
+    think block open (`chat.prompt.opens_think`), its end marker."""
     return Markers(call=(fmt.start, fmt.end) if fmt.json_body and fmt.end else None,
-                   think_end=think_end)
+                   think_end=tokenizer.think_end if thinking else None)
 
 
 class CallRepeats:
@@ -116,7 +111,7 @@ class GrammarMask:
 
 
 def grammar_mask(c: Constraint, tokenizers: GrammarTokenizers, tokenizer: Any, fmt: ToolFormat,
-                 prompt: list[int]) -> GrammarMask | None:
+                 thinking: bool) -> GrammarMask | None:
     """The processor enforcing `c` on this reply, or None when there is nothing to enforce
     (tools in a format that is not JSON)."""
     import llguidance
@@ -129,7 +124,7 @@ def grammar_mask(c: Constraint, tokenizers: GrammarTokenizers, tokenizer: Any, f
             return f"<[{ids[0]}]>"
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    marks = markers(tokenizer, fmt, prompt)
+    marks = markers(tokenizer, fmt, thinking)
     text = lark(c, marks, token)
     if text is None:
         return None

@@ -22,6 +22,7 @@ import secrets
 import selectors
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,9 +61,22 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sending = threading.Lock()   # whole frames (a follower's beats beside answers)
 
     def send(self, message: dict[str, Any]) -> None:
-        self.sock.sendall(frame(message))
+        data = frame(message)
+        with self._sending:
+            self.sock.sendall(data)
+
+    def send_now(self, message: dict[str, Any]) -> None:
+        """Best effort, never waiting more than a second (at the group's end: the peer may be
+        stopped, its buffer full, another thread inside `send`)."""
+        if self._sending.acquire(timeout=1.0):
+            try:
+                with contextlib.suppress(OSError):
+                    self.sock.send(frame(message), socket.MSG_DONTWAIT)
+            finally:
+                self._sending.release()
 
     def recv(self, limit: int = MAX_FRAME, timeout: float | None = None) -> dict[str, Any]:
         """The next frame (GroupError if it is longer than `limit`; TimeoutError, as

@@ -1,180 +1,146 @@
-"""A worker that spans machines (issue 28): the ranks of one MLX distributed group (its ring
-backend). Rank 0, the leader, serves HTTP and decides; the followers run the same forward
-passes on their shards of the model (`follower.py`).
+"""The lockstep's leader form: rank 0 of a group worker (`lockstep.py` has the interface).
 
-Owns: the group's start-up and its end. The leader starts its followers (a loopback host as a
-child process; any other host over ssh, with the same interpreter path and the same
-conventions as `mlx.launch`), holds their PIDs and stops them. The join has two steps: the
-followers prove they hold the start's secret on the control channel (`control.py`: whatever
-else connects is dropped and the join goes on), then every rank joins the ring on ports
-chosen only then and told only over that channel, again until the ring is whole (`ring.py`).
-The control channel then carries the leader's journal to the followers and their answers back.
-A follower that is gone ends the leader (exit status 3), so whoever supervises it restarts the
-group as one unit; a leader that is gone ends its followers (their channel closes; local ones
-also follow its PID). What is journaled is `active.py`'s and `generation.py`'s; what ranks
-agree on, `agree.py`.
+Owns: the journal's sequence numbers, the followers' answers (matched by the number they
+answer) and their heartbeats (their status, and the watchdog's evidence), and the group's end.
+Every decision the generation loop takes goes to every follower in order (`journal`). A
+failure anywhere ends the group: a failed step here, a follower's channel closing (it failed,
+or died), a follower silent for `watchdog_s` (stopped, hung): the followers are stopped and
+this process exits with status 3 before anything answers a client, so the supervisor restarts
+the group as one unit and sends the requests in flight again. An orderly stop has every rank
+persist first (`persist`), then ends the followers (`close`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
 import os
-import queue
-import secrets
-import socket
-import subprocess
-import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from prefixd.backends.mlx.group.control import Channel, GroupError, admit
-from prefixd.backends.mlx.group.lockstep import Ring
-from prefixd.backends.mlx.group.ring import form
+from prefixd.backends.mlx.group.control import Channel, GroupError
+from prefixd.backends.mlx.group.lockstep import Collectives
+from prefixd.backends.mlx.group.start import Start
 
 log = logging.getLogger("prefixd.worker.group")
 
-RANK_ENV = "PREFIXD_GROUP_RANK"        # a follower's rank (the leader has none)
-CONTROL_ENV = "PREFIXD_GROUP_CONTROL"  # host:port of the leader's control channel
-SECRET_ENV = "PREFIXD_GROUP_SECRET"    # the start's secret (proves a follower is ours)
-JOIN_TIMEOUT_S = 120.0  # followers started and admitted to the control channel
-RING_TIMEOUT_S = 180.0  # then the ring joined (an attempt a stray spoiled costs MLX ~31 s)
-
-__all__ = ["CONTROL_ENV", "JOIN_TIMEOUT_S", "RANK_ENV", "SECRET_ENV", "Channel", "GroupError",
-           "Leader", "is_loopback"]
+FAILED_STATUS = 3   # the group is broken: the supervisor restarts it as one
 
 
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and localhost; anything else (0.0.0.0, a LAN address) is not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+class Leader(Collectives):
+    """Rank 0: the group started, its journal, its watchdog."""
 
-
-class Leader:
-    """Rank 0: starts the followers, joins the ring, holds the control channel."""
-
-    def __init__(self, hosts: list[str], argv: list[str]) -> None:
-        self.hosts, self.argv = hosts, argv
-        self.children: list[subprocess.Popen[bytes]] = []
-        self.channels: list[Channel] = []
-        self.replies: list[queue.Queue[dict[str, Any]]] = []
-        self.closing = False
-        self._send_lock = threading.Lock()
-
-    def start(self) -> Ring:
-        """Spawn the followers, admit them to the control channel (on this host's address
-        only, never 0.0.0.0), join the ring with them; the group's agreement object. Strays
-        at either port are dropped and the join goes on (`control.py`, `ring.py`). Raises
-        GroupError (after stopping what it started) once the join cannot complete."""
-        here = ["127.0.0.1" if is_loopback(h) else h for h in self.hosts]
-        listener = socket.create_server((here[0], 0))
-        secret = secrets.token_hex(16)
-        control = f"{here[0]}:{listener.getsockname()[1]}"
-        try:
-            for rank in range(1, len(self.hosts)):
-                self._spawn(rank, {RANK_ENV: str(rank), CONTROL_ENV: control,
-                                   SECRET_ENV: secret})
-            t0 = time.monotonic()
-            self.channels = admit(listener, secret, len(self.hosts), t0 + JOIN_TIMEOUT_S,
-                                  self._check)
-            listener.close()
-            group = form(self.channels, here, time.monotonic() + RING_TIMEOUT_S, self._check)
-            log.info("worker: group of %d ranks joined in %.2fs (%s)", group.size(),
-                     time.monotonic() - t0, ", ".join(self.hosts))
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            listener.close()
-        self.replies = [queue.Queue() for _ in self.channels]
-        for rank, (channel, replies) in enumerate(zip(self.channels, self.replies,
-                                                      strict=True), start=1):
-            threading.Thread(target=self._watch, args=(rank, channel, replies), daemon=True,
+    def __init__(self, hosts: list[str], argv: list[str], watchdog_s: float) -> None:
+        self.processes = Start(hosts, argv)
+        super().__init__(self.processes.start())
+        self.watchdog_s = watchdog_s
+        self.channels: list[Channel] = self.processes.channels
+        self.sent = 0                          # the journal's last sequence number
+        self.heard = [time.monotonic()] * len(self.channels)   # each follower, last heard
+        self.beats: list[dict[str, Any]] = [{} for _ in self.channels]
+        self.answers: list[dict[int, dict[str, Any]]] = [{} for _ in self.channels]
+        self.closing, self.armed = False, False
+        self._lock = threading.Condition()     # answers, beats, last heard (never held long)
+        self._sending = threading.Lock()       # the journal's order (may wait on a socket)
+        for rank, channel in enumerate(self.channels, start=1):
+            threading.Thread(target=self._watch, args=(rank, channel), daemon=True,
                              name=f"prefixd-rank{rank}").start()
-        return Ring(group)
+        threading.Thread(target=self._watchdog, daemon=True, name="prefixd-watchdog").start()
 
-    def _check(self) -> None:
-        """GroupError if a follower has exited (the join cannot complete)."""
-        for rank, child in enumerate(self.children, start=1):
-            if child.poll() is not None:
-                raise GroupError(f"rank {rank} exited (status {child.returncode}) during "
-                                 "the join")
+    # --- the journal ------------------------------------------------------------------------
+    def journal(self, record: dict[str, Any]) -> None:
+        self._send(record)
 
-    def _spawn(self, rank: int, group_env: dict[str, str]) -> None:
-        host = self.hosts[rank]
-        command = [sys.executable, "-m", "prefixd.backends.mlx", *self.argv]
-        env = {**os.environ, **group_env, "PREFIXD_PARENT_PID": str(os.getpid())}
-        if not is_loopback(host):       # as mlx.launch: ssh, the same interpreter path there
-            exports = [f"{k}={v}" for k, v in env.items() if k.startswith(("PREFIXD_", "MLX_"))]
-            exports = [e for e in exports if not e.startswith("PREFIXD_PARENT_PID=")]
-            command = ["ssh", host, "env", *map(_quote, exports), *map(_quote, command)]
-            env = dict(os.environ)
-        self.children.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
-        log.info("worker: started rank %d on %s (pid %d)", rank, host, self.children[-1].pid)
+    def _send(self, record: dict[str, Any]) -> int:
+        with self._sending:
+            self.sent += 1
+            message = {**record, "seq": self.sent}
+            try:
+                for channel in self.channels:
+                    channel.send(message)
+            except OSError as e:
+                self.fail(f"a follower's channel broke ({e})")
+            return self.sent
 
-    def _watch(self, rank: int, channel: Channel, replies: queue.Queue[dict[str, Any]]) -> None:
-        """A follower's answers; its channel closing ends the leader (unless it is closing)."""
+    def ask(self, record: dict[str, Any], timeout: float) -> list[dict[str, Any]] | None:
+        """Journal `record`; every follower's answer to it (by its number), or None if one
+        did not answer in `timeout` s (a late answer is dropped, not taken for a later one)."""
+        return self._answers(self._send(record), timeout)
+
+    def _answers(self, seq: int, timeout: float) -> list[dict[str, Any]] | None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not all(seq in got for got in self.answers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(left)
+            return [got.pop(seq) for got in self.answers]
+
+    # --- failures ---------------------------------------------------------------------------
+    def failed(self, why: str) -> NoReturn:
+        self.fail(f"a step failed on the leader ({why})")
+
+    def fail(self, why: str) -> NoReturn:
+        """The group is broken: stop the followers and end this process (status 3) before
+        anything answers a client. Never returns."""
+        log.error("worker: %s; stopping the group so it can be restarted as one", why)
+        self.closing = True
+        self.processes.stop()
+        logging.shutdown()
+        os._exit(FAILED_STATUS)
+
+    def arm(self) -> None:
+        with self._lock:
+            self.heard = [time.monotonic()] * len(self.channels)
+            self.armed = True
+
+    def _watch(self, rank: int, channel: Channel) -> None:
+        """A follower's frames: heartbeats and answers. Its channel closing ends the group."""
         try:
             while True:
-                replies.put(channel.recv(timeout=None))
+                message = channel.recv(timeout=None)
+                with self._lock:
+                    self.heard[rank - 1] = time.monotonic()
+                    if message.get("op") == "beat":
+                        self.beats[rank - 1] = message
+                    elif isinstance(message.get("seq"), int):
+                        self.answers[rank - 1][message["seq"]] = message
+                        self._lock.notify_all()
         except (EOFError, OSError, GroupError, ValueError) as e:
             if not self.closing:
                 self.fail(f"rank {rank} of the group is gone ({e})")
 
-    def fail(self, why: str) -> None:
-        """The group is broken: stop the followers and end this process (status 3) before
-        anything answers a client, so the supervisor restarts the group as one unit and sends
-        the requests in flight again. Never returns."""
-        log.error("worker: %s; stopping the group so it can be restarted as one", why)
-        self.close()
-        logging.shutdown()
-        os._exit(3)
+    def _watchdog(self) -> None:
+        """A follower not heard from for `watchdog_s` (a heartbeat every watchdog/5 s from its
+        own thread) is stopped or hung: the group ends."""
+        while not self.closing:
+            time.sleep(min(1.0, self.watchdog_s / 5))
+            with self._lock:
+                now = time.monotonic()
+                silent = [(r, now - t) for r, t in enumerate(self.heard, start=1)
+                          if self.armed and now - t > self.watchdog_s]
+            if silent and not self.closing:
+                rank, quiet = silent[0]
+                self.fail(f"rank {rank} of the group sent nothing for {quiet:.1f}s (stopped "
+                          f"or hung; the watchdog's bound is {self.watchdog_s:g}s)")
 
-    def send(self, message: dict[str, Any]) -> None:
-        """A journal entry to every follower (in order; they run it as they get it)."""
-        with self._send_lock:
-            for channel in self.channels:
-                channel.send(message)
-
-    def ask(self, message: dict[str, Any], timeout: float = 30.0) -> list[dict[str, Any]]:
-        """`send`, then every follower's answer (in rank order)."""
-        self.send(message)
-        return self.answers(timeout)
-
-    def answers(self, timeout: float) -> list[dict[str, Any]]:
-        """Every follower's answer to what was sent last (in rank order)."""
-        return [q.get(timeout=timeout) for q in self.replies]
-
-    def close(self) -> None:
-        """Stop the followers: `exit` on their channels (they act on no signal), then SIGKILL
-        by PID to one still there after 5 s."""
-        self.closing = True
-        for channel in self.channels:
-            with contextlib.suppress(OSError):
-                channel.send({"op": "exit"})
-            channel.close()
-        deadline = time.monotonic() + 5.0
-        for child in self.children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+    # --- the end ----------------------------------------------------------------------------
+    def persist(self, local: Callable[[float], bool], timeout: float) -> bool:
+        """Every rank writes what its disk tier lacks, at once; True if all wrote it all."""
+        seq = self._send({"op": "persist", "timeout": timeout})
+        done = bool(local(timeout))
+        answers = self._answers(seq, timeout + 5)
+        return done and answers is not None and all(a.get("done") for a in answers)
 
     def ranks(self) -> list[dict[str, Any]]:
-        """Rank 1.. as started: host and PID (the status page's view of the group)."""
-        return [{"rank": r, "host": h, "pid": c.pid, "alive": c.poll() is None}
-                for r, (h, c) in enumerate(zip(self.hosts[1:], self.children, strict=False),
-                                           start=1)]
+        with self._lock:
+            beats = list(self.beats)
+        keep = ("memory", "cache_bytes", "jobs")
+        return [{**rank, **{k: beat[k] for k in keep if k in beat}}
+                for rank, beat in zip(self.processes.ranks(), beats, strict=False)]
 
-
-def _quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
+    def close(self) -> None:
+        self.closing = True
+        self.processes.stop()

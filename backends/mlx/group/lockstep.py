@@ -1,24 +1,55 @@
-"""Agreements between the ranks of a group worker (issue 28): the few values each rank computes
-from its own layers (a checkpoint's bytes, whether its state trims back, whether its restore
-worked) turned into one value every rank uses, so every rank's checkpoint store makes the
-decisions the leader's makes and runs the same forward passes.
+"""The lockstep seam: the one object through which a worker's generation loop sends every
+decision it journals and the engine every value it agrees, whatever the worker's shape.
 
-Owns: `Solo` (one process: every value as it is) and `Ring` (an all-reduce over the group per
-value, called at the same point of the same code on every rank: the Engine's steps run in
-lockstep, `follower.py`). Nothing here decides policy: `engine.py` asks.
+Three forms, one interface:
+- `Lockstep` (one process): values are as they are, nothing is journaled, a failure fails the
+  job alone (the engine recovers where it can: a lost checkpoint, an uncached reply);
+- `Leader` (rank 0 of a group, `group/leader.py` starts it): every decision (a job started, a
+  pass's size and stop, the disk writes due, persist) goes to every follower numbered in
+  sequence; a failure of any kind ends the group (exit status 3, the supervisor restarts it
+  and the requests in flight are sent again); the followers' heartbeats feed its status and
+  its watchdog;
+- `Follower` (ranks 1..): reads the journal in sequence (a gap or a repeat is a failure),
+  answers by the number it answers, sends heartbeats; a failure raises, and the process ends
+  with status 3, which ends the leader in turn.
+
+Agreed values (`max`, `min`, `all`, `any`, `leader`) are one all-reduce each over the group,
+each carrying its sequence number and kind, so ranks that called different collectives find
+out (`LockstepError`) instead of taking each other's values. The engine and cache code call
+these and never ask which rank they are; what differs between forms is here alone. `untimed`
+says decisions may not depend on time (a group's ranks run the same passes: no timed probes,
+no pass paused for a newcomer).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
+log = logging.getLogger("prefixd.worker.group")
 
-class Solo:
-    """One process: nothing to agree on."""
+_NONE = -(2**62)  # `leader` from the other ranks (values agreed are > this)
+_KINDS = {"max": 1, "min": 2, "all": 3, "any": 4, "leader": 5}
 
-    distributed = False
+
+class LockstepError(RuntimeError):
+    """The group's ranks parted (a failure on one, collectives or journal out of step)."""
+
+
+class Lockstep:
+    """One process: nothing to agree on, nothing to journal."""
+
+    group: Any = None      # the MLX distributed group (model loading shards by it)
     rank, size = 0, 1
+    mode = ""              # how a group's model is split ("pipeline", "tensor"), once loaded
+    untimed = False        # a group's decisions may not depend on time (every rank's differs)
 
+    @property
+    def shard(self) -> str:
+        """What names this rank's share of the model (its disk tier holds only that)."""
+        return ""
+
+    # --- agreed values ----------------------------------------------------------------------
     def max(self, value: int) -> int:
         return value
 
@@ -35,36 +66,77 @@ class Solo:
         """The leader's `value` (what it decided), on every rank."""
         return value
 
+    def local_failure(self) -> None:
+        """Called in an `except` block where one process recovers alone (a checkpoint lost, a
+        reply not cached): returns here; in a group the ranks' stores would part, so it
+        raises `LockstepError` from the exception being handled."""
 
-class Ring(Solo):
-    """Every rank of an MLX distributed group: a value is the group's max / min."""
+    # --- journaled decisions ----------------------------------------------------------------
+    def journal(self, record: dict[str, Any]) -> None:
+        """A decision every rank must take as this one does (a follower reads it in order)."""
 
-    distributed = True
+    def failed(self, why: str) -> None:
+        """A job's step failed: one process fails that job alone (this returns); a group's
+        current work ends on every rank (this does not return)."""
+
+    def persist(self, local: Any, timeout: float) -> bool:
+        """At shutdown: `local(timeout)` writes this rank's disk tier; a leader has every rank
+        do it and waits for all (True when every rank wrote everything)."""
+        return bool(local(timeout))
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """The followers as last heard (status; never waits on them)."""
+        return []
+
+    def arm(self) -> None:
+        """The model is loaded: from now on a rank that goes silent ends the group."""
+
+    def close(self) -> None:
+        """Stop the group (a leader: after every rank persisted)."""
+
+
+class Collectives(Lockstep):
+    """Agreed values over an MLX group, sequence-numbered."""
+
+    untimed = True
 
     def __init__(self, group: Any) -> None:
         self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.collectives = 0
 
-    def _reduce(self, value: int, op: str) -> int:
+    @property
+    def shard(self) -> str:
+        return f":rank{self.rank}of{self.size}:{self.mode}"
+
+    def _agree(self, kind: str, value: int) -> int:
+        """One all-max over [seq, -seq, kind, -kind, value]: every rank must be at the same
+        collective (same number, same kind), else the group has parted."""
         import mlx.core as mx
 
-        reduce = mx.distributed.all_max if op == "max" else mx.distributed.all_min
-        out = reduce(mx.array([value], dtype=mx.int64), group=self.group, stream=mx.cpu)
-        return int(cast(int, out.item()))   # an int64 array's one element
+        self.collectives += 1
+        seq, code = self.collectives, _KINDS[kind]
+        out = mx.distributed.all_max(mx.array([seq, -seq, code, -code, value], dtype=mx.int64),
+                                     group=self.group, stream=mx.cpu).tolist()
+        got = cast(list[int], out)
+        if got[0] != -got[1] or got[2] != -got[3]:
+            raise LockstepError(f"rank {self.rank}: collective {seq} ({kind}) met collectives "
+                                f"{-got[1]}..{got[0]} of other kinds on other ranks")
+        return got[4]
 
     def max(self, value: int) -> int:
-        return self._reduce(value, "max")
+        return self._agree("max", value)
 
     def min(self, value: int) -> int:
-        return self._reduce(value, "min")
+        return -self._agree("min", -value)
 
     def all(self, value: bool) -> bool:
-        return bool(self._reduce(int(value), "min"))
+        return not self._agree("all", int(not value))
 
     def any(self, value: bool) -> bool:
-        return bool(self._reduce(int(value), "max"))
+        return bool(self._agree("any", int(value)))
 
     def leader(self, value: int) -> int:
-        return self._reduce(value if self.rank == 0 else -1, "max")   # values are >= 0
+        return self._agree("leader", value if self.rank == 0 else _NONE)
 
-
-SOLO = Solo()
+    def local_failure(self) -> None:
+        raise LockstepError("a rank's store would part from the others'")

@@ -1,49 +1,52 @@
-"""One job under way on the generation thread: its Engine steps, one forward pass per
-`advance`, and its output (text deltas, log-probabilities, the last event).
+"""One job under way on the generation thread: its Engine steps, one forward pass per `step`,
+and its output (text deltas, log-probabilities).
 
 Owns: a job's sampler and grammar mask, its `engine.Turn` (its own stats and store entry, so
-jobs under way together do not clobber each other), its end (`Finished` with the per-turn
-breakdown and the restorable digest, or `Failed`). Driven to its end at once (max_active 1,
-`generation.Generator._run`) or a pass at a time among others (`schedule.drive`); the same
-code either way. Each pass runs on two decisions taken before it (`step`): its prefill size
-and whether the job stops; a group worker's leader sends them to its followers (`journal`),
-whose copy of the job replays them (`follower.py`), so every rank runs the same passes.
+jobs under way together do not clobber each other), and its end (`Finished` with the per-turn
+breakdown and the restorable digest, or `Failed`). The scheduler (`generator.py`) drives it
+for every `max_active`; a group's followers replay it (`replay.py`). Each step runs on a
+`Decision` taken before it (its prefill pass size and whether the job stops), journaled
+through the lockstep first, so every rank of a group runs the same passes; and returns a
+typed `Step`: `Prefilled` (a prefill pass ended), `Paused` (one stopped between two layers),
+`Decoded` (a token sampled), or the job's end, `Finished` / `Failed`. A step never raises: a
+failure is the lockstep's (one process: the job fails alone; a group: its work ends on every
+rank and it restarts).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Generator
 from typing import Any
 
 from prefixd.backends.mlx.engine.engine import Turn
 from prefixd.backends.mlx.engine.loading import Loaded
+from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
 from prefixd.backends.mlx.engine.restorable import digest
+from prefixd.backends.mlx.engine.run import Step as EngineStep
 from prefixd.backends.mlx.engine.stats import PromptStats, breakdown, observe
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers, grammar_mask
-from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job
+from prefixd.backends.mlx.group.lockstep import Lockstep
+from prefixd.backends.mlx.scheduler.jobs import Failed, Finished, Job
 from prefixd.backends.mlx.scheduler.output import LogprobTap, TextOut, sampling_functions
+from prefixd.backends.mlx.scheduler.steps import Decision, Decoded, Step
 
 log = logging.getLogger("prefixd.worker")
 
 
 class Active:
-    """One job under way: its Engine steps (one forward pass per `advance`) and its output.
-    Nothing runs until the first `advance`, which restores and runs the first prefill pass."""
+    """One job under way: its Engine steps (one forward pass per `step`) and its output.
+    Nothing runs until the first step, which restores and runs the first prefill pass."""
 
     def __init__(self, loaded: Loaded, grammars: GrammarTokenizers, job: Job,
-                 slicer: Callable[[], int] | None, end: Callable[[Job, Event], None],
-                 journal: Callable[[dict[str, Any]], None] | None = None,
-                 preempt: Callable[[], bool] | None = None) -> None:
-        self.loaded, self.grammars, self.job, self._end = loaded, grammars, job, end
-        self.slicer, self.journal = slicer, journal
-        self.pass_tokens, self.stopping = sys.maxsize, False   # this pass's decisions
+                 lockstep: Lockstep, preempt: Callable[[], bool] | None = None) -> None:
+        self.loaded, self.grammars, self.job, self.lockstep = loaded, grammars, job, lockstep
+        self.stopping = False
         # A group's ranks run whole passes in lockstep (their collectives in the same order):
         # only one process pauses a pass between two layers (`run.Run`).
-        self.turn = Turn(lambda: self.pass_tokens, None if journal else preempt)
-        self.steps: Generator[int | None, None, None] | None = None
+        self.turn = Turn(Pacing(0, None if lockstep.untimed else preempt))
+        self.steps: Generator[EngineStep, None, None] | None = None
         self.n, self.finish, self.t0 = 0, "length", time.perf_counter()
 
     def remaining(self) -> int:
@@ -58,44 +61,33 @@ class Active:
         tokens, seconds = run.segments[-1]
         return tokens / seconds if seconds > 0 else None
 
-    def midpass(self) -> bool:
-        """Whether its last `advance` left a prefill pass paused between two layers."""
-        return self.turn.run is not None and self.turn.run.midpass
-
-    def advance(self) -> bool:
-        """One forward pass, or its part up to a pause (`midpass`); True once the job has
-        ended (its last event sent). Never raises: a failure ends the job with `Failed`."""
-        return self.step(self.slicer() if self.slicer else sys.maxsize, self.job.cancelled)
-
-    def step(self, tokens: int, stop: bool) -> bool:
-        """`advance` with its decisions given: a prefill pass of at most `tokens`, and whether
-        the job stops (its client left) before it. Journaled first (a group's followers
-        replay them)."""
-        self.pass_tokens, self.stopping = tokens, stop
-        if self.journal is not None:
-            self.journal({"op": "step", "job": self.job.id, "tokens": tokens, "stop": stop})
+    def step(self, decision: Decision) -> Step:
+        """One forward pass, or its part up to a pause, on `decision` (journaled first: a
+        group's followers replay it). Never raises."""
+        self.turn.pacing.tokens, self.stopping = decision.tokens, decision.stop
+        self.lockstep.journal({"op": "step", "job": self.job.id, "tokens": decision.tokens,
+                               "stop": decision.stop})
         try:
-            if not self._step():
-                return False
-            result: Event = self._result()
+            step = self._step()
+            return step if step is not None else self._result()
         except Exception as e:
             log.exception("worker: generation failed")
+            why = f"{type(e).__name__}: {e}"
+            self.lockstep.failed(why)   # a group's work ends on every rank: no return
             if self.steps is not None:
                 self.steps.close()  # commits what is in the KV state (never raises)
-            result = Failed(f"generation failed: {type(e).__name__}: {e}")
             _reset_random_state()
-        self._end(self.job, result)
-        return True
+            return Failed(f"generation failed: {why}")
 
-    def _begin(self) -> Generator[int | None, None, None]:
+    def _begin(self) -> Generator[EngineStep, None, None]:
         engine, tokenizer, job = self.loaded.engine, self.loaded.tokenizer, self.job
         s = job.sampling
         mask = None if s.constraint is None else grammar_mask(
             s.constraint, self.grammars, tokenizer, self.loaded.renderer.tool_format(),
-            job.prompt.tokens)
+            job.prompt.thinking)
         sampler, processors = sampling_functions(s, len(tokenizer), mask)
         self.tap = None if job.logprobs is None else LogprobTap(sampler, job.logprobs, tokenizer)
-        self.text = TextOut(job._emit, s.stop, tokenizer.detokenizer)
+        self.text = TextOut(job.emit, s.stop, tokenizer.detokenizer)
         self.eos = tokenizer.eos_token_ids
         return engine.steps(job.prompt.tokens, sampler=self.tap or sampler,
                             logits_processors=processors or None, max_tokens=job.max_tokens,
@@ -105,27 +97,27 @@ class Active:
     def _stopping(self) -> bool:
         return self.stopping
 
-    def _step(self) -> bool:
-        """One step of the Engine; True when the job is done."""
+    def _step(self) -> Prefilled | Paused | Decoded | None:
+        """One step of the Engine; None when the job is done."""
         if self.steps is None:
             if self.stopping:
                 self.finish = "cancelled"
-                return True
+                return None
             self.steps = self._begin()
-        token = next(self.steps, -1)
-        if token is None:          # a prefill pass
-            return False
-        if token == -1:            # the generator ended (max_tokens, or should_stop)
-            return True
-        if token in self.eos:
+        step = next(self.steps, None)
+        if step is None:           # the generator ended (max_tokens, or should_stop)
+            return None
+        if isinstance(step, Prefilled | Paused):
+            return step
+        if step in self.eos:
             self.finish = "stop"
-            return True
+            return None
         self.n += 1
-        self.text.add(token, self.tap.take(token) if self.tap else None)
+        self.text.add(step, self.tap.take(step) if self.tap else None)
         if self.text.stops.hit:
             self.finish = "stop"
-            return True
-        return self.stopping
+            return None
+        return None if self.stopping else Decoded(self.n)
 
     def _result(self) -> Finished:
         job = self.job

@@ -59,7 +59,7 @@ class Job:
     sampling: Sampling
     max_tokens: int
     logprobs: int | None  # None: none; else how many alternatives per token
-    _emit: Callable[[Event], None]
+    emit: Callable[[Event], None]
     _queue: asyncio.Queue[Event]
     _cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)

@@ -1,14 +1,14 @@
-"""A follower rank of a group worker (`group.py`): no HTTP, no decisions. It proves itself to
-its leader, joins the ring with the other ranks, loads its shard of the model with the same
-Engine, then replays the leader's journal in order: each job as the leader started it, each
-pass with the leader's decisions (its prefill size, whether the job stops), so its forward
-passes, checkpoints, restores and evictions are the leader's on its own layers (the values
-only a rank knows are agreed inside the Engine, `agree.py`). Replies and text are computed
-and dropped.
+"""A follower rank of a group worker: no HTTP, no decisions, the generation loop's copy. It
+proves itself to its leader, joins the ring with the other ranks, loads its shard of the model
+with the same Engine, then replays the leader's journal in order, read through its lockstep
+(`group/follower.py`: numbered entries, heartbeats): each job as the leader started it, each
+step with the leader's `Decision`, so its forward passes, checkpoints, restores and evictions
+are the leader's on its own layers (the values only a rank knows are agreed inside the Engine).
+Replies and text are computed and dropped.
 
-Owns: the follower's jobs under way (by the leader's job id) and its answers to the leader's
-questions (`info`: its memory and cache). Ends when the leader says so, when its channel
-closes (exit 0), or on any failure (exit 3: the leader then stops the group).
+Owns: the follower's jobs under way (by the leader's job id) and the journal's two ends
+(`job_record` / `job_from`). Ends when the leader says so or its channel closes (exit 0), or
+on any failure (exit 3: the leader then stops the group, which restarts as one).
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.loading import Loaded, load
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
-from prefixd.backends.mlx.group.control import Channel, connect
-from prefixd.backends.mlx.group.leader import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_ENV, SECRET_ENV
+from prefixd.backends.mlx.group.control import connect
+from prefixd.backends.mlx.group.follower import Follower
+from prefixd.backends.mlx.group.lockstep import LockstepError
+from prefixd.backends.mlx.group.start import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_ENV, SECRET_ENV
 from prefixd.backends.mlx.model.memory import memory_info, mlx_memory
 from prefixd.backends.mlx.scheduler.active import Active
-from prefixd.backends.mlx.scheduler.jobs import Event, Job
+from prefixd.backends.mlx.scheduler.jobs import Job
+from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker.group")
@@ -41,7 +44,6 @@ def is_follower() -> bool:
 
 def serve(settings: WorkerSettings, spec: str) -> int:
     """Run as a follower until the leader ends; the exit status."""
-    from prefixd.backends.mlx.group.lockstep import Ring
     from prefixd.backends.mlx.group.ring import follow
 
     rank = int(os.environ[RANK_ENV])
@@ -54,64 +56,54 @@ def serve(settings: WorkerSettings, spec: str) -> int:
     try:
         channel = connect(os.environ[CONTROL_ENV], os.environ[SECRET_ENV], rank,
                           JOIN_TIMEOUT_S)
-        group = follow(channel, rank)
-        loaded = load(settings, spec, Ring(group))
+        lockstep = Follower(follow(channel, rank), channel, settings.group_watchdog_s)
+        loaded = load(settings, spec, lockstep)
     except EOFError:
         log.info("worker: rank %d: the leader stopped the group while it joined", rank)
         return 0
     except Exception:
         log.exception("worker: rank %d could not join its group", rank)
         return 3
-    log.info("worker: rank %d of %d ready", rank, group.size())
+    log.info("worker: rank %d of %d ready", rank, lockstep.size)
     try:
-        Follower(loaded, channel).run()
+        replay(loaded, lockstep)
     except EOFError:
         log.info("worker: rank %d: the leader is gone; exiting", rank)
         return 0
     except Exception:
-        log.exception("worker: rank %d failed", rank)
+        log.exception("worker: rank %d failed; the group restarts", rank)
         return 3
+    finally:
+        lockstep.close()
     return 0
 
 
-class Follower:
-    """The journal's replay: jobs by id, each advanced a pass per `step`."""
-
-    def __init__(self, loaded: Loaded, channel: Channel) -> None:
-        self.loaded, self.channel = loaded, channel
-        self.grammars = GrammarTokenizers()
-        self.jobs: dict[int, Active] = {}
-
-    def run(self) -> None:
-        while True:
-            message = self.channel.recv(timeout=None)
-            op = message.get("op")
-            if op == "exit":
-                return
-            if op == "job":
-                job = job_from(message)
-                self.jobs[job.id] = Active(self.loaded, self.grammars, job, None, _dropped)
-            elif op == "step":
-                active = self.jobs[message["job"]]
-                if active.step(int(message["tokens"]), bool(message["stop"])):
-                    del self.jobs[message["job"]]
-            elif op == "write":             # the entries the leader hands its disk writer
-                self.loaded.engine.write([int(i) for i in message["entries"]])
-            elif op == "persist":           # at shutdown: what this rank's disk tier lacks
-                engine = self.loaded.engine
-                engine.persist()
-                self.channel.send({"done": engine.close(float(message["timeout"]))})
-            elif op == "info":
-                engine = self.loaded.engine
-                self.channel.send({"memory": memory_info(mlx_memory()),
-                                   "cache_bytes": engine.store.bytes_used,
-                                   "jobs": len(self.jobs)})
-            else:
-                raise ValueError(f"unknown journal entry {op!r}")
-
-
-def _dropped(job: Job, event: Event) -> None:
-    """A follower's job ends silently (the leader answers the client)."""
+def replay(loaded: Loaded, lockstep: Follower) -> None:
+    """The journal, entry by entry, until the leader's `exit`."""
+    engine, grammars = loaded.engine, GrammarTokenizers()
+    jobs: dict[int, Active] = {}
+    lockstep.status = lambda: {"memory": memory_info(mlx_memory()),
+                               "cache_bytes": engine.store.bytes_used, "jobs": len(jobs)}
+    lockstep.beat()
+    while True:
+        entry = lockstep.next()
+        op = entry.get("op")
+        if op == "exit":
+            return
+        if op == "job":
+            job = job_from(entry)
+            jobs[job.id] = Active(loaded, grammars, job, lockstep)
+        elif op == "step":
+            decision = Decision(int(entry["tokens"]), bool(entry["stop"]))
+            if isinstance(jobs[entry["job"]].step(decision), Finished | Failed):
+                del jobs[entry["job"]]
+        elif op == "write":             # the entries the leader hands its disk writer
+            engine.write([int(i) for i in entry["entries"]])
+        elif op == "persist":           # at shutdown: what this rank's disk tier lacks
+            engine.persist()
+            lockstep.answer({"done": engine.close(float(entry["timeout"]))})
+        else:
+            raise LockstepError(f"unknown journal entry {op!r}")
 
 
 def job_record(job: Job) -> dict[str, Any]:
@@ -122,7 +114,8 @@ def job_record(job: Job) -> dict[str, Any]:
                 "constraint": None if s.constraint is None else {
                     **s.constraint.__dict__, "tools": [list(t) for t in s.constraint.tools]}}
     return {"op": "job", "id": job.id, "tokens": job.prompt.tokens,
-            "boundaries": job.prompt.boundaries, "max_tokens": job.max_tokens,
+            "boundaries": job.prompt.boundaries, "thinking": job.prompt.thinking,
+            "max_tokens": job.max_tokens,
             "logprobs": job.logprobs, "namespace": job.namespace, "sampling": sampling}
 
 
@@ -136,6 +129,8 @@ def job_from(record: dict[str, Any]) -> Job:
                        constraint=None if constraint is None else Constraint(
                            **{**constraint, "tools": tuple((n, p) for n, p in
                                                            constraint["tools"])}))
-    return Job(Prompt(list(record["tokens"]), list(record["boundaries"])), sampling,
+    prompt = Prompt(list(record["tokens"]), list(record["boundaries"]),
+                    thinking=bool(record["thinking"]))
+    return Job(prompt, sampling,
                int(record["max_tokens"]), record["logprobs"], lambda event: None,
                asyncio.Queue(), namespace=str(record["namespace"]), id=int(record["id"]))

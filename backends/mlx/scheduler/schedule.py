@@ -1,12 +1,14 @@
-"""The worker's scheduler: with `max_active` > 1, several jobs are under way on the one
-generation thread, and it runs exactly one forward pass at a time (issue 26).
+"""The worker's scheduler: up to `max_active` jobs are under way on the one generation thread,
+and it runs exactly one forward pass at a time (issue 26); with `max_active` 1, one job at a
+time to its end, by the same loop.
 
 Owns: which waiting job is admitted (at most `max_active`, and only while the estimated live
 caches of the admitted jobs fit `active_kv_bytes`: a job that does not fit waits; one job alone
 is always admitted), which admitted job's pass runs next, whether a pass under way pauses
-between two layers for a job that just arrived, and how many tokens a prefill pass takes.
-Nothing here runs mlx: a job's passes are its `Task` (`active.Active`, one `Engine.steps` step
-each), and `Generator` owns starting and ending jobs.
+between two layers for a job that just arrived, and how many tokens a prefill pass takes (the
+one place a pass is sized: `pass_tokens`). Admission, cancellation and the end of a job happen
+between two passes, never inside one. Nothing here runs mlx: a job's passes are its `Task`
+(`active.Active`, one typed step each), and `generator.py` owns starting and ending jobs.
 
 Policy, between passes:
 - a job whose client left first, before aging (it ends at its next pass, committing what it
@@ -58,13 +60,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prefixd.backends.mlx.scheduler.jobs import Job, Queued
+from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished, Paused, Step
 
 AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
 MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
 
 
 class Task(Protocol):
-    """One admitted job's passes (`generation.Active`)."""
+    """One admitted job's passes (`active.Active`)."""
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill (0 once decoding)."""
@@ -74,13 +77,8 @@ class Task(Protocol):
         """Tokens per second of its last prefill pass (None before its first)."""
         ...
 
-    def advance(self) -> bool:
-        """One forward pass, or its part up to a pause; True when the job has ended (its result
-        is set, never raises)."""
-        ...
-
-    def midpass(self) -> bool:
-        """Whether its last `advance` left a pass paused between two layers."""
+    def step(self, decision: Decision) -> Step:
+        """One forward pass, or its part up to a pause (never raises)."""
         ...
 
 
@@ -129,14 +127,20 @@ class Schedule:
         self.waiting = deque(j for j in self.waiting if not j.cancelled)
         return gone
 
+    def _cost(self, job: Job) -> int:
+        return (len(job.prompt.tokens) + job.max_tokens) * self.per_token
+
+    def _fits(self, job: Job, active: Sequence[Slot]) -> bool:
+        return len(active) < self.max_active and (
+            not active or sum(s.kv_bytes for s in active) + self._cost(job) <= self.kv_budget)
+
     def admit(self) -> list[Slot]:
         """Admit waiting jobs in order while they fit (count and live-cache bytes)."""
         out: list[Slot] = []
-        while self.waiting and len(self.active) < self.max_active:
+        while self.waiting:
             job = self.waiting[0]
-            cost = (len(job.prompt.tokens) + job.max_tokens) * self.per_token
-            used = sum(s.kv_bytes for s in self.active)
-            if self.active and used + cost > self.kv_budget:
+            cost = self._cost(job)
+            if not self._fits(job, self.active):
                 break
             slot = Slot(self.waiting.popleft(), cost, cached=self.cached(job))
             self.active.append(slot)
@@ -163,14 +167,26 @@ class Schedule:
             return max(aged, key=lambda s: (s.kept, s.skipped, -s.last)), True
         return min(self.active, key=self._rank), False
 
-    def preempts(self, slot: Slot) -> bool:
-        """Whether `slot`'s pass under way should pause between two layers: a job ranks in a
-        better class than it now (one that arrived meanwhile). Never a pass aging chose, nor a
-        cancelled job's (it ends after its pass)."""
+    def preempts(self, slot: Slot, arrived: Sequence[Job]) -> bool:
+        """Whether `slot`'s pass under way should pause between two layers: a job that arrived
+        meanwhile would be admitted (after those waiting before it) and rank in a better class.
+        Asked inside the pass, so it changes nothing: the newcomer is admitted after the pause,
+        between two passes. Never a pass aging chose, nor a cancelled job's (it ends after its
+        pass)."""
         if slot.aged or slot.job.cancelled:
             return False
-        best, _ = self._choose()
-        return best is not slot and self._rank(best)[0] < self._rank(slot)[0]
+        active = list(self.active)
+        mine = self._rank(slot)[0]
+        for job in [*self.waiting, *arrived]:
+            if job.cancelled:
+                continue
+            if not self._fits(job, active):
+                return False
+            newcomer = Slot(job, self._cost(job), cached=self.cached(job))
+            if self._rank(newcomer)[0] < mine:
+                return True
+            active.append(newcomer)
+        return False
 
     def _rank(self, s: Slot) -> tuple[int, int, int]:
         left = s.remaining()
@@ -194,8 +210,11 @@ class Schedule:
                 s.skipped += 1
                 s.kept += seconds
 
-    def slice(self, slot: Slot | None = None) -> int:
-        """Tokens of `slot`'s next prefill pass (see the module docstring)."""
+    def pass_tokens(self, slot: Slot | None = None) -> int:
+        """Tokens of `slot`'s next prefill pass (see the module docstring): the one place a
+        pass is sized. With `max_active` 1 nobody can run between two passes: a whole chunk."""
+        if self.max_active == 1:
+            return self.chunk
         if self.slice_ms <= 0:
             return self.slice_tokens if len(self.active) + len(self.waiting) > 1 else self.chunk
         if slot is not None and self._one_pass(slot, slot.remaining()):
@@ -211,34 +230,33 @@ class Schedule:
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
-          start: Callable[[Job, Callable[[], int], Callable[[], bool]], Task],
-          end: Callable[[Job], None],
+          start: Callable[[Job, Callable[[], bool]], Task],
+          end: Callable[[Job, Finished | Failed], None],
           arrived: Callable[[], Sequence[Job]] = lambda: ()) -> None:
-    """Run jobs until none is admitted or waiting (on the generation thread). `take(idle)`:
-    the jobs submitted since, or None to stop (only when `idle` and none was submitted: the
-    caller decides that under its lock, so a job submitted then starts a new loop); `start`:
-    a job's task (never raises), given its slicer and its `preempt` (asked between two layers
-    of its pass); `end(job)`: a job cancelled while it waited; `arrived()`: the jobs submitted
-    since, during a pass (cheap when none was)."""
+    """Run jobs until none is admitted or waiting (on the generation thread). Between two
+    passes: `take(idle)`, the jobs submitted since, or None to stop (only when `idle` and none
+    was submitted: the caller decides that under its lock, so a job submitted then starts a
+    new loop); then admission, and the end of jobs cancelled while they waited. `start`: a
+    job's task, given its `preempt` (asked between two layers of its pass); `end(job,
+    result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
+    pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
+    taken)."""
 
     def admit(jobs: Sequence[Job]) -> None:
         for job in jobs:
             schedule.add(job)
         for job in schedule.cancelled():
-            end(job)
+            end(job, Finished("cancelled", 0, 0))
         for slot in schedule.admit():
             slot.job.queue_s = time.perf_counter() - slot.job.submitted
         for i, job in enumerate(schedule.waiting, 1):   # the rest: their place in line
             if job.position != i:
                 job.position = i
-                job._emit(Queued(i))
+                job.emit(Queued(i))
 
     def preempt(slot: Slot) -> bool:
         jobs = arrived()
-        if not jobs:
-            return False
-        admit(jobs)
-        return schedule.preempts(slot)
+        return bool(jobs) and schedule.preempts(slot, jobs)
 
     while True:
         jobs = take(schedule.idle())
@@ -249,17 +267,18 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
             continue
         slot = schedule.pick()
         if slot.task is None:
-            slot.task = start(slot.job, functools.partial(schedule.slice, slot),
-                              functools.partial(preempt, slot))
+            slot.task = start(slot.job, functools.partial(preempt, slot))
         others = [s for s in schedule.active if s is not slot]   # admitted before the pass
+        decision = Decision(schedule.pass_tokens(slot), slot.job.cancelled)
         t0 = time.perf_counter()
-        done = slot.task.advance()
+        step = slot.task.step(decision)
         spent = time.perf_counter() - t0
         for other in others:
             other.job.paused_s += spent
-        schedule.ran(slot, spent, slot.task.midpass(), others)
-        if done:
+        schedule.ran(slot, spent, isinstance(step, Paused), others)
+        if isinstance(step, Finished | Failed):
             schedule.remove(slot)
+            end(slot.job, step)
 
 
 def kv_bytes_per_token(leaves: Sequence[Any]) -> int:

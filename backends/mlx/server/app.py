@@ -157,10 +157,8 @@ def _output(loaded: Loaded, req: GenRequest, prompt: Prompt) -> ChatOutput:
     tools = loaded.renderer.tool_format() if req.tools else None
     if not getattr(tokenizer, "has_thinking", False):
         return ChatOutput(tools, req.tools)
-    # A generation prompt that opens a think block (and does not close it) starts in reasoning.
-    tail = prompt.tokens[-16:]
-    thinking = tokenizer.rfind_think_start(tail) > tokenizer.rfind_think_end(tail)
-    return ChatOutput(tools, req.tools, (tokenizer.think_start, tokenizer.think_end), thinking)
+    return ChatOutput(tools, req.tools, (tokenizer.think_start, tokenizer.think_end),
+                      prompt.thinking)
 
 
 async def _tokenize(request: web.Request) -> web.Response:
@@ -208,22 +206,24 @@ async def _health(request: web.Request) -> web.Response:
 async def _cache(request: web.Request) -> web.Response:
     """The Engine's cache_info and MLX's memory as of the end of the last generation (the
     Engine is only ever touched on the generation thread, so this never waits behind a long
-    request), with the disk tier's live state (its own lock guards it) and the process's
-    resident memory now: the proxy's model pool measures a loaded model's footprint by it."""
+    request), with the disk tier's live state (its own lock guards it), a group's other ranks
+    as last heard (their heartbeats: never a round trip) and the process's resident memory now:
+    the proxy's model pool measures a loaded model's footprint by it."""
     loaded = _loaded(request)
     generator = request.app[GENERATOR]
-    group = None if generator.leader is None else {
+    status = generator.status
+    group = None if not generator.grouped else {
         "hosts": generator.settings.group_hosts, "parallel": loaded.parallel,
         "ranks": [{"rank": 0, "host": generator.settings.group_hosts[0], "pid": os.getpid(),
-                   "memory": memory_info(generator.memory)}, *generator.ranks]}
-    return web.json_response({**generator.cache_info, "disk": loaded.engine.tiers.info(),
-                              "worker": dict(generator.stats), "group": group,
-                              "memory": memory_info(generator.memory)})
+                   "memory": memory_info(status.memory)}, *generator.lockstep.ranks()]}
+    return web.json_response({**status.cache_info, "disk": loaded.engine.tiers.info(),
+                              "worker": dict(status.stats), "group": group,
+                              "memory": memory_info(status.memory)})
 
 
 def _single(request: web.Request) -> None:
     """Prefix states move between single-process workers only (for now: docs/DISTRIBUTED.md)."""
-    if request.app[GENERATOR].leader is not None:
+    if request.app[GENERATOR].grouped:
         raise ApiError(501, "a group worker does not export or import prefix states",
                        type_="server_error", code="group_worker")
 

@@ -1,0 +1,37 @@
+"""The typed steps of a generation and what paces them: pure, no mlx.
+
+A step of `Engine.steps` is one forward pass: `Prefilled` (a prefill pass ended), `Paused` (a
+prefill pass stopped between two layers; the next step resumes it), or the token a decode
+step sampled. Before each step its caller sets the `Pacing`: the next pass's size (decided in
+one place, the scheduler's `Schedule.pass_tokens`) and whether a pass pauses for another job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill pass ran to its end: `tokens` more prompt tokens are in the live cache."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A prefill pass stopped after evaluating cache leaf `layer` (of `layers`); the next step
+    resumes it there."""
+
+    layer: int
+    layers: int
+
+
+@dataclass
+class Pacing:
+    """What the caller decides before each step: the next prefill pass's size in tokens, and
+    whether a pass under way pauses between two layers (asked after each; None: never)."""
+
+    tokens: int
+    preempt: Callable[[], bool] | None = None

@@ -1,0 +1,35 @@
+"""The scheduler's step protocol: pure, no mlx.
+
+Before each step of a job the scheduler takes a `Decision` (its prefill pass size, whether it
+stops); the step returns what happened, typed: `Prefilled` (a prefill pass ended), `Paused`
+(one stopped between two layers, to resume at the next step), `Decoded` (a token sampled),
+or the job's end, `Finished` / `Failed` (its last event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixd.backends.mlx.engine.pacing import Paused, Prefilled
+from prefixd.backends.mlx.scheduler.jobs import Failed, Finished
+
+__all__ = ["Decision", "Decoded", "Failed", "Finished", "Paused", "Prefilled", "Step"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a step runs on, decided before it: a prefill pass of at most `tokens`, and whether
+    the job stops (its client left) before it."""
+
+    tokens: int
+    stop: bool
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decode step sampled a token (the `n`th of the reply)."""
+
+    n: int
+
+
+Step = Prefilled | Paused | Decoded | Finished | Failed
