@@ -136,7 +136,7 @@ def test_template_keeps_reasoning_only_after_last_user_query(qwen3_tokenizer) ->
 
 
 def test_tokenizer_is_deterministic_across_processes() -> None:
-    code = ("from prefixd.backends.mlx import tinytok; "
+    code = ("from prefixd.backends.mlx.model import tinytok; "
             f"print(tinytok.train_tokenizer({TINY_VOCAB}).to_str())")
     other = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                            text=True, env={"PYTHONHASHSEED": "7"}, timeout=60).stdout.strip()

@@ -136,8 +136,9 @@ async def test_time_behind_others_is_reported(gen: Generator) -> None:
 
 
 async def test_a_state_call_runs_between_passes(gen: Generator) -> None:
-    """An export or import (`Generator.call`) does not wait for every running job to end:
-    with 2 active it runs between two passes of a long prefill; serial, after the job."""
+    """An export or import (`Generator.call`) does not wait for a running job to end: it runs
+    between two of its passes, with one job at a time too (one scheduling path: before, with
+    max_active 1 a call waited for the whole job)."""
     import asyncio
 
     long, _ = _prompts()
@@ -145,7 +146,7 @@ async def test_a_state_call_runs_between_passes(gen: Generator) -> None:
     waiter = asyncio.ensure_future(_collect(job, "long", []))
     under_way = await gen.call(lambda engine: job in gen._pending)   # on the thread
     _, end = await waiter
-    assert under_way == (gen.settings.max_active == 2) and end.finish_reason == "length"
+    assert under_way and end.finish_reason == "length"
 
 
 async def test_a_job_waiting_for_room_is_told_its_place(

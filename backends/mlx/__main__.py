@@ -3,12 +3,11 @@
 Owns: the worker's command line, its process lifecycle (BLAS re-exec, signals, following its
 parent's death, ordered shutdown) and the listening socket (`--port`, or `--unix-socket`).
 WorkerSettings come from the environment (PREFIXD_*; the supervisor passes worker settings that
-way), and so do the optional per-start token `PREFIXD_WORKER_TOKEN` (see `worker.py`) and the
-transfer secret `PREFIXD_TRANSFER_SECRET` (a setting: see `cacheio.py`). Malformed HTTP on the
-socket is answered by `protocol.py` (a JSON 400, one log line). The
-HTTP server starts first and answers /health with 503 until the model is loaded, so a
-supervisor can tell "loading" from "dead". SIGTERM/SIGINT, or the parent process going away,
-stop it within a couple of seconds.
+way), and so do the optional per-start token `PREFIXD_WORKER_TOKEN` (see `server/app.py`) and the
+transfer secret `PREFIXD_TRANSFER_SECRET` (a setting: see `server/cacheio.py`). Malformed HTTP on
+the socket is answered by `server/protocol.py` (a JSON 400, one log line). The HTTP server starts
+first and answers /health with 503 until the model is loaded, so a supervisor can tell "loading"
+from "dead". SIGTERM/SIGINT, or the parent process going away, stop it within a couple of seconds.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The checkpoint store of the mlx worker: pure policy over token lists and byte sizes.
 
-Owns: sequence entries (tokens + the opaque live cache at their end), the checkpoints attached
-to them (opaque snapshots of the non-trimmable layers at a position), the longest-common-prefix
-lookup that picks the restore point, and the byte budget with its eviction. Where checkpoints
-go is `placement.py`.
-It never imports mlx: payloads are opaque and their sizes are passed in (`snapshot.py` makes them).
+Owns: sequence entries (tokens + the opaque live cache at their end), the checkpoints attached to
+them (opaque snapshots of the non-trimmable layers at a position), the longest-common-prefix lookup
+that picks the restore point, and the byte budget with its eviction. Where checkpoints go is
+`cache/placement.py`. It never imports mlx: payloads are opaque and their sizes are passed in
+(`cache/snapshot.py` makes them).
 
 Invariants:
 - `bytes_used <= budget` after every call; room is made *before* anything is stored, and an item
@@ -85,7 +85,7 @@ class CheckpointStore:
         self.evicted_entries = 0
         self.evicted_checkpoints = 0
         self.rejected = 0
-        # The last request's entry, even once dropped (its tokens then; `restorable.py`)
+        # The last request's entry, even once dropped (its tokens then; `engine/restorable.py`)
         self.latest: Entry | None = None
         # Told what leaves the store: (entry, why: merged | discarded | rejected | evicted),
         # and (entry, position, snapshot) of a checkpoint evicted under budget pressure.

@@ -4,7 +4,7 @@ Owns: rendering a `GenRequest` through the model's chat template (with the text 
 `tooltext` when the template ignores tools), the prompt token ids, and the message boundaries
 (token positions where each message's content starts, and where the last one's ends) that the
 engine uses as checkpoint positions. One render and one tokenization per prompt (of its new part
-only, where it extends a recent prompt: `suffix.py`): boundaries are found in the rendered text
+only, where it extends a recent prompt: `chat/suffix.py`): boundaries are found in the rendered text
 with the tokenizer's offsets. Pure functions over a tokenizer; no
 mlx, no I/O.
 """

@@ -3,10 +3,10 @@ budget, its lookups and its eviction.
 
 Owns: the directory of one cache key (`<cache_dir>/prompts/<key>/`: `manifest.json`,
 `blocks/`, `records/`) and the lock that makes this process its only user, its in-memory index
-(rebuilt from the files' own descriptions at start by `diskindex.py`: no separate index file can
+(rebuilt from the files' own descriptions at start by `disk/rebuild.py`: no separate index file can
 go stale), lookups of the longest restorable prefix, pins, and the disk budget with its
-eviction. The generation thread calls `lookup`/`pin` and submits `Job`s (`persist.py`) to the
-tier's writer thread (`diskwriter.py`), which does all hashing and file writes. One lock
+eviction. The generation thread calls `lookup`/`pin` and submits `Job`s (`disk/persist.py`) to the
+tier's writer thread (`disk/writer.py`), which does all hashing and file writes. One lock
 guards the index; file reads and writes happen outside it.
 
 Eviction (when a write would exceed the budget) drops the records worth least: the tokens they

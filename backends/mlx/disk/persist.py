@@ -3,7 +3,7 @@
 Owns: building a writer `Job` from a stored entry (numpy views of its evaluated arrays: no copy
 and no mlx call on the writer thread; states already on disk are left out) and loading a disk
 record back into a live cache at a position (`snapshot.restore` then trims and checks it, as
-for a RAM restore). Which entries to write and when is `tiers.py`; the files are `diskfmt.py`.
+for a RAM restore). Which entries to write and when is `disk/tiers.py`; the files are `disk/fmt.py`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ summarized in one log line, and never loaded. The tensor data is checked when it
 Leftover temp files (a write cut short by a crash), blocks no record needs and files that can
 never load (`BROKEN`: damaged, or records whose blocks are gone) are deleted; files a looser
 version left readable by others are made private. Nothing is followed through a link
-(`diskfs.py`): a link is removed and counted `foreign`; a directory or FIFO where a file
+(`disk/fs.py`): a link is removed and counted `foreign`; a directory or FIFO where a file
 belongs is counted and never opened; one bad entry never switches the tier off.
 """
 

@@ -1,10 +1,10 @@
 """The disk tier's writer thread: turns `Job`s into block and record files, one job at a time.
 
 Owns: `Job` and `State` (what the generation thread hands over: host arrays only, built by
-`persist.py`, so no mlx call happens here), the job queue, the thread, and the file writes. It
-writes each byte once: a block is content-addressed by its prefix (`chain.py`) and written only
+`disk/persist.py`, so no mlx call happens here), the job queue, the thread, and the file writes. It
+writes each byte once: a block is content-addressed by its prefix (`disk/chain.py`) and written only
 if absent; a record (the state at one position) likewise. Before a write it asks the tier
-(`disk.py`) for room under the budget; after it, it indexes what it wrote. A write that fails
+(`disk/index.py`) for room under the budget; after it, it indexes what it wrote. A write that fails
 (a full or failing disk) leaves nothing behind: no temp file, and no block written for it that
 no record needs. The tier's one lock guards the queue as well as the index; no file is written
 while it is held.

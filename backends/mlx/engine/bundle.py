@@ -12,13 +12,13 @@ lacks a long prefix another worker of the same model holds or is computing, it a
 to export the prefix and this one to import it, instead of recomputing it. The state is the
 exporting worker's own, so a request restored from it gives what that worker's restore would.
 
-An import is untrusted input, checked before anything is stored (`bundlecheck.py`): the worker
-first verifies the bundle's MAC over the bytes it received (`seal.py`, in `cacheio.py`); then
-its checksum, its key (model fingerprint, file format, cache layout, KV quantization) must be
-this model's, its token ids int32 and in the vocabulary, its tensors finite, of the dtypes the
-cache holds and each used once, and every leaf this model's cache class with its structure,
-array dtypes and shapes (measured on a one-token pass) at exactly `pos` positions. A bundle
-that fails is refused (`BundleError` with a named reason: 400, or 409 for another model), and
+An import is untrusted input, checked before anything is stored (`engine/bundlecheck.py`): the
+worker first verifies the bundle's MAC over the bytes it received (`server/seal.py`, in
+`server/cacheio.py`); then its checksum, its key (model fingerprint, file format, cache layout, KV
+quantization) must be this model's, its token ids int32 and in the vocabulary, its tensors finite,
+of the dtypes the cache holds and each used once, and every leaf this model's cache class with its
+structure, array dtypes and shapes (measured on a one-token pass) at exactly `pos` positions. A
+bundle that fails is refused (`BundleError` with a named reason: 400, or 409 for another model), and
 nothing of it is stored, in RAM or on disk.
 """
 
@@ -95,7 +95,7 @@ def _digest(tensors: dict[str, np.ndarray]) -> str:
 def parse(data: bytes, key: str, vocab: int) -> tuple[dict[str, Any], dict[str, mx.array],
                                                       list[int]]:
     """(description, arrays, tokens) of a bundle for the model with bundle key `key` and a
-    vocabulary of `vocab` ids; `BundleError` for anything else (`bundlecheck.py`)."""
+    vocabulary of `vocab` ids; `BundleError` for anything else (`engine/bundlecheck.py`)."""
     try:
         meta = _meta(data)
         host = safetensors.numpy.load(data)

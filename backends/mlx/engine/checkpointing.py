@@ -1,5 +1,5 @@
 """Taking checkpoints during a prefill and committing what a request leaves: the part of the
-Engine (`engine.py`, a mixin of it) that turns the live cache into store entries and
+Engine (`engine/engine.py`, a mixin of it) that turns the live cache into store entries and
 checkpoints, at the positions `placement.prefill_plan` gives. In a group worker every size and
 trimmability it stores is the ranks' agreed one (`group/lockstep.py`), so every rank's store decides
 alike. Called on the generation thread only, like the rest of the Engine.

@@ -3,16 +3,16 @@ with checkpoints, decode, and commit what the KV state holds back to the checkpo
 
 Owns: the prefill/decode loop (so prefill chunks can end exactly at checkpoint positions), the
 restore decision and its fallbacks, taking checkpoints and the commit at the end of a request
-(`checkpointing.py`, a mixin), per-request `PromptStats`, and the face other workers' states
-come in and go out through (`bundle.py`). What this model's cache supports is probed at start
-(`probe.py`); the counts and cache metrics are `cachecounts.py`; policy (placement, lookup,
-budget) lives in `placement.py` and `store.py`; per-class cache handling in `snapshot.py`;
-the disk tier behind `disktier.py`. Called from one thread only (the worker's single-thread
-executor), so nothing here locks. In a group worker every rank runs the same Engine calls in
-lockstep on its own layers; the values a rank computes from its layers alone (sizes,
-trimmability, whether a restore worked, what the start-up probes found) go through the
-`lockstep` (`group/lockstep.py`) so every rank's store decides as the leader's, and the
-prefill passes have the same shapes on every rank. The Engine never asks which rank it is.
+(`engine/checkpointing.py`, a mixin), per-request `PromptStats`, and the face other workers' states
+come in and go out through (`engine/bundle.py`). What this model's cache supports is probed at start
+(`engine/probe.py`); the counts and cache metrics are `engine/counts.py`; policy (placement, lookup,
+budget) lives in `cache/placement.py` and `cache/store.py`; per-class cache handling in
+`cache/snapshot.py`; the disk tier behind `engine/tierglue.py`. Called from one thread only (the
+worker's single-thread executor), so nothing here locks. In a group worker every rank runs the same
+Engine calls in lockstep on its own layers; the values a rank computes from its layers alone (sizes,
+trimmability, whether a restore worked, what the start-up probes found) go through the `lockstep`
+(`group/lockstep.py`) so every rank's store decides as the leader's, and the prefill passes have the
+same shapes on every rank. The Engine never asks which rank it is.
 """
 
 from __future__ import annotations
@@ -20,18 +20,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.cache.store import CheckpointStore, Entry
+from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.engine import probe
 from prefixd.backends.mlx.engine.checkpointing import Checkpointing
+from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.counts import CacheCounts
-from prefixd.backends.mlx.engine.run import Pacing, Run, Step
+from prefixd.backends.mlx.engine.pacing import Turn
+from prefixd.backends.mlx.engine.run import Run, Step
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
 from prefixd.backends.mlx.group.lockstep import Lockstep
@@ -39,39 +41,8 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 if TYPE_CHECKING:
     import mlx.nn as nn
 
-    from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker.cache")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the Engine reads of the worker's settings (same names, same meaning)."""
-
-    cache_bytes: int = 4 * 1024**3
-    checkpoint_interval: int | None = None  # None: sized automatically at start-up
-    checkpoint_interval_policy: str = "bytes"   # "cost": also bounded by the pass cost
-    checkpoint_inpass: bool = True              # capture inside passes where verified
-    checkpoint_tail: int = 4
-    prefill_chunk: int = 512
-    kv_bits: int | None = None
-
-    @classmethod
-    def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:
-        values = {f.name: getattr(settings, f.name) for f in fields(cls)}
-        return cls(**{**values, **override})
-
-
-@dataclass(eq=False)
-class Turn:
-    """One request's own view of the Engine (several may be under way: `scheduler/`): its
-    pacing (the next pass's size and whether a pass pauses, set by its scheduler before each
-    step), its stats and store entry (set when it starts) and its live state."""
-
-    pacing: Pacing
-    stats: PromptStats | None = None
-    entry: Entry | None = None
-    run: Run | None = None
 
 
 class Engine(Checkpointing):
@@ -84,7 +55,7 @@ class Engine(Checkpointing):
         self.config = config
         self.lockstep = lockstep = lockstep or Lockstep()
         # what identifies the model's weights (`disktier.model_fingerprint`): states move
-        # only between workers of the same one (`bundle.py`)
+        # only between workers of the same one (`engine/bundle.py`)
         self.model_id = model_id or (disk.model_id if disk else None)
         self._reference: list[Any] | None = None
         self.store = CheckpointStore(config.cache_bytes)
@@ -178,7 +149,7 @@ class Engine(Checkpointing):
 
     def restore_only(self, prompt: list[int], stats: PromptStats,
                      namespace: str = "") -> tuple[list[Any], int]:
-        """`_restore` for an export (`bundle.py`): the same restore, without counting a hit
+        """`_restore` for an export (`engine/bundle.py`): the same restore, without counting a hit
         or a miss in the tier metrics (no request is served)."""
         if self._unsupported:
             return self.fresh_cache(), 0
@@ -192,7 +163,7 @@ class Engine(Checkpointing):
 
     def reference_leaves(self) -> list[Any]:
         """This model's cache leaves after a one-token pass: the classes, array shapes and
-        dtypes an imported state must have (`bundle.py`)."""
+        dtypes an imported state must have (`engine/bundle.py`)."""
         if self._reference is None:
             cache = self.fresh_cache()
             self.model(mx.array([[0]]), cache=cache)

@@ -1,8 +1,9 @@
-"""Loading a model into the worker: resolving and converting it (`provision.py`), its Engine
-with the prompt cache's RAM budget and disk tier, and a warm-up pass. Runs on the generation
-thread (`generation.py`), which owns what it returns. In a group worker (`group.py`) every rank
-loads its shard (`distribute`: pipeline or tensor parallel, as mlx-lm provides them) and the
-same Engine, with the group's smallest RAM budget and no disk tier.
+"""Loading a model into the worker: resolving and converting it (`model/provision.py`), its
+Engine with the prompt cache's RAM budget and disk tier, and a warm-up pass. Runs on the
+generation thread (`scheduler/generator.py`), which owns what it returns. In a group worker
+every rank loads its shard (`distribute`: pipeline or tensor parallel, as mlx-lm provides them,
+over the lockstep's MLX group) and the same Engine, with the group's smallest RAM budget and a
+disk tier of its own shard's states.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 its response carries (in `prefixd`, beside `usage`), so a proxy's prefix index learns the
 prefixes this worker really restores instead of assuming every message boundary is one.
 
-Owns: reading the checkpoint store (`store.py`) for the prefixes of the request's stored tokens
-(prompt + reply, as committed) that a later prompt extending them would restore, with the store's
-own rules (`CheckpointStore.lookup`):
+Owns: reading the checkpoint store (`cache/store.py`) for the prefixes of the request's stored
+tokens (prompt + reply, as committed) that a later prompt extending them would restore, with the
+store's own rules (`CheckpointStore.lookup`):
 
 - an entry whose state trims to any shorter prefix (every layer a plain KV cache, or a sliding
   window that has not wrapped) restores every prefix it shares with the tokens;

@@ -5,7 +5,7 @@ generated tokens are in it), and whether an exception left it in an unknown stat
 Knows nothing of the checkpoint store: the Engine says where to capture (`marks`) and what to do
 there (`capture`), and commits `tokens` with `cache` when the run ends. With `inpass` (the
 model passed `tap.verify`), a pass is not cut at marks: the marks inside it are captured from
-the pass itself (`tap.py`), so checkpoints add no forward passes.
+the pass itself (`engine/tap.py`), so checkpoints add no forward passes.
 
 The steps are typed: a prefill pass yields `Prefilled` when it ends, `Paused(layer)` when it
 stops between two layers, a decode step the token it sampled. A pass's size is the `Pacing`

@@ -3,8 +3,8 @@
 Owns: `PromptStats` (filled by the Engine while it restores, prefills, checkpoints, samples the
 first token and commits), the `prefixd` JSON object the worker adds to its responses (the final
 non-streamed response and the usage chunk of a stream; with `restorable`, what the worker can
-restore of the request's tokens, from `restorable.py`), the stage histograms, and the DEBUG log
-line. Stages, in request order:
+restore of the request's tokens, from `engine/restorable.py`), the stage histograms, and the DEBUG
+log line. Stages, in request order:
 
 - `template`, `tokenize`, `boundaries`: building the prompt (beside generation, on a thread);
 - `queue`: waiting for the generation thread (another request was running), `paused`: with
@@ -68,7 +68,7 @@ def breakdown(stats: PromptStats | None, before: dict[str, float],
               restorable: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `prefixd` object of a response: `before` holds the stages outside the Engine
     (template, tokenize, boundaries, queue), in seconds; `restorable`, the prefixes of the
-    request's tokens the worker can restore now (`restorable.py`)."""
+    request's tokens the worker can restore now (`engine/restorable.py`)."""
     seconds = {**before, **(stats.seconds() if stats else {})}
     out: dict[str, Any] = {
         "timings_ms": {k: round(seconds[k] * 1000, 3) for k in STAGES if k in seconds},

@@ -1,10 +1,10 @@
 """The Engine's side of the two tiers: opens the disk tier for a model, restores from it, feeds
 it, and reports every miss (generation thread).
 
-Owns: the cache key of a model (`DiskSpec.model_id` + the cache layout + format + the settings
-that change what is stored), the disk restore with its fallback, the per-request tier and miss
-reason in `PromptStats`, and the tier metrics. Policy (when to write, whether a load is worth
-it, why a lookup fell short) is `tiers.py`; files are `disk.py`/`diskfmt.py`/`persist.py`.
+Owns: the cache key of a model (`DiskSpec.model_id` + the cache layout + format + the settings that
+change what is stored), the disk restore with its fallback, the per-request tier and miss reason in
+`PromptStats`, and the tier metrics. Policy (when to write, whether a load is worth it, why a lookup
+fell short) is `disk/tiers.py`; files are `disk/index.py`/`disk/fmt.py`/`disk/persist.py`.
 """
 
 from __future__ import annotations

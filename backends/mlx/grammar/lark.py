@@ -14,7 +14,7 @@ schemas as enforced, and their 400s, shared with the proxy).
 JSON is written with `json.dumps`'s separators (", ", ": ") and no other whitespace, so a model
 cannot loop on blank space. Only tool-call formats whose body is that JSON (Qwen/Hermes
 `<tool_call>`, mlx-lm's `json_tools`) are constrained; other formats stay free. Pure: no
-llguidance here; `grammar_run.py` runs the grammar on tokens.
+llguidance here; `grammar/matcher.py` runs the grammar on tokens.
 """
 
 from __future__ import annotations

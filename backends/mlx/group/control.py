@@ -1,4 +1,4 @@
-"""A group's control channel (`group.py`): length-prefixed JSON frames over TCP, and the join
+"""A group's control channel (`group/start.py`): length-prefixed JSON frames over TCP, and the join
 that admits only the followers the leader started.
 
 Owns: `Channel` (frames with a size limit checked before anything is read into memory), the

@@ -1,4 +1,4 @@
-"""A group's ring (`group.py`): MLX's ring backend joined only between the ranks the control
+"""A group's ring (`group/start.py`): MLX's ring backend joined only between the ranks the control
 channel admitted, and joined again until it is.
 
 MLX's ring has no handshake of its own: each rank listens on its address in the hostfile and

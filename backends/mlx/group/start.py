@@ -3,15 +3,14 @@ backend). Rank 0, the leader, serves HTTP and decides; the followers run the sam
 passes on their shards of the model (`scheduler/replay.py`).
 
 Owns: the group's processes, their start-up and their end. The leader starts its followers (a
-loopback host as a child process; any other host over ssh, with the same interpreter path and
-the same conventions as `mlx.launch`), holds their PIDs and stops them. The join has two
-steps: the followers prove they hold the start's secret on the control channel (`control.py`:
-whatever else connects is dropped and the join goes on), then every rank joins the ring on
-ports chosen only then and told only over that channel, again until the ring is whole
-(`ring.py`).
-The control channel then carries the leader's journal to the followers and their answers and
-heartbeats back (`leader.py`, `follower.py`: the lockstep's two group forms). A leader that is
-gone ends its followers (their channel closes; local ones also follow its PID).
+loopback host as a child process; any other host over ssh, with the same interpreter path and the
+same conventions as `mlx.launch`), holds their PIDs and stops them. The join has two steps: the
+followers prove they hold the start's secret on the control channel (`group/control.py`: whatever
+else connects is dropped and the join goes on), then every rank joins the ring on ports chosen only
+then and told only over that channel, again until the ring is whole (`group/ring.py`). The control
+channel then carries the leader's journal to the followers and their answers and heartbeats back
+(`leader.py`, `follower.py`: the lockstep's two group forms). A leader that is gone ends its
+followers (their channel closes; local ones also follow its PID).
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ class Start:
 
     def start(self) -> Any:
         """Spawn the followers, admit them to the control channel (on this host's address
-        only, never 0.0.0.0), join the ring with them; the MLX group. Strays at either port
-        are dropped and the join goes on (`control.py`, `ring.py`). Raises GroupError (after
+        only, never 0.0.0.0), join the ring with them; the MLX group. Strays at either port are
+        dropped and the join goes on (`group/control.py`, `group/ring.py`). Raises GroupError (after
         stopping what it started) once the join cannot complete."""
         here = ["127.0.0.1" if is_loopback(h) else h for h in self.hosts]
         listener = socket.create_server((here[0], 0))

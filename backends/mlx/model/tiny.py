@@ -3,7 +3,7 @@
 Owns: the tiny `config.json` per architecture (sized to run on 2 CPU cores while still creating
 each architecture's cache classes), building the mlx-lm model from it, and writing a complete
 model folder (`save_tiny_model`) that `mlx_lm.load` opens with no network. The tokenizer and
-chat template live in `tinytok.py`.
+chat template live in `model/tinytok.py`.
 
 Random weights would emit arbitrary byte tokens whose text does not re-encode to the same ids,
 which breaks multi-turn prefix tests for reasons unrelated to caching. So the saved lm_head is

@@ -143,7 +143,7 @@ class Active:
 def observe_turn(stats: PromptStats | None, before: dict[str, float],
                  restorable: dict[str, Any] | None = None) -> dict[str, Any]:
     """Record the request's breakdown (metrics, DEBUG log) and return its JSON, with what the
-    worker can restore of its tokens now (`restorable.py`)."""
+    worker can restore of its tokens now (`engine/restorable.py`)."""
     observe(stats, before)
     return breakdown(stats, before, restorable)
 

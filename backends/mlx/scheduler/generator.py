@@ -1,14 +1,14 @@
 """The worker's generation loop: the loaded model (`engine/loading.py`), its Engine, and the
 jobs it runs, all on one thread.
 
-Owns: every mlx call of the worker process. Model loading, Engine construction, generation,
-state moves and `Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one
-worker), so the Engine and its checkpoint store need no locks. Jobs (`jobs.py`: a prompt in,
-events out, a cancel flag) are submitted to an inbox; one loop on that thread (`schedule.drive`,
-for every `max_active`) takes them between two passes, admits them and runs one forward pass
-at a time, each job a `active.Active`. A `call` (a state export or import) runs between two
-passes too. Nothing here speaks HTTP: failures are `Failed` events or `WorkerClosed`, which the
-server room turns into responses.
+Owns: every mlx call of the worker process. Model loading, Engine construction, generation, state
+moves and `Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one worker), so the
+Engine and its checkpoint store need no locks. Jobs (`scheduler/jobs.py`: a prompt in, events out, a
+cancel flag) are submitted to an inbox; one loop on that thread (`schedule.drive`, for every
+`max_active`) takes them between two passes, admits them and runs one forward pass at a time, each
+job a `active.Active`. A `call` (a state export or import) runs between two passes too. Nothing here
+speaks HTTP: failures are `Failed` events or `WorkerClosed`, which the server room turns into
+responses.
 
 It holds the lockstep (`group/lockstep.py`): one process's, or a group's leader's, which
 journals every job this loop starts and every pass it runs to the followers (`replay.py`
@@ -173,7 +173,7 @@ class Generator:
             job.cancel()
 
     def _drive(self) -> None:
-        """Run the submitted jobs a forward pass at a time (`schedule.py`) until none is
+        """Run the submitted jobs a forward pass at a time (`scheduler/schedule.py`) until none is
         left."""
         assert self.loaded is not None
         engine, s = self.loaded.engine, self.settings

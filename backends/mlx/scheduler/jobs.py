@@ -1,11 +1,11 @@
 """A generation job: what crosses between the worker's event loop and its generation thread.
 
-Owns: `Job` (a prompt and its sampling in; its events out, through an asyncio.Queue the thread
-feeds thread-safely; its `cancel` flag, which the Engine polls as `should_stop`, so a client
-that goes away stops generation within one decode step), the events (`Queued` while it waits
-to be admitted behind others, `Delta` from `output.py`, then one `Finished` or `Failed`), and
-`WorkerClosed`. Nothing here runs mlx or
-speaks HTTP: `generation.py` runs jobs, `respond.py` turns their events into responses.
+Owns: `Job` (a prompt and its sampling in; its events out, through an asyncio.Queue the thread feeds
+thread-safely; its `cancel` flag, which the Engine polls as `should_stop`, so a client that goes
+away stops generation within one decode step), the events (`Queued` while it waits to be admitted
+behind others, `Delta` from `scheduler/output.py`, then one `Finished` or `Failed`), and
+`WorkerClosed`. Nothing here runs mlx or speaks HTTP: `generator.py` runs jobs, `server/respond.py`
+turns their events into responses.
 """
 
 from __future__ import annotations

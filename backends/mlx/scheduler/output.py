@@ -25,7 +25,7 @@ class Delta:
 def sampling_functions(s: Sampling, vocab: int, grammar: Any = None
                        ) -> tuple[Callable[[Any], Any], list[Any]]:
     """mlx-lm's sampler and logits processors, then `grammar` (structured output's mask,
-    `grammar_run.py`) last, so no bias or penalty can bring back a token it forbids. A `top_k`
+    `grammar/matcher.py`) last, so no bias or penalty can bring back a token it forbids. A `top_k`
     of the vocabulary's size or more keeps every token (mlx-lm raises on it, inside its
     compiled sampler). A request with a `seed` samples from its own random key
     (`SeededSampler`), so jobs interleaved on the thread cannot change each other's draws."""

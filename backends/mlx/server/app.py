@@ -1,13 +1,13 @@
 """The mlx worker's HTTP app: the OpenAI endpoints and the worker's own (health, cache, tokenize).
 
 Owns: routes, the optional per-start token (`PREFIXD_WORKER_TOKEN`: every route but /health then
-needs `Authorization: Bearer <token>`), every body read within `body_timeout_s`
-(`api/reading.py`), the transfer secret the state-move endpoints sign and check bundles with
-(`cacheio.py`), reading requests (the shared schema `api.schema`, then
-`chat.gen_request`), building prompts beside generation, and noticing a client that went away.
-Answers are written by `respond.py`; everything mlx lives in `generation.py`. A handler never
-raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a generation failure is a
-500 or, once a stream has started, an SSE error event.
+needs `Authorization: Bearer <token>`), every body read within `body_timeout_s` (`api/reading.py`),
+the transfer secret the state-move endpoints sign and check bundles with (`server/cacheio.py`),
+reading requests (the shared schema `api.schema`, then `chat.gen_request`), building prompts beside
+generation, and noticing a client that went away. Answers are written by `server/respond.py`;
+everything mlx lives on the scheduler's generation thread (`scheduler/generator.py`). A handler
+never raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a generation failure is
+a 500 or, once a stream has started, an SSE error event.
 """
 
 from __future__ import annotations
@@ -230,8 +230,8 @@ def _single(request: web.Request) -> None:
 
 async def _export(request: web.Request) -> web.Response:
     """A chat or completions body → the state of the longest prefix of its prompt this worker
-    restores (RAM or disk), as a bundle (`bundle.py`) with `X-Prefixd-Tokens: <pos>` and, with
-    a transfer secret, its MAC (`cacheio.signed`); 404 when it holds none. Runs on the
+    restores (RAM or disk), as a bundle (`engine/bundle.py`) with `X-Prefixd-Tokens: <pos>` and,
+    with a transfer secret, its MAC (`cacheio.signed`); 404 when it holds none. Runs on the
     generation thread, after the request in progress."""
     _single(request)
     raw = await request.read()
@@ -255,7 +255,7 @@ async def _export(request: web.Request) -> web.Response:
 
 async def _import(request: web.Request) -> web.Response:
     """A signed bundle another worker of this model exported → stored in this worker's prompt
-    cache, or refused with a named 4xx before anything is stored (`cacheio.py`)."""
+    cache, or refused with a named 4xx before anything is stored (`server/cacheio.py`)."""
     _single(request)
     settings = request.app[SETTINGS]
     return await cacheio.import_state(request, _loaded(request), request.app[GENERATOR],

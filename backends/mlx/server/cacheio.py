@@ -11,9 +11,10 @@ error with a named code, counted in `prefixd_worker_cache_imports_total{outcome}
 - 408 `request_timeout`: the body did not arrive within `body_timeout_s` (the connection is
   closed: a peer holding the worker's token cannot hold it open by trickling);
 - 403 `bad_mac`: the MAC, computed chunk by chunk as the body streams in, does not verify;
-- then the bundle's own checks on the generation thread (`bundle.py`, `bundlecheck.py`: 400
+- then the bundle's own checks on the generation thread (`engine/bundle.py`,
+`engine/bundlecheck.py`: 400
   with the reason as the code, 409 `other_model`).
-The bundle format and its checks are `bundle.py`'s; the MAC is `seal.py`'s.
+The bundle format and its checks are `engine/bundle.py`'s; the MAC is `server/seal.py`'s.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _stopped() -> ApiError:
 
 def _with_breakdown(body: dict[str, Any], end: Finished) -> dict[str, Any]:
     """`body` with the worker's per-turn breakdown (`prefixd`: timings, checkpoints, cached
-    and recomputed tokens, what it can restore now; see `stats.py`) beside `usage`."""
+    and recomputed tokens, what it can restore now; see `engine/stats.py`) beside `usage`."""
     return {**body, "prefixd": end.prefixd} if end.prefixd is not None else body
 
 
