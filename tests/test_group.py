@@ -271,32 +271,37 @@ def test_a_group_stopped_as_a_whole_keeps_every_ranks_records(
         messages.append(answer["choices"][0]["message"])
 
 
-# Put on a follower's path (PYTHONPATH): rank 1 fails one prefill pass, once, when the flag file
-# exists (an error on one rank only: the others' passes went fine).
+# Put on the ranks' path (PYTHONPATH): the rank named by TEST_GROUP_FAULT_RANK (0: the leader)
+# fails one prefill pass, once, when the flag file exists (an error on one rank only: the
+# others' passes went fine).
 FAULT_SITE = '''
 import os
-if os.environ.get("PREFIXD_GROUP_RANK") == "1" and os.environ.get("TEST_GROUP_FAULT"):
+rank = os.environ.get("PREFIXD_GROUP_RANK", "0")
+if os.environ.get("PREFIXD_GROUP_HOSTS") and os.environ.get("TEST_GROUP_FAULT") and \\
+        rank == os.environ.get("TEST_GROUP_FAULT_RANK"):
     import prefixd.backends.mlx.engine.run as run
     flag, original = os.environ["TEST_GROUP_FAULT"], run.Run._pass
 
     def _pass(self, *args, **kwargs):
         if os.path.exists(flag):
             os.unlink(flag)
-            raise RuntimeError("a fault injected on rank 1")
+            raise RuntimeError(f"a fault injected on rank {rank}")
         return (yield from original(self, *args, **kwargs))
 
     run.Run._pass = _pass
 '''
 
 
-@pytest.mark.parametrize("fault", ["stop", "error"])
+@pytest.mark.parametrize("fault", ["stop", "error on rank 1", "error on rank 0"])
 async def test_a_stopped_or_failing_follower_restarts_the_group_and_no_request_is_lost(
         fault: str, tiny_model_dir: Callable[[str], Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A follower stopped mid-request (SIGSTOP: alive, silent) is found by the leader's
-    watchdog within its bound; a step that fails on the follower alone ends that rank, which
-    ends the leader. Either way the supervisor restarts the group as one and every request in
-    flight answers 200, with the replies the group gave before."""
+    watchdog within its bound; a step that fails on one rank alone ends the group (on the
+    follower: that rank ends, which ends the leader; on the leader: it ends). Either way the
+    supervisor restarts the group as one and every request in flight answers 200, with the
+    replies the group gave before. (Before issue 34 each of these hung until the request's
+    timeout: the leader waited inside a collective.)"""
     import asyncio
 
     import aiohttp
@@ -307,13 +312,14 @@ async def test_a_stopped_or_failing_follower_restarts_the_group_and_no_request_i
     from prefixd.proxy.settings import Settings
 
     flag = tmp_path / "fault"
-    if fault == "error":
+    if fault.startswith("error"):
         site = tmp_path / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(FAULT_SITE)
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
             p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
         monkeypatch.setenv("TEST_GROUP_FAULT", str(flag))
+        monkeypatch.setenv("TEST_GROUP_FAULT_RANK", fault[-1])
     settings = Settings(_env_file=None, prefix_detect=False, group_watchdog_s=3.0, backends=[
         {"name": "big", "kind": "mlx", "model": str(tiny_model_dir("qwen3_next")),
          "models": ["big"], "hosts": ["127.0.0.1", "127.0.0.1"], "parallel": "pipeline"}])
@@ -335,7 +341,7 @@ async def test_a_stopped_or_failing_follower_restarts_the_group_and_no_request_i
             before = [await ask(b) for b in bodies]      # the group's replies, unharmed
             leader = psutil.Process(backend.status().detail["pid"])
             queue = server.proxy.queues["big"]
-            if fault == "error":
+            if fault.startswith("error"):
                 flag.write_text("fail the next pass")
             tasks = [asyncio.create_task(ask(b)) for b in bodies]
             for _ in range(500):                    # until the proxy has sent one (deadline)
@@ -348,7 +354,7 @@ async def test_a_stopped_or_failing_follower_restarts_the_group_and_no_request_i
             after = await asyncio.wait_for(asyncio.gather(*tasks), 240)
             assert after == before                         # every one answered 200, the same
             assert backend.status().detail["pid"] != leader.pid     # by a new group
-            if fault == "error":
+            if fault.startswith("error"):
                 assert not flag.exists()                   # the fault fired (once)
     finally:
         if stopped is not None and stopped.is_running():

@@ -93,7 +93,7 @@ def _interleave(engine: Engine, tokenizer: Any, jobs: dict[str, tuple[Job, Seque
         out = arrivals.pop(0) if arrivals else []
         return None if idle and not out else out
 
-    def start(job: Job, preempt: Callable[[], bool]) -> Observed:
+    def start(job: Job, preempt: Callable[[], bool] | None) -> Observed:
         name, bounds = names[id(job)]
         tasks[name] = Observed(engine, tokenizer, job, log, name, bounds, preempt)
         return tasks[name]
@@ -213,7 +213,7 @@ def _interleave_mid_pass(engine: Engine, tokenizer: Any, long: list[int], short:
         out = inbox.pop(0) if inbox else []
         return None if idle and not out else out
 
-    def start(job: Job, preempt: Callable[[], bool]) -> Observed:
+    def start(job: Job, preempt: Callable[[], bool] | None) -> Observed:
         name = "long" if job.prompt.tokens == long else "short"
         tasks[name] = Observed(engine, tokenizer, job, log, name,
                                BOUNDS if name == "long" else (), preempt)
@@ -243,7 +243,7 @@ def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel
         out = inbox.pop(0) if inbox else []
         return None if idle and not out else out
 
-    def start(job: Job, preempt: Callable[[], bool]) -> Observed:
+    def start(job: Job, preempt: Callable[[], bool] | None) -> Observed:
         name = "long" if job is jobs["long"] else "short"
         if name == "short":
             jobs["long"].cancel()              # its client leaves while its pass is paused

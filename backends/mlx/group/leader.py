@@ -26,6 +26,7 @@ from prefixd.backends.mlx.group.start import Start
 log = logging.getLogger("prefixd.worker.group")
 
 FAILED_STATUS = 3   # the group is broken: the supervisor restarts it as one
+FAIL_GRACE_S = 0.5  # a broken group's followers: `exit`, then SIGKILL after this
 
 
 class Leader(Collectives):
@@ -87,7 +88,7 @@ class Leader(Collectives):
         anything answers a client. Never returns."""
         log.error("worker: %s; stopping the group so it can be restarted as one", why)
         self.closing = True
-        self.processes.stop()
+        self.processes.stop(grace=FAIL_GRACE_S)   # nothing of theirs is worth waiting for
         logging.shutdown()
         os._exit(FAILED_STATUS)
 

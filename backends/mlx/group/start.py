@@ -104,13 +104,13 @@ class Start:
         self.children.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
         log.info("worker: started rank %d on %s (pid %d)", rank, host, self.children[-1].pid)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 5.0) -> None:
         """Stop the followers: `exit` on their channels (they act on no signal), then SIGKILL
-        by PID to one still there after 5 s (a stopped or hung one)."""
+        by PID to one still there after `grace` s (a stopped or hung one)."""
         for channel in self.channels:
             channel.send_now({"op": "exit"})
             channel.close()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + grace
         for child in self.children:
             try:
                 child.wait(max(0.1, deadline - time.monotonic()))

@@ -210,7 +210,7 @@ class Generator:
         with self._lock:
             return list(self._inbox)
 
-    def _start(self, job: Job, preempt: Callable[[], bool]) -> Active:
+    def _start(self, job: Job, preempt: Callable[[], bool] | None) -> Active:
         assert self.loaded is not None
         self.lockstep.journal(job_record(job))
         return Active(self.loaded, self.grammars, job, self.lockstep, preempt)

@@ -230,14 +230,15 @@ class Schedule:
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
-          start: Callable[[Job, Callable[[], bool]], Task],
+          start: Callable[[Job, Callable[[], bool] | None], Task],
           end: Callable[[Job, Finished | Failed], None],
           arrived: Callable[[], Sequence[Job]] = lambda: ()) -> None:
     """Run jobs until none is admitted or waiting (on the generation thread). Between two
     passes: `take(idle)`, the jobs submitted since, or None to stop (only when `idle` and none
     was submitted: the caller decides that under its lock, so a job submitted then starts a
     new loop); then admission, and the end of jobs cancelled while they waited. `start`: a
-    job's task, given its `preempt` (asked between two layers of its pass); `end(job,
+    job's task, given its `preempt` (asked between two layers of its pass; None with
+    `max_active` 1: a pass is then evaluated whole); `end(job,
     result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
     taken)."""
@@ -266,8 +267,9 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         if not schedule.active:
             continue
         slot = schedule.pick()
-        if slot.task is None:
-            slot.task = start(slot.job, functools.partial(preempt, slot))
+        if slot.task is None:     # with max_active 1 nobody can be admitted mid-pass
+            slot.task = start(slot.job, functools.partial(preempt, slot)
+                              if schedule.max_active > 1 else None)
         others = [s for s in schedule.active if s is not slot]   # admitted before the pass
         decision = Decision(schedule.pass_tokens(slot), slot.job.cancelled)
         t0 = time.perf_counter()
