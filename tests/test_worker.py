@@ -389,3 +389,32 @@ def test_parse_request_defaults() -> None:
                                                "reasoning": "hmm"}]})
     assert req.messages[0]["role"] == "system"
     assert req.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
+
+
+async def test_a_status_read_never_waits_for_the_generation_thread(
+        client: TestClient, generator: Generator) -> None:
+    """`/v1/cache` and `/health` answer from the last snapshot while the generation thread is
+    busy (here: held inside a state call), and a chat request queued meanwhile runs once it
+    is free."""
+    import threading
+
+    await post(client, chat(max_tokens=2))          # a snapshot exists
+    hold, entered = threading.Event(), threading.Event()
+
+    def busy(engine: Any) -> None:
+        entered.set()
+        assert hold.wait(60)
+
+    call = asyncio.ensure_future(generator.call(busy))
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        info = await asyncio.wait_for(post_get(client, "/v1/cache"), 30)
+        assert info["worker"]["requests"] >= 1 and "entries" in info
+        assert (await asyncio.wait_for(post_get(client, "/health"), 30))["status"] == "ok"
+        queued = asyncio.ensure_future(post(client, chat(max_tokens=2)))
+        await asyncio.sleep(0.2)
+        assert not queued.done()                    # it needs the thread: it waits
+    finally:
+        hold.set()
+    await call
+    assert (await asyncio.wait_for(queued, 60))["choices"]

@@ -114,6 +114,12 @@ class Schedule:
         self.waiting: deque[Job] = deque()
         self.active: list[Slot] = []
         self.tick = 0
+        self._estimates: dict[Job, int] = {}   # `cached` of a waiting job, during one pass
+
+    def _estimate(self, job: Job) -> int:
+        if job not in self._estimates:
+            self._estimates[job] = self.cached(job)
+        return self._estimates[job]
 
     def idle(self) -> bool:
         return not self.waiting and not self.active
@@ -142,13 +148,14 @@ class Schedule:
             cost = self._cost(job)
             if not self._fits(job, self.active):
                 break
-            slot = Slot(self.waiting.popleft(), cost, cached=self.cached(job))
+            slot = Slot(self.waiting.popleft(), cost, cached=self._estimate(job))
             self.active.append(slot)
             out.append(slot)
         return out
 
     def pick(self) -> Slot:
         """The admitted job whose pass runs next (see the module docstring)."""
+        self._estimates.clear()     # the store may have changed since: asked again
         slot, aged = self._choose()
         slot.aged = aged
         return slot
@@ -182,7 +189,7 @@ class Schedule:
                 continue
             if not self._fits(job, active):
                 return False
-            newcomer = Slot(job, self._cost(job), cached=self.cached(job))
+            newcomer = Slot(job, self._cost(job), cached=self._estimate(job))
             if self._rank(newcomer)[0] < mine:
                 return True
             active.append(newcomer)
