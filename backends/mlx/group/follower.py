@@ -68,3 +68,4 @@ class Follower(Collectives):
 
     def close(self) -> None:
         self._stop.set()
+        self.channel.close()
