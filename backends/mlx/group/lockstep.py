@@ -24,6 +24,7 @@ no pass paused for a newcomer).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 log = logging.getLogger("prefixd.worker.group")
@@ -79,7 +80,7 @@ class Lockstep:
         """A job's step failed: one process fails that job alone (this returns); a group's
         current work ends on every rank (this does not return)."""
 
-    def persist(self, local: Any, timeout: float) -> bool:
+    def persist(self, local: Callable[[float], bool], timeout: float) -> bool:
         """At shutdown: `local(timeout)` writes this rank's disk tier; a leader has every rank
         do it and waits for all (True when every rank wrote everything)."""
         return bool(local(timeout))
