@@ -64,12 +64,9 @@ class Leader(Collectives):
                 self.fail(f"a follower's channel broke ({e})")
             return self.sent
 
-    def ask(self, record: dict[str, Any], timeout: float) -> list[dict[str, Any]] | None:
-        """Journal `record`; every follower's answer to it (by its number), or None if one
-        did not answer in `timeout` s (a late answer is dropped, not taken for a later one)."""
-        return self._answers(self._send(record), timeout)
-
     def _answers(self, seq: int, timeout: float) -> list[dict[str, Any]] | None:
+        """Every follower's answer to journal entry `seq` (by its number), or None if one did
+        not answer in `timeout` s (a late answer is dropped, not taken for a later one)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while not all(seq in got for got in self.answers):
