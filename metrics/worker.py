@@ -83,3 +83,18 @@ TIER_MISSES = Counter("prefixd_worker_cache_misses_total",
                       "by reason (evicted, disk_evicted, not_on_disk, write_pending, not_stored, "
                       "load_slower_than_prefill, format_mismatch, corrupt, restore_error).",
                       ["reason"], registry=REGISTRY)
+
+# --- forward passes (batched decode) -------------------------------------------------------
+PASS_REQUESTS = Histogram("prefixd_worker_pass_requests",
+                          "Requests one forward pass ran, by kind (prefill: one request's "
+                          "slice; decode: every request decoding, batched).", ["kind"],
+                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=REGISTRY)
+PASS_TOKENS = Histogram("prefixd_worker_pass_tokens",
+                        "Tokens one forward pass ran, by kind (prefill, decode).", ["kind"],
+                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+                        registry=REGISTRY)
+BATCH_WAIT = Histogram("prefixd_worker_batch_slot_wait_seconds",
+                       "Time a request waited for a slot among the requests under way (admission "
+                       "by the live caches' memory) before its prefill started.",
+                       buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+                       registry=REGISTRY)

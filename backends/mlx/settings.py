@@ -107,6 +107,11 @@ class WorkerSettings(BaseSettings):
                             "(and a paused pass's residual stream: docs/CHECKPOINTS.md, "
                             "Scheduling). 1: one job at a time, to its "
                             "end, in arrival order.")
+    batch_decode: bool = Field(True, description="Worker (max_active > 1): the decode steps "
+                               "of every request under way share one forward pass (mlx-lm's "
+                               "batch caches; a model whose caches cannot merge, e.g. with "
+                               "kv_bits, decodes one request per pass). false: one request's "
+                               "step per pass.")
     prefill_slice_ms: float = Field(
         250.0, ge=0, description="Worker (max_active > 1): prefill in passes of about this "
         "many milliseconds, sized from the job's own last pass (its rate at its depth; at "

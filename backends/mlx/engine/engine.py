@@ -29,10 +29,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.engine import probe
+from prefixd.backends.mlx.engine.batch import Batch, unbatchable
 from prefixd.backends.mlx.engine.checkpointing import Checkpointing
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.counts import CacheCounts
 from prefixd.backends.mlx.engine.pacing import Turn
+from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.engine.run import Run, Step
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
@@ -93,6 +95,12 @@ class Engine(Checkpointing):
         # estimated size of one checkpoint
         self.checkpoint_bytes = (self.interval_choice.checkpoint_bytes if self.interval_choice
                                  else None)
+        # decode steps of the running requests share one forward pass (`engine/batch.py`)
+        self.passes = PassCounts()
+        self.batch = Batch(model, self.passes)
+        self.unbatchable = unbatchable(template)
+        if self.unbatchable:
+            log.warning("decode steps run one request at a time: %s", self.unbatchable)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
                               self._snap_idx, config, lockstep)
@@ -213,7 +221,8 @@ class Engine(Checkpointing):
         entry = turn.entry = None if self._unsupported else self.store.begin(prompt, namespace)
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
-        run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass)
+        run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
+                  self.passes)
         turn.run = run
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
@@ -244,6 +253,11 @@ class Engine(Checkpointing):
                                       stats)
         finally:
             t0 = time.perf_counter()
+            try:
+                run.settle()          # its own cache back out of a decode batch
+            except Exception:
+                log.exception("taking a request's cache out of its decode batch failed")
+                run.broken = True
             self._commit(entry, run)
             self.counts.gauges(self.store)
             stats.commit_s = time.perf_counter() - t0
@@ -263,6 +277,7 @@ class Engine(Checkpointing):
             "settings": {k: v for k, v in asdict(self.config).items() if k != "kv_bits"},
             "disk": self.tiers.info(),
             "misses": self.tiers.misses(),
+            "batch": {**self.passes.info(), "disabled_reason": self.unbatchable},
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

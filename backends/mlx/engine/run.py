@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
+from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.engine.stats import PromptStats
+
+if TYPE_CHECKING:
+    from prefixd.backends.mlx.engine.batch import Batch
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
 # checkpoint payload when the pass computed it (an in-pass mark), else None: take it from the
@@ -50,8 +54,10 @@ class Run:
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
                  pacing: Pacing, should_stop: Callable[[], bool],
-                 inpass: tuple[int, ...] | None = None) -> None:
+                 inpass: tuple[int, ...] | None = None,
+                 passes: PassCounts | None = None) -> None:
         self.model, self.cache, self.prompt, self.pacing = model, cache, prompt, pacing
+        self.passes = passes or PassCounts()
         self.yields = 0  # how many times a prefill pass paused in the middle
         self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
         self.start, self.should_stop = start, should_stop
@@ -62,6 +68,12 @@ class Run:
         self.pending: int | None = None  # the last yielded token, not yet fed to the model
         self.broken = False  # an exception hit mid-forward: the cache state is unknown
         self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
+        # decoding in a `Batch` (`engine/batch.py`): the batch holds the cache (`cache` is
+        # empty), feeds `pending` with the other members' and leaves the next logits here
+        self.batch: Batch | None = None
+        self.incoming: mx.array | None = None
+        self.sampled, self.max_tokens = 0, 0   # decode steps sampled, of at most max_tokens
+        self.batched = 0   # the requests of each decode pass that fed it, summed
 
     @property
     def tokens(self) -> list[int]:
@@ -155,6 +167,7 @@ class Run:
             yield paused
             t0 = time.perf_counter()
         self.segments.append((end - start, own + time.perf_counter() - t0))
+        self.passes.prefill(end - start)
         self.pos = end
         for r in inner if self.inpass is not None else ():   # a failed tap loses them all
             capture(start + r, marks[start + r], snaps.get(r, LOST))
@@ -165,6 +178,10 @@ class Run:
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
                processors: list, max_tokens: int, stats: PromptStats
                ) -> Generator[int, None, None]:
+        """Sample, yield the token, feed it: alone (a forward pass of its own), or, when a
+        `Batch` fed it with others' before this step resumed, from the logits it left in
+        `incoming`."""
+        self.max_tokens = max_tokens
         for i in range(max_tokens):
             t0 = time.perf_counter()
             if processors:
@@ -174,13 +191,29 @@ class Run:
             token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)))
             if i == 0:
                 stats.first_token_s = time.perf_counter() - t0
-            self.pending = token
+            self.pending, self.sampled = token, i + 1
             yield token
-            if i == max_tokens - 1 or self.should_stop():
+            if self.incoming is not None:      # a batch fed it
+                logits, self.incoming = self.incoming, None
+                continue
+            if not self.wants_feed():
                 return
+            self.settle()
             logits, _ = self._forward([token])
+            self.passes.decode(1)
+            self.batched += 1
             self.fed.append(token)
             self.pending = None
+
+    def wants_feed(self) -> bool:
+        """Whether its next step feeds the token it sampled last (it goes on decoding)."""
+        return (self.pending is not None and self.sampled < self.max_tokens
+                and not self.broken and not self.should_stop())
+
+    def settle(self) -> None:
+        """Take its cache back from a batch it decoded in (before it steps alone or ends)."""
+        if self.batch is not None:
+            self.batch.leave(self)
 
     def feed_pending(self) -> None:
         """Feed the last yielded token on a normal end (max_tokens, or the caller closing the

@@ -24,6 +24,7 @@ from prefixd.backends.mlx.engine.engine import Turn
 from prefixd.backends.mlx.engine.loading import Loaded
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
 from prefixd.backends.mlx.engine.restorable import digest
+from prefixd.backends.mlx.engine.run import Run
 from prefixd.backends.mlx.engine.run import Step as EngineStep
 from prefixd.backends.mlx.engine.stats import PromptStats, breakdown, observe
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers, grammar_mask
@@ -31,6 +32,7 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler.jobs import Failed, Finished, Job
 from prefixd.backends.mlx.scheduler.output import LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.scheduler.steps import Decision, Decoded, Step
+from prefixd.metrics import worker as metrics
 
 log = logging.getLogger("prefixd.worker")
 
@@ -67,17 +69,32 @@ class Active:
         self.turn.pacing.tokens, self.stopping = decision.tokens, decision.stop
         self.lockstep.journal({"op": "step", "job": self.job.id, "tokens": decision.tokens,
                                "stop": decision.stop})
+        return self.advance()
+
+    def feeding(self) -> Run | None:
+        """Its run, when its next step feeds the token it sampled last (a decode step that
+        can share a pass: `step_batch`)."""
+        run = self.turn.run
+        return run if run is not None and self.steps is not None and run.wants_feed() else None
+
+    def advance(self) -> Step:
+        """Its next step (after a batch fed it, the sampling of its next token). Never
+        raises."""
         try:
             step = self._step()
             return step if step is not None else self._result()
         except Exception as e:
-            log.exception("worker: generation failed")
-            why = f"{type(e).__name__}: {e}"
-            self.lockstep.failed(why)   # a group's work ends on every rank: no return
-            if self.steps is not None:
-                self.steps.close()  # commits what is in the KV state (never raises)
-            _reset_random_state()
-            return Failed(f"generation failed: {why}")
+            return self.fail(e)
+
+    def fail(self, e: BaseException) -> Failed:
+        """It fails on `e` (a group's work ends on every rank: no return)."""
+        log.exception("worker: generation failed", exc_info=e)
+        why = f"{type(e).__name__}: {e}"
+        self.lockstep.failed(why)
+        if self.steps is not None:
+            self.steps.close()  # commits what is in the KV state (never raises)
+        _reset_random_state()
+        return Failed(f"generation failed: {why}")
 
     def _begin(self) -> Generator[EngineStep, None, None]:
         engine, tokenizer, job = self.loaded.engine, self.loaded.tokenizer, self.job
@@ -134,10 +151,33 @@ class Active:
         cached = stats.cached_tokens if stats else 0
         prefill_s = stats.lookup_s + stats.restore_s + stats.prefill_s if stats else 0.0
         decode_s = time.perf_counter() - self.t0 - prefill_s
-        log.info("worker: prompt %d tokens (%d cached) in %.3fs; %d generated in %.3fs (%.1f/s); "
-                 "finish %s", len(job.prompt.tokens), cached, prefill_s, n, decode_s,
-                 n / decode_s if decode_s > 0 else 0.0, finish)
+        run = self.turn.run
+        batch = run.batched / len(run.fed) if run is not None and run.fed else 1.0
+        metrics.BATCH_WAIT.observe(job.queue_s)
+        log.info("worker: prompt %d tokens (%d cached) in %.3fs; %d generated in %.3fs (%.1f/s, "
+                 "decode batch %.1f); waited %.3fs for a slot; finish %s",
+                 len(job.prompt.tokens), cached, prefill_s, n, decode_s,
+                 n / decode_s if decode_s > 0 else 0.0, batch, job.queue_s, finish)
         return Finished(finish, n, cached, turn)
+
+
+def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:
+    """One decode step of every job in `actives` (journaled first, as one entry), their
+    pending tokens fed in one forward pass (`engine/batch.py`); then each samples its own next
+    token. `stops`: each job's `Decision.stop` (a stopping job is not fed; it ends). Never
+    raises: a failed pass fails every job it fed."""
+    lockstep = actives[0].lockstep
+    lockstep.journal({"op": "batch", "jobs": [a.job.id for a in actives], "stop": stops})
+    for a, stop in zip(actives, stops, strict=True):
+        a.stopping = stop
+    fed = [(a, run) for a in actives if (run := a.feeding()) is not None]
+    if len(fed) > 1:
+        try:
+            actives[0].loaded.engine.batch.step([run for _, run in fed])
+        except Exception as e:
+            failed = {id(a) for a, _ in fed}
+            return [a.fail(e) if id(a) in failed else a.advance() for a in actives]
+    return [a.advance() for a in actives]
 
 
 def observe_turn(stats: PromptStats | None, before: dict[str, float],

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
@@ -36,11 +36,12 @@ from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
 from prefixd.backends.mlx.group.leader import Leader
 from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler import writes
-from prefixd.backends.mlx.scheduler.active import Active
+from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.scheduler.replay import job_record
-from prefixd.backends.mlx.scheduler.schedule import Schedule, drive, kv_bytes_per_token
+from prefixd.backends.mlx.scheduler.schedule import Schedule, Task, drive, kv_bytes_per_token
 from prefixd.backends.mlx.scheduler.status import Status
+from prefixd.backends.mlx.scheduler.steps import Step
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker")
@@ -182,7 +183,13 @@ class Generator:
                         kv_bytes_per_token(engine.reference_leaves()), s.prefill_slice_ms,
                         engine.tiers.prefill_rate,
                         lambda job: engine.cached_now(job.prompt.tokens, job.namespace))
-        drive(plan, self._take, self._start, self._end, self._arrived)
+        batched = s.batch_decode and not engine.unbatchable
+        drive(plan, self._take, self._start, self._end, self._arrived,
+              self._batch if batched else None)
+
+    def _batch(self, tasks: list[Task], stops: list[bool]) -> list[Step]:
+        """Decode steps of several jobs in one pass (`active.step_batch`)."""
+        return step_batch(cast(list[Active], tasks), stops)
 
     def _take(self, idle: bool) -> list[Job] | None:
         """The loop's inbox, between two passes: run the calls waiting, hand over the jobs

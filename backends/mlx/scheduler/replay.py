@@ -30,7 +30,7 @@ from prefixd.backends.mlx.group.follower import Follower
 from prefixd.backends.mlx.group.lockstep import LockstepError
 from prefixd.backends.mlx.group.start import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_ENV, SECRET_ENV
 from prefixd.backends.mlx.model.memory import memory_info, mlx_memory
-from prefixd.backends.mlx.scheduler.active import Active
+from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -97,6 +97,12 @@ def replay(loaded: Loaded, lockstep: Follower) -> None:
             decision = Decision(int(entry["tokens"]), bool(entry["stop"]))
             if isinstance(jobs[entry["job"]].step(decision), Finished | Failed):
                 del jobs[entry["job"]]
+        elif op == "batch":             # decode steps of several jobs in one pass
+            ids = [int(i) for i in entry["jobs"]]
+            for i, step in zip(ids, step_batch([jobs[i] for i in ids],
+                                               [bool(x) for x in entry["stop"]]), strict=True):
+                if isinstance(step, Finished | Failed):
+                    del jobs[i]
         elif op == "write":             # the entries the leader hands its disk writer
             engine.write([int(i) for i in entry["entries"]])
         elif op == "persist":           # at shutdown: what this rank's disk tier lacks

@@ -66,6 +66,10 @@ AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it ru
 MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
 
 
+# The decode steps of several jobs' tasks in one pass, given each one's `Decision.stop`.
+Batched = Callable[[list["Task"], list[bool]], list[Step]]
+
+
 class Task(Protocol):
     """One admitted job's passes (`active.Active`)."""
 
@@ -206,14 +210,16 @@ class Schedule:
         return 0 < left <= self.slice_tokens and len(s.job.prompt.tokens) <= self.chunk
 
     def ran(self, slot: Slot, seconds: float = 0.0, paused: bool = False,
-            others: Sequence[Slot] | None = None) -> None:
-        """`slot`'s pass ran, for `seconds` (`paused`: part of it, up to a pause): `others`
-        (the other admitted jobs) were kept waiting that long."""
+            others: Sequence[Slot] | None = None, group: Sequence[Slot] = ()) -> None:
+        """`slot`'s pass ran, for `seconds` (`paused`: part of it, up to a pause), with the
+        decode steps of `group` in it: `others` (the other admitted jobs) were kept waiting
+        that long."""
         self.tick += 1
-        if not paused:
-            slot.last, slot.skipped, slot.kept = self.tick, 0, 0.0
+        for s in group or (slot,):
+            if not paused:
+                s.last, s.skipped, s.kept = self.tick, 0, 0.0
         for s in self.active if others is None else others:
-            if s is not slot:
+            if s is not slot and s not in group:
                 s.skipped += 1
                 s.kept += seconds
 
@@ -232,6 +238,13 @@ class Schedule:
             return self.slice_tokens
         return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
 
+    def decoding(self, slot: Slot) -> list[Slot]:
+        """The jobs whose decode steps run in `slot`'s pass: with `slot` decoding, every
+        started job that is decoding (their steps share one forward pass); else `slot`."""
+        if slot.task is None or slot.remaining() != 0:
+            return [slot]
+        return [s for s in self.active if s.task is not None and s.remaining() == 0]
+
     def remove(self, slot: Slot) -> None:
         self.active.remove(slot)
 
@@ -239,7 +252,8 @@ class Schedule:
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
           start: Callable[[Job, Callable[[], bool] | None], Task],
           end: Callable[[Job, Finished | Failed], None],
-          arrived: Callable[[], Sequence[Job]] = lambda: ()) -> None:
+          arrived: Callable[[], Sequence[Job]] = lambda: (),
+          batch: Batched | None = None) -> None:
     """Run jobs until none is admitted or waiting (on the generation thread). Between two
     passes: `take(idle)`, the jobs submitted since, or None to stop (only when `idle` and none
     was submitted: the caller decides that under its lock, so a job submitted then starts a
@@ -248,7 +262,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
     `max_active` 1: a pass is then evaluated whole); `end(job,
     result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
-    taken)."""
+    taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each
+    decode step is a pass of its own)."""
 
     def admit(jobs: Sequence[Job]) -> None:
         for job in jobs:
@@ -277,17 +292,23 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         if slot.task is None:     # with max_active 1 nobody can be admitted mid-pass
             slot.task = start(slot.job, functools.partial(preempt, slot)
                               if schedule.max_active > 1 else None)
-        others = [s for s in schedule.active if s is not slot]   # admitted before the pass
-        decision = Decision(schedule.pass_tokens(slot), slot.job.cancelled)
+        group = schedule.decoding(slot) if batch is not None else [slot]
+        others = [s for s in schedule.active if s not in group]   # admitted before the pass
         t0 = time.perf_counter()
-        step = slot.task.step(decision)
+        if len(group) > 1:
+            assert batch is not None
+            steps = batch([s.task for s in group if s.task is not None],
+                          [s.job.cancelled for s in group])
+        else:
+            steps = [slot.task.step(Decision(schedule.pass_tokens(slot), slot.job.cancelled))]
         spent = time.perf_counter() - t0
         for other in others:
             other.job.paused_s += spent
-        schedule.ran(slot, spent, isinstance(step, Paused), others)
-        if isinstance(step, Finished | Failed):
-            schedule.remove(slot)
-            end(slot.job, step)
+        schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
+        for member, step in zip(group, steps, strict=True):
+            if isinstance(step, Finished | Failed):
+                schedule.remove(member)
+                end(member.job, step)
 
 
 def kv_bytes_per_token(leaves: Sequence[Any]) -> int:

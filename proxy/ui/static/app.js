@@ -59,6 +59,10 @@ function cacheCell(c) {
       `${plural(count(c.checkpoints), "checkpoint")} · ${num(c.hit_tokens_total)} hit tok`),
     c.disk ? el("div", { class: "muted small" }, `disk ${bytes(c.disk.bytes_used)} / ` +
       `${bytes(c.disk.budget)} · ${plural(c.disk.records, "record")}`) : null,
+    c.batch && c.batch.decode_passes ? el("div", { class: "muted small", title: "requests " +
+      "per decode forward pass (batched decode): last / mean / largest" },
+      `decode batch ${num(c.batch.last_decode_batch)} · mean ${c.batch.mean_decode_batch} · ` +
+      `max ${num(c.batch.largest_decode_batch)}`) : null,
     misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null,
     c.group ? el("div", { class: "muted small" }, `group, ${c.group.parallel || DASH}-parallel: ` +
       (c.group.ranks || []).map((r) => `rank ${r.rank} ${r.host} ` +

@@ -1,0 +1,121 @@
+"""Decode steps of several requests in one forward pass.
+
+Owns: the live caches of the decoding runs that joined it, merged into mlx-lm's batch caches
+(`BatchKVCache` left-padded to the longest, `BatchRotatingKVCache`, `ArraysCache` and
+`CacheList` stacked on the batch axis), and which run is which row. A run joins at its first
+batched step (`merge`, then `extend` into the batch); it leaves when its request ends, is
+cancelled, or steps alone again (`extract` gives back a cache of its own, exactly the classes
+and contents it would hold alone: its checkpoints, commit, disk tier and transfers see no
+batch; then `filter` drops its row). While it is in the batch, its own `cache` is empty (the
+batch holds the only copy: no memory twice).
+
+A step feeds every member's pending token (the one it sampled last) in one pass of shape
+[members, 1] and hands each member its row of logits (`Run.incoming`); each request then
+samples on its own (its sampler, processors, seed, grammar). mlx-lm's masks keep each row's
+attention to its own tokens (left padding masked), so a row's logits are those of the request
+alone up to kernel rounding (measured: identical on the tiny qwen3, qwen3_next, qwen3_5 and
+falcon_h1; within 2e-5 in log-probability on gemma3's sliding windows). A forward pass that
+raises leaves every member's state unknown: each is marked `broken` (not cached) and the batch
+is emptied.
+
+Why mlx-lm's batch caches and not our own: they are the model classes' own masks and offsets
+(per-row RoPE offsets, left padding), kept in step with every model mlx-lm adds. Why prefixd's
+own loop around them rather than mlx-lm's `BatchGenerator`: a prefixd request's prefill is
+preemptible, checkpointed and restored by the Engine (`engine/run.py`), and a group's ranks
+journal every step; only decode is batched here, and a member's cache is its own again the
+moment it leaves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine.passes import PassCounts
+
+if TYPE_CHECKING:
+    from prefixd.backends.mlx.engine.run import Run
+
+
+def unbatchable(cache: list[Any]) -> str | None:
+    """Why decode steps of this model's caches cannot share a pass (a class mlx-lm cannot
+    merge, e.g. a quantized KV cache), else None. `cache`: an empty one of the model's."""
+    for layer in cache:
+        try:
+            merged = type(layer).merge([layer])
+        except Exception as e:   # no `merge` (AttributeError), or one that cannot
+            return f"{type(layer).__name__} cannot merge ({type(e).__name__})"
+        for leaf in snapshot.leaves([merged]):
+            for method in ("extract", "filter", "extend"):
+                if not hasattr(leaf, method):
+                    return f"{type(leaf).__name__} has no {method}"
+    return None
+
+
+class Batch:
+    """The decoding runs stepped together (one forward pass per step)."""
+
+    def __init__(self, model: Any, passes: PassCounts) -> None:
+        self.model, self.passes = model, passes
+        self.runs: list[Run] = []
+        self.cache: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def step(self, runs: list[Run]) -> None:
+        """Feed each run's pending token in one forward pass; each run's logits for its next
+        token land in its `incoming`. Members not in `runs` leave first (their requests end).
+        Raises what the model raises (every member is then `broken` and out of the batch)."""
+        for run in [r for r in self.runs if r not in runs]:
+            self.leave(run)
+        self._join([r for r in runs if r not in self.runs])
+        assert self.cache is not None
+        members = list(self.runs)
+        try:
+            for r in members:
+                r.broken = True
+            tokens = mx.array([[r.pending] for r in members])
+            logits = self.model(tokens, cache=self.cache)[:, -1, :]
+            snapshot.evaluate(self.cache, logits)
+        except BaseException:
+            self.runs, self.cache = [], None
+            for r in members:
+                r.batch = None
+            raise
+        self.passes.decode(len(members))
+        for i, r in enumerate(members):
+            r.batched += len(members)
+            assert r.pending is not None
+            r.fed.append(r.pending)
+            r.pending, r.incoming, r.broken = None, logits[i:i + 1], False
+
+    def _join(self, runs: list[Run]) -> None:
+        if not runs:
+            return
+        caches = [r.cache for r in runs]
+        merged = [type(layer).merge([c[i] for c in caches]) for i, layer in enumerate(caches[0])]
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for mine, theirs in zip(self.cache, merged, strict=True):
+                mine.extend(theirs)
+        for r in runs:
+            r.cache, r.batch = [], self
+            self.runs.append(r)
+
+    def leave(self, run: Run) -> None:
+        """`run` takes its own cache back out of the batch (its row dropped)."""
+        assert self.cache is not None
+        i = self.runs.index(run)
+        run.cache = [layer.extract(i) for layer in self.cache]
+        run.batch = None
+        self.runs.pop(i)
+        if not self.runs:
+            self.cache = None
+            return
+        keep = mx.array([j for j in range(len(self.runs) + 1) if j != i])
+        for layer in self.cache:
+            layer.filter(keep)

@@ -1,0 +1,42 @@
+"""What each forward pass of the worker carried: how many requests and how many tokens.
+
+Owns: the totals since start by kind (a prefill pass: one request's slice; a decode pass: the
+pending tokens of every request it fed, `engine/batch.py`), the largest decode batch, the
+last one, and their Prometheus series (`metrics/worker.py`). Generation thread only, like the
+Engine that owns it; read for `GET /v1/cache` (`batch`) and the status page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixd.metrics import worker as metrics
+
+
+class PassCounts:
+    def __init__(self) -> None:
+        self.passes = {"prefill": 0, "decode": 0}
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.largest, self.last = 0, 0      # requests in a decode pass
+
+    def prefill(self, tokens: int) -> None:
+        self._count("prefill", 1, tokens)
+
+    def decode(self, requests: int) -> None:
+        self.largest, self.last = max(self.largest, requests), requests
+        self._count("decode", requests, requests)
+
+    def _count(self, kind: str, requests: int, tokens: int) -> None:
+        self.passes[kind] += 1
+        self.tokens[kind] += tokens
+        metrics.PASS_REQUESTS.labels(kind).observe(requests)
+        metrics.PASS_TOKENS.labels(kind).observe(tokens)
+
+    def info(self) -> dict[str, Any]:
+        """The `batch` part of GET /v1/cache."""
+        decode = self.passes["decode"]
+        return {"decode_passes": decode, "decode_tokens": self.tokens["decode"],
+                "mean_decode_batch": round(self.tokens["decode"] / decode, 2) if decode else 0,
+                "largest_decode_batch": self.largest, "last_decode_batch": self.last,
+                "prefill_passes": self.passes["prefill"],
+                "prefill_tokens": self.tokens["prefill"]}

@@ -1,0 +1,171 @@
+"""Batched decode (issue 35) on the real worker thread and the five tiny architectures: requests
+decoding together share one forward pass per step (`engine/batch.py`), and each one's greedy
+reply and log-probabilities are those it gets alone; the states they commit from a batch give
+the next turn what a cold run gives; a request cancelled mid-batch leaves the others' replies
+as they are; a seeded sampled request draws the same tokens in a batch as alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixd.backends.mlx.chat.prompt import Prompt
+from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.model.tiny import ARCHS
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.scheduler.jobs import Finished, Job
+from prefixd.backends.mlx.scheduler.output import Delta
+from prefixd.backends.mlx.settings import WorkerSettings
+from tests.worker_fixtures import loaded
+
+TOKENS = 16
+LOGPROB_TOLERANCE = 1e-4   # kernels batched over rows may round differently (gemma3: ~1e-5)
+
+
+def _gen(path: Path, **extra: Any) -> Generator:
+    g = Generator(WorkerSettings(_env_file=None, use_system_blas=False, max_active=8,
+                                 prefill_slice_ms=0, checkpoint_interval=64, **extra))
+    loaded(g, str(path))
+    return g
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def gen(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
+        ) -> Iterator[Generator]:
+    g = _gen(tiny_model_dir(request.param))
+    yield g
+    g.close()
+
+
+def _prompts(seed: int, lengths: tuple[int, ...] = (9, 40, 75, 130)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+
+def _submit(gen: Generator, tokens: list[int], namespace: str, max_tokens: int = TOKENS,
+            sampling: Sampling | None = None) -> Job:
+    return gen.submit(Prompt(tokens, []), sampling or Sampling(temperature=0), max_tokens,
+                      logprobs=0, namespace=namespace)
+
+
+async def _collect(job: Job, cancel_after: int | None = None
+                   ) -> tuple[str, list[float], Finished]:
+    text: list[str] = []
+    logprobs: list[float] = []
+    async for event in job.events():
+        if isinstance(event, Delta):
+            text.append(event.text)
+            logprobs.extend(t.logprob for t in event.logprobs)
+            if cancel_after is not None and len(logprobs) >= cancel_after:
+                job.cancel()
+        elif isinstance(event, Finished):
+            return "".join(text), logprobs, event
+        else:
+            raise AssertionError(event)
+    raise AssertionError("no last event")
+
+
+def _batch(gen: Generator) -> dict[str, Any]:
+    assert gen.loaded is not None
+    return dict(gen.loaded.engine.cache_info()["batch"])
+
+
+async def _alone(gen: Generator, prompts: list[list[int]], namespace: str
+                 ) -> list[tuple[str, list[float], Finished]]:
+    return [await _collect(_submit(gen, p, namespace)) for p in prompts]
+
+
+async def _together(gen: Generator, prompts: list[list[int]], namespace: str
+                    ) -> list[tuple[str, list[float], Finished]]:
+    return list(await asyncio.gather(*(_collect(_submit(gen, p, namespace))
+                                       for p in prompts)))
+
+
+def _same(got: list[tuple[str, list[float], Finished]],
+          want: list[tuple[str, list[float], Finished]]) -> None:
+    for (text, lps, end), (text0, lps0, end0) in zip(got, want, strict=True):
+        assert text == text0
+        assert end.completion_tokens == end0.completion_tokens == len(lps) == len(lps0)
+        assert max(abs(a - b) for a, b in zip(lps, lps0, strict=True)) <= LOGPROB_TOLERANCE
+
+
+async def test_requests_decoding_together_share_a_pass_and_reply_as_alone(
+        gen: Generator) -> None:
+    prompts = _prompts(1)
+    alone = await _alone(gen, prompts, "alone")
+    before = _batch(gen)
+    together = await _together(gen, prompts, "together")
+    after = _batch(gen)
+    _same(together, alone)
+    passes = after["decode_passes"] - before["decode_passes"]
+    tokens = after["decode_tokens"] - before["decode_tokens"]
+    # 4 requests x (TOKENS - 1) fed tokens (+1 each at its end), in far fewer passes than alone
+    assert tokens >= 4 * (TOKENS - 1)
+    assert passes <= tokens / 2
+    assert after["largest_decode_batch"] == 4
+
+
+async def test_the_next_turn_after_a_batched_reply_is_warm_and_equals_cold(
+        gen: Generator) -> None:
+    """The states committed out of a batch (extracted, then stored) restore to what a cold
+    prefill of the same tokens gives: the follow-up turns, batched too, equal cold runs."""
+    assert gen.loaded is not None
+    prompts = _prompts(2)
+    await _together(gen, prompts, "turns")
+    store = gen.loaded.engine.store
+    rng = random.Random(3)
+    follow = []
+    for p in prompts:   # each conversation as the worker holds it (prompt + reply), then more
+        held = max((e.tokens for e in store.entries
+                    if e.namespace == "turns" and e.tokens[:len(p)] == p), key=len)
+        assert len(held) > len(p)
+        follow.append([*held, *(rng.randrange(1, 1000) for _ in range(7))])
+    warm = await _together(gen, follow, "turns")
+    cold = await _alone(gen, follow, "turns-cold")
+    _same(warm, cold)
+    for (_, _, end), p in zip(warm, follow, strict=True):
+        assert end.cached_tokens >= len(p) - 7 - 1
+    assert all(end.cached_tokens == 0 for _, _, end in cold)
+
+
+async def test_a_request_cancelled_mid_batch_leaves_the_others_as_alone(
+        gen: Generator) -> None:
+    prompts = _prompts(4, (12, 50, 90))
+    alone = await _alone(gen, prompts, "cancel-alone")
+    jobs = [_submit(gen, p, "cancel-together") for p in prompts]
+    got = await asyncio.gather(_collect(jobs[0]), _collect(jobs[1], cancel_after=3),
+                               _collect(jobs[2]))
+    assert got[1][2].finish_reason == "cancelled"
+    assert 3 <= got[1][2].completion_tokens < TOKENS
+    _same([got[0], got[2]], [alone[0], alone[2]])
+    assert not gen._pending
+
+
+async def test_seeded_sampling_in_a_batch_draws_as_alone(gen: Generator) -> None:
+    prompts = _prompts(5, (20, 33, 61))
+    sampling = Sampling(temperature=1.3, seed=99)
+    alone = [await _collect(_submit(gen, p, "seed-alone", sampling=sampling)) for p in prompts]
+    together = await asyncio.gather(*(_collect(_submit(gen, p, "seed-together",
+                                                       sampling=sampling)) for p in prompts))
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+    assert all(t for t, _, _ in alone)
+
+
+async def test_without_batch_decode_each_pass_is_one_request(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    """`batch_decode` false (or a model whose caches cannot merge): the same replies, one
+    request per decode pass."""
+    g = _gen(tiny_model_dir("qwen3"), batch_decode=False)
+    try:
+        prompts = _prompts(6, (10, 30, 50))
+        alone = await _alone(g, prompts, "a")
+        together = await _together(g, prompts, "b")
+        _same(together, alone)
+        assert _batch(g)["largest_decode_batch"] == 1
+    finally:
+        g.close()
