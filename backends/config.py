@@ -28,9 +28,11 @@ class BackendConfig(BaseModel):
     models: list[str] = Field(default_factory=list, description="model names this backend serves")
     max_concurrency: Annotated[int, Field(ge=1)] | None = Field(
         None, description="requests sent to the backend at once (the rest queue in prefixd). "
-        "Default: 1 for openai (one prefill at a time), 4 for mlx and prefixd workers, which "
-        "schedule that many together one forward pass at a time, so a short request does not "
-        "wait behind a long prefill (a managed worker's PREFIXD_MAX_ACTIVE; 1: serial)")
+        "Default: 1 for openai (one prefill at a time); 64 for mlx and prefixd workers, which "
+        "queue and rank every request they get (their scheduler: soonest first token, aging), "
+        "admit by memory, batch the decode steps of the admitted ones and interleave their "
+        "prefills one forward pass at a time (a managed worker's PREFIXD_MAX_ACTIVE; 1: "
+        "serial)")
     queue_depth: Annotated[int, Field(ge=0)] = 64
     queue_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 1800.0

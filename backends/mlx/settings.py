@@ -12,10 +12,11 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-# Requests a worker runs together by default (a managed backend's default max_concurrency):
-# an agent's main turn, its title call and a couple of sub-agents; their live caches are
-# bounded by active_kv_share, and memory for the forward pass stays that of one pass.
-DEFAULT_ACTIVE = 4
+# Requests a worker holds under way at most by default (a managed backend's default
+# max_concurrency): every request the proxy would queue (its default queue_depth), so the
+# worker's scheduler ranks all of them; what it admits of them is bounded by memory
+# (active_kv_share of the cache budget: the live caches as the decode batch pads them).
+DEFAULT_ACTIVE = 64
 # How a group worker splits its model (`loading.distribute`).
 Parallel = Literal["auto", "pipeline", "tensor"]
 
@@ -99,13 +100,13 @@ class WorkerSettings(BaseSettings):
     prefill_chunk: int = Field(512, ge=16, description="Worker: prefill this many tokens "
                                "per step.")
     max_active: int = Field(DEFAULT_ACTIVE, ge=1, description="Worker: jobs under way at "
-                            "once (a managed worker: its backend's max_concurrency). More "
-                            "than 1: the worker "
-                            "interleaves them one forward pass at a time (a prefill slice or a "
-                            "decode step), so a short request does not wait behind a long "
-                            "prefill, and memory stays that of one pass plus the jobs' caches "
-                            "(and a paused pass's residual stream: docs/CHECKPOINTS.md, "
-                            "Scheduling). 1: one job at a time, to its "
+                            "most (a managed worker: its backend's max_concurrency); how many "
+                            "are admitted is bounded by memory (active_kv_share), the rest "
+                            "wait in the worker's queue, told their place. More than 1: the "
+                            "worker interleaves them one forward pass at a time (a prefill "
+                            "slice, or one decode step of every request decoding: batched), "
+                            "so a short request does not wait behind a long prefill "
+                            "(docs/CHECKPOINTS.md, Scheduling). 1: one job at a time, to its "
                             "end, in arrival order.")
     batch_decode: bool = Field(True, description="Worker (max_active > 1): the decode steps "
                                "of every request under way share one forward pass (mlx-lm's "
@@ -123,10 +124,11 @@ class WorkerSettings(BaseSettings):
                                "tokens until a prefill rate is measured (or always, with "
                                "prefill_slice_ms 0).")
     active_kv_share: float = Field(
-        0.5, gt=0, description="Worker (max_active > 1): admit another job only while the "
-        "estimated live KV caches of the admitted jobs ((prompt tokens + max_tokens) x the "
-        "model's KV bytes per token) fit this share of cache_bytes; a job that does not fit "
-        "waits (one job alone always runs).")
+        0.5, gt=0, description="Worker (max_active > 1): admission by memory: admit another "
+        "job only while the live KV caches of the admitted jobs fit this share of cache_bytes, "
+        "counted as the decode batch holds them (each job's prompt tokens + max_tokens, every "
+        "row padded to the longest, x the model's KV bytes per token); a job that does not "
+        "fit waits (one job alone always runs).")
     group_hosts: Annotated[Hosts, NoDecode] = Field(
         default_factory=list, description="Worker: run as a group of this many ranks on MLX's "
         "distributed runtime (ring backend), one per host, this process (rank 0) on the first: "

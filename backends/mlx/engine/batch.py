@@ -54,6 +54,13 @@ def unbatchable(cache: list[Any]) -> str | None:
     return None
 
 
+def _draw(run: Run) -> mx.array | None:
+    try:
+        return run.draw(run.incoming) if run.incoming is not None else None
+    except Exception:
+        return None
+
+
 class Batch:
     """The decoding runs stepped together (one forward pass per step)."""
 
@@ -79,18 +86,23 @@ class Batch:
                 r.broken = True
             tokens = mx.array([[r.pending] for r in members])
             logits = self.model(tokens, cache=self.cache)[:, -1, :]
-            snapshot.evaluate(self.cache, logits)
+            for i, r in enumerate(members):
+                assert r.pending is not None
+                r.fed.append(r.pending)
+                r.pending, r.incoming = None, logits[i:i + 1]
+            # each one's next token drawn in the same evaluation (one sync for the pass); a
+            # member whose draw cannot be built draws in its own step (and fails alone)
+            drawn = [_draw(r) for r in members]
+            snapshot.evaluate(self.cache, logits, *drawn)
         except BaseException:
             self.runs, self.cache = [], None
             for r in members:
-                r.batch = None
+                r.batch = r.drawn = None
             raise
         self.passes.decode(len(members))
-        for i, r in enumerate(members):
+        for r, d in zip(members, drawn, strict=True):
             r.batched += len(members)
-            assert r.pending is not None
-            r.fed.append(r.pending)
-            r.pending, r.incoming, r.broken = None, logits[i:i + 1], False
+            r.drawn, r.broken = d, False
 
     def _join(self, runs: list[Run]) -> None:
         if not runs:

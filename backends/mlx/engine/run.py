@@ -74,6 +74,9 @@ class Run:
         self.incoming: mx.array | None = None
         self.sampled, self.max_tokens = 0, 0   # decode steps sampled, of at most max_tokens
         self.batched = 0   # the requests of each decode pass that fed it, summed
+        self.drawn: mx.array | None = None   # its next token, drawn in a batch's evaluation
+        self.sampler: Callable[[mx.array], mx.array] = lambda x: x
+        self.processors: list = []
 
     @property
     def tokens(self) -> list[int]:
@@ -180,15 +183,12 @@ class Run:
                ) -> Generator[int, None, None]:
         """Sample, yield the token, feed it: alone (a forward pass of its own), or, when a
         `Batch` fed it with others' before this step resumed, from the logits it left in
-        `incoming`."""
-        self.max_tokens = max_tokens
+        `incoming` (and the token it drew from them in the same evaluation, `drawn`)."""
+        self.max_tokens, self.sampler, self.processors = max_tokens, sampler, processors
         for i in range(max_tokens):
             t0 = time.perf_counter()
-            if processors:
-                history = mx.array(self.prompt + self.fed)
-                for proc in processors:
-                    logits = proc(history, logits)
-            token = int(sampler(logits - mx.logsumexp(logits, keepdims=True)))
+            drawn, self.drawn = self.drawn, None
+            token = int(drawn if drawn is not None else self.draw(logits))
             if i == 0:
                 stats.first_token_s = time.perf_counter() - t0
             self.pending, self.sampled = token, i + 1
@@ -204,6 +204,15 @@ class Run:
             self.batched += 1
             self.fed.append(token)
             self.pending = None
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The next token from `logits` (lazy): its processors (penalties, a grammar's mask)
+        on what the cache holds, then its sampler."""
+        if self.processors:
+            history = mx.array(self.prompt + self.fed)
+            for proc in self.processors:
+                logits = proc(history, logits)
+        return self.sampler(logits - mx.logsumexp(logits, keepdims=True))
 
     def wants_feed(self) -> bool:
         """Whether its next step feeds the token it sampled last (it goes on decoding)."""

@@ -3,8 +3,10 @@ and it runs exactly one forward pass at a time (issue 26); with `max_active` 1, 
 time to its end, by the same loop.
 
 Owns: which waiting job is admitted (at most `max_active`, and only while the estimated live
-caches of the admitted jobs fit `active_kv_bytes`: a job that does not fit waits; one job alone
-is always admitted), which admitted job's pass runs next, whether a pass under way pauses
+caches of the admitted jobs, as a decode batch pads them to the longest, fit `active_kv_bytes`:
+admission by memory; a job that does not fit waits; one job alone is always admitted), which
+admitted job's pass runs next (a decoding job's pass is one decode step of every decoding job:
+`decoding`), whether a pass under way pauses
 between two layers for a job that just arrived, and how many tokens a prefill pass takes (the
 one place a pass is sized: `pass_tokens`). Admission, cancellation and the end of a job happen
 between two passes, never inside one. Nothing here runs mlx: a job's passes are its `Task`
@@ -141,8 +143,15 @@ class Schedule:
         return (len(job.prompt.tokens) + job.max_tokens) * self.per_token
 
     def _fits(self, job: Job, active: Sequence[Slot]) -> bool:
-        return len(active) < self.max_active and (
-            not active or sum(s.kv_bytes for s in active) + self._cost(job) <= self.kv_budget)
+        """Room for `job` beside `active`: by count (`max_active`), and by memory: their live
+        caches as a decode batch holds them (every row padded to the longest) within the
+        budget. One job alone always fits."""
+        if len(active) >= self.max_active:
+            return False
+        if not active:
+            return True
+        longest = max(self._cost(job), *(s.kv_bytes for s in active))
+        return (len(active) + 1) * longest <= self.kv_budget
 
     def admit(self) -> list[Slot]:
         """Admit waiting jobs in order while they fit (count and live-cache bytes)."""
