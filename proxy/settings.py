@@ -115,12 +115,12 @@ class DeclaredSettings(WorkerSettings):
         "request in progress included; after that it is served without it.")
     route_prefix_wait_s: float = Field(
         30.0, ge=0,
-        description="A request for a backend running several requests at once (a "
-        "llama-server with several slots, a prefixd worker with max_concurrency > 1) that is "
-        "computing at least `route_transfer_min_tokens` tokens of the request's prefix it "
-        "does not hold yet (a burst of sub-agents with one system prompt) waits at most this "
-        "long for that request to end, then restores the prefix from the backend's cache "
-        "instead of computing it again beside it (0: never wait).")
+        description="A request for a llama-server with several slots that is computing at "
+        "least `route_transfer_min_tokens` tokens of the request's prefix it does not hold "
+        "yet (a burst of sub-agents with one system prompt) waits at most this long for that "
+        "request to end, then restores the prefix from the backend's cache instead of "
+        "computing it again beside it (0: never wait). A prefixd worker does this itself for "
+        "every request it holds, only until the shared prefix is computed.")
     route_index_entries: int = Field(
         100_000, ge=100,
         description="Prefix boundaries the routing index keeps per backend (least recently "

@@ -202,15 +202,16 @@ class Router:
         return round(tokens * self._scale.get(view.model, 1.0)), done
 
     async def wait_for_prefix(self, view: RouteView, name: str) -> bool:
-        """A backend running several requests at once (a llama-server's slots, a prefixd
-        worker's scheduler) computing a long prefix of this request that it does not hold
-        yet: wait (at most `prefix_wait_s`) until that request ends, so this one restores the
-        prefix from the backend's cache instead of computing it again beside it (slots share
-        no KV; a worker's entry becomes restorable when its request ends). True if it
+        """A llama-server running several requests at once (its slots) computing a long
+        prefix of this request that it does not hold yet: wait (at most `prefix_wait_s`) until
+        that request ends, so this one restores the prefix from the backend's cache instead of
+        computing it again beside it (slots share no KV). True if it
         waited (what the backends hold has changed since `view`)."""
         backend = self.backends[name]
+        # a prefixd worker does this itself, for every request it holds, arrived together or
+        # not (`scheduler/schedule.py`: `share`), and only until the prefix is computed
         if not self.prefix_wait_s or self.queues[name].max_concurrency <= 1 or \
-                (backend.slot_info() is None and backend.worker() is None):
+                backend.slot_info() is None:
             return False
         tokens, done = self._computing(view, name)
         held = view.held.get(name, (0, False))[0]

@@ -117,6 +117,8 @@ class Batch:
         for r in runs:
             r.cache, r.batch = [], self
             self.runs.append(r)
+        snapshot.evaluate(self.cache)
+        mx.clear_cache()   # the copies merged from go back now, not at the allocator's leisure
 
     def leave(self, run: Run) -> None:
         """`run` takes its own cache back out of the batch (its row dropped)."""
@@ -131,3 +133,5 @@ class Batch:
         keep = mx.array([j for j in range(len(self.runs) + 1) if j != i])
         for layer in self.cache:
             layer.filter(keep)
+        snapshot.evaluate(self.cache, *(leaf.state for leaf in snapshot.leaves(run.cache)))
+        mx.clear_cache()

@@ -222,7 +222,7 @@ class Engine(Checkpointing):
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
         run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
-                  self.passes)
+                  self.passes, lambda pos: self._publish(prompt[:pos], run.cache, namespace))
         turn.run = run
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
@@ -261,6 +261,26 @@ class Engine(Checkpointing):
             self._commit(entry, run)
             self.counts.gauges(self.store)
             stats.commit_s = time.perf_counter() - t0
+
+    def _publish(self, tokens: list[int], cache: list[Any], namespace: str) -> None:
+        """A prefix other requests wait for (the scheduler's `share`), stored the moment it is
+        computed, from a copy of the live cache (which goes on): they restore it instead of
+        computing it beside this one. Never raises (a failure: they compute it themselves)."""
+        if self._unsupported:
+            return
+        try:
+            copy = snapshot.rebuild(cache, [snapshot.copy_leaf(leaf)
+                                            for leaf in snapshot.leaves(cache)])
+            snapshot.trim_padding(copy)
+            entry = self.store.begin(tokens, namespace)
+            if self.store.finish(entry, tokens, copy, self.lockstep.max(snapshot.nbytes(copy)),
+                                 self.lockstep.all(snapshot.trimmable(copy)),
+                                 self._end_snapshot):
+                self.tiers.committed(entry)
+            self.counts.gauges(self.store)
+        except Exception:
+            log.exception("storing a shared prefix of %d tokens failed", len(tokens))
+            self.lockstep.local_failure()
 
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""

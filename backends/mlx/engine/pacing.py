@@ -42,6 +42,7 @@ class Pacing:
 
     tokens: int
     preempt: Callable[[], bool] | None = None
+    share: int = 0   # a prompt position other requests wait for: a pass ends there, published
 
 
 @dataclass(eq=False)

@@ -55,9 +55,10 @@ class Run:
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
                  pacing: Pacing, should_stop: Callable[[], bool],
                  inpass: tuple[int, ...] | None = None,
-                 passes: PassCounts | None = None) -> None:
+                 passes: PassCounts | None = None,
+                 publish: Callable[[int], None] = lambda pos: None) -> None:
         self.model, self.cache, self.prompt, self.pacing = model, cache, prompt, pacing
-        self.passes = passes or PassCounts()
+        self.passes, self.publish = passes or PassCounts(), publish
         self.yields = 0  # how many times a prefill pass paused in the middle
         self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
         self.start, self.should_stop = start, should_stop
@@ -142,10 +143,14 @@ class Run:
             if self.should_stop():
                 return
             start = self.pos
+            share = self.pacing.share
             end = min([final, self.pos + max(1, self.pacing.tokens),
-                       *(p for p in cuts if p > self.pos)])
+                       *(p for p in cuts if p > self.pos),
+                       *((share,) if self.pos < share < final else ())])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
             yield from self._pass(end, marks, capture)
+            if end == share:       # others wait for this prefix: stored now
+                self.publish(end)
             mx.clear_cache()
             yield Prefilled(end - start)
         if self.should_stop():

@@ -67,8 +67,9 @@ class Active:
         """One forward pass, or its part up to a pause, on `decision` (journaled first: a
         group's followers replay it). Never raises."""
         self.turn.pacing.tokens, self.stopping = decision.tokens, decision.stop
+        self.turn.pacing.share = decision.share
         self.lockstep.journal({"op": "step", "job": self.job.id, "tokens": decision.tokens,
-                               "stop": decision.stop})
+                               "stop": decision.stop, "share": decision.share})
         return self.advance()
 
     def feeding(self) -> Run | None:

@@ -94,7 +94,8 @@ def replay(loaded: Loaded, lockstep: Follower) -> None:
             job = job_from(entry)
             jobs[job.id] = Active(loaded, grammars, job, lockstep)
         elif op == "step":
-            decision = Decision(int(entry["tokens"]), bool(entry["stop"]))
+            decision = Decision(int(entry["tokens"]), bool(entry["stop"]),
+                                int(entry.get("share", 0)))
             if isinstance(jobs[entry["job"]].step(decision), Finished | Failed):
                 del jobs[entry["job"]]
         elif op == "batch":             # decode steps of several jobs in one pass

@@ -64,6 +64,7 @@ from typing import Any, Protocol
 from prefixd.backends.mlx.scheduler.jobs import Job, Queued
 from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished, Paused, Step
 
+SHARE_MIN = 256  # tokens of a prefix being computed worth waiting for instead of computing it
 AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
 MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
 
@@ -121,6 +122,8 @@ class Schedule:
         self.active: list[Slot] = []
         self.tick = 0
         self._estimates: dict[Job, int] = {}   # `cached` of a waiting job, during one pass
+        self._shared: dict[tuple[int, int], int] = {}   # common prefix of two jobs' prompts
+        self.held: dict[Slot, tuple[Slot, int]] = {}    # as of the last pick
 
     def _estimate(self, job: Job) -> int:
         if job not in self._estimates:
@@ -169,23 +172,61 @@ class Schedule:
     def pick(self) -> Slot:
         """The admitted job whose pass runs next (see the module docstring)."""
         self._estimates.clear()     # the store may have changed since: asked again
-        slot, aged = self._choose()
+        self.held = {s: h for s in self.active if (h := self._holder(s)) is not None}
+        slot, aged = self._choose([s for s in self.active if s not in self.held])
         slot.aged = aged
         return slot
 
-    def _choose(self) -> tuple[Slot, bool]:
-        """The job that runs next, and whether aging chose it."""
-        gone = [s for s in self.active if s.job.cancelled]
+    def share(self, slot: Slot) -> int:
+        """Where `slot`'s prefill publishes its state next for the jobs waiting for it (the
+        nearest such position ahead; 0: none)."""
+        return min((at for holder, at in self.held.values() if holder is slot), default=0)
+
+    def _holder(self, slot: Slot) -> tuple[Slot, int] | None:
+        """A job not started yet waits for a started one computing a long prefix of its
+        prompt (at least `SHARE_MIN` tokens past what the cache holds of it), and restores it
+        when that job publishes it (`share`), rather than compute it beside it: (that job,
+        the position)."""
+        if slot.task is not None or slot.job.cancelled:
+            return None
+        for other in self.active:
+            left = other.remaining()
+            if other.task is None or other.job.cancelled or left == 0 or \
+                    other.job.namespace != slot.job.namespace:
+                continue
+            mine, theirs = slot.job.prompt.tokens, other.job.prompt.tokens
+            at = min(self._common(slot.job, other.job), len(mine) - 1, len(theirs) - 1)
+            if len(theirs) - left < at and at - self._estimate(slot.job) >= SHARE_MIN:
+                return other, at
+        return None
+
+    def _common(self, a: Job, b: Job) -> int:
+        key = (min(id(a), id(b)), max(id(a), id(b)))
+        if key not in self._shared:
+            x, y, n = a.prompt.tokens, b.prompt.tokens, 0
+            n = min(len(x), len(y))
+            for k, (i, j) in enumerate(zip(x, y, strict=False)):
+                if i != j:
+                    n = k
+                    break
+            self._shared[key] = n
+        return self._shared[key]
+
+    def _choose(self, free: list[Slot]) -> tuple[Slot, bool]:
+        """The job that runs next (of `free`: those not waiting for another's prefix), and
+        whether aging chose it."""
+        free = free or self.active
+        gone = [s for s in free if s.job.cancelled]
         if gone:      # its next pass ends it (after the rest of a paused pass)
             return gone[0], False
         if self.slice_ms > 0:
             limit = AGE_LIMIT * self.slice_ms / 1000
-            aged = [s for s in self.active if s.kept >= limit]
+            aged = [s for s in free if s.kept >= limit]
         else:
-            aged = [s for s in self.active if s.skipped >= AGE_LIMIT]
+            aged = [s for s in free if s.skipped >= AGE_LIMIT]
         if aged:
             return max(aged, key=lambda s: (s.kept, s.skipped, -s.last)), True
-        return min(self.active, key=self._rank), False
+        return min(free, key=self._rank), False
 
     def preempts(self, slot: Slot, arrived: Sequence[Job]) -> bool:
         """Whether `slot`'s pass under way should pause between two layers: a job that arrived
@@ -256,6 +297,7 @@ class Schedule:
 
     def remove(self, slot: Slot) -> None:
         self.active.remove(slot)
+        self._shared = {k: v for k, v in self._shared.items() if id(slot.job) not in k}
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
@@ -309,7 +351,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
             steps = batch([s.task for s in group if s.task is not None],
                           [s.job.cancelled for s in group])
         else:
-            steps = [slot.task.step(Decision(schedule.pass_tokens(slot), slot.job.cancelled))]
+            steps = [slot.task.step(Decision(schedule.pass_tokens(slot), slot.job.cancelled,
+                                             schedule.share(slot)))]
         spent = time.perf_counter() - t0
         for other in others:
             other.job.paused_s += spent

@@ -18,11 +18,13 @@ __all__ = ["Decision", "Decoded", "Failed", "Finished", "Paused", "Prefilled", "
 
 @dataclass(frozen=True)
 class Decision:
-    """What a step runs on, decided before it: a prefill pass of at most `tokens`, and whether
-    the job stops (its client left) before it."""
+    """What a step runs on, decided before it: a prefill pass of at most `tokens`, whether
+    the job stops (its client left) before it, and a position of its prompt that jobs waiting
+    for it share (`share`: a pass ends there and the state is stored at once, 0: none)."""
 
     tokens: int
     stop: bool
+    share: int = 0   # publish the prompt's state at this position (others wait for it)
 
 
 @dataclass(frozen=True)
