@@ -11,8 +11,9 @@ Parts (each on both servers, the servers started fresh per part and model, prefi
 - hol: 20 long prompts (~1,000 tokens) sent together, then 10 short ones right behind them:
   the shorts' TTFT against the same short alone.
 
-prefixd runs with `PREFIXD_MAX_ACTIVE=16` (the worker's scheduler ranks every request; through
-the daemon the proxy forwards `max_concurrency` of them), stock at its defaults. Peak RSS is
+prefixd's worker runs at its defaults (it ranks up to 64 requests, admits by memory, batches
+their decode steps; through the daemon the proxy forwards it every request), without a disk
+tier; stock at its defaults. Peak RSS is
 each process's VmHWM. Writes bench/out/concurrency.json, .md and concurrency_<model>.png.
 
     ./run bench concurrency                    # tiny qwen3_next and the built-in model
@@ -147,8 +148,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in args.parts:
         for kind in SERVERS:
-            ns = argparse.Namespace(prefixd_env={"PREFIXD_MAX_ACTIVE": "16",
-                                                 "PREFIXD_DISK_CACHE_BYTES": "0"},
+            ns = argparse.Namespace(prefixd_env={"PREFIXD_DISK_CACHE_BYTES": "0"},
                                     kv_bits=None, out=args.out / "concurrency-logs")
             server = start_server(kind, model_dir, ns)
             try:

@@ -354,7 +354,7 @@ def test_worker_command_and_env() -> None:
     assert worker_env(shared, SETTINGS, cache_bytes=999)["PREFIXD_CACHE_BYTES"] == "999"
     assert env["PREFIXD_CHECKPOINT_TAIL"] == "7"          # settings handed over explicitly
     assert env["PREFIXD_PREFILL_CHUNK"] == "64" and env["X"] == "1"
-    assert env["PREFIXD_MAX_ACTIVE"] == "4"                 # the default: 4 at once
+    assert env["PREFIXD_MAX_ACTIVE"] == "64"   # the default: every request it can rank
     for n in (1, 3):                                        # the proxy sends n at once
         one = cfg.model_copy(update={"max_concurrency": n})
         assert worker_env(one, SETTINGS)["PREFIXD_MAX_ACTIVE"] == str(n)
