@@ -321,6 +321,27 @@ def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
     assert schedule.pass_tokens() == 256
 
 
+def test_a_turn_whose_conversation_the_cache_holds_ranks_with_short_prompts() -> None:
+    """An agent's next turn is a long prompt whose conversation the cache holds: one pass from
+    its first token, it goes before decode steps, as a short prompt does (four sub-agents'
+    second turns then reach their first tokens together, and decode in one batch); a long
+    prompt's own last slice does not."""
+    turn, long, decoding = _job([1] * 3000), _job([2] * 4000), _job([3] * 20)
+    schedule = Schedule(4, 256, 512, 1 << 30, 1,
+                        cached=lambda job: 2950 if job is turn else 0)
+    for job in (long, decoding, turn):
+        schedule.add(job)
+    slots = schedule.admit()
+    slots[0].task, slots[1].task = FakeTask(100), FakeTask(0)   # a last slice; decoding
+    assert schedule.pick() is slots[2]          # the turn: 50 tokens left of 3,000
+    slots[2].task = FakeTask(50)
+    assert schedule.pick() is slots[2]
+    slots[2].task.step(Decision(256, False))
+    schedule.ran(slots[2])
+    # both decode (in one pass) before the long prompt's last slice
+    assert set(schedule.decoding(schedule.pick())) == {slots[1], slots[2]}
+
+
 def test_aging_by_time_lets_cheap_decode_steps_run_before_an_expensive_slice() -> None:
     """With slices sized by time, aging is too: a long prefill waits AGE_LIMIT slices' time
     (not AGE_LIMIT passes) of others' passes, so twenty 40 ms decode steps do not make it

@@ -54,6 +54,12 @@ def unbatchable(cache: list[Any]) -> str | None:
     return None
 
 
+# Positions a batch's KV buffers grow by when full (mlx-lm's default is 256 for one request):
+# each growth adds them to every row, and copies the batch's KV once. 64: a batch of 16 holds at
+# most 64 spare positions a row, and copies its KV once every 64 steps.
+GROWTH = 64
+
+
 def _draw(run: Run) -> mx.array | None:
     try:
         return run.draw(run.incoming) if run.incoming is not None else None
@@ -114,6 +120,9 @@ class Batch:
         else:
             for mine, theirs in zip(self.cache, merged, strict=True):
                 mine.extend(theirs)
+        for leaf in snapshot.leaves(self.cache):
+            if hasattr(leaf, "step"):   # grown for every row at once: in smaller steps
+                leaf.step = GROWTH
         for r in runs:
             r.cache, r.batch = [], self
             self.runs.append(r)

@@ -238,4 +238,5 @@ class Run:
         if token is None or self.broken or self.should_stop():
             return
         self._forward([token], logits=False)
+        self.batched += 1
         self.fed.append(token)

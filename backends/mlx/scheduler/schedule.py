@@ -61,10 +61,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from prefixd.backends.mlx.cache.placement import common_prefix
 from prefixd.backends.mlx.scheduler.jobs import Job, Queued
 from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished, Paused, Step
 
 SHARE_MIN = 256  # tokens of a prefix being computed worth waiting for instead of computing it
+REFRESH = 64  # picks after which the waiting jobs' cache estimates are asked again anyway
 AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
 MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
 
@@ -100,7 +102,7 @@ class Slot:
     skipped: int = 0   # other jobs' passes since its last
     kept: float = 0.0  # seconds of other jobs' passes since its last
     aged: bool = False  # picked by aging: its pass runs to its end (never pauses)
-    cached: int = 0     # its prompt tokens the worker's cache held when it was admitted
+    cached: int = 0     # its prompt tokens the worker's cache holds (as of when it started)
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill: before it starts, those its cache estimate leaves."""
@@ -121,7 +123,10 @@ class Schedule:
         self.waiting: deque[Job] = deque()
         self.active: list[Slot] = []
         self.tick = 0
-        self._estimates: dict[Job, int] = {}   # `cached` of a waiting job, during one pass
+        # `cached` of the jobs not started, until the store may have changed (a job ended or
+        # published a prefix, or `REFRESH` picks went by: a state import)
+        self._estimates: dict[Job, int] = {}
+        self._picks = 0
         self._shared: dict[tuple[int, int], int] = {}   # common prefix of two jobs' prompts
         self.held: dict[Slot, tuple[Slot, int]] = {}    # as of the last pick
 
@@ -171,11 +176,21 @@ class Schedule:
 
     def pick(self) -> Slot:
         """The admitted job whose pass runs next (see the module docstring)."""
-        self._estimates.clear()     # the store may have changed since: asked again
+        self._picks += 1
+        if self._picks % REFRESH == 0:
+            self.changed()
+        for s in self.active:     # what the cache holds of each job not started, as of now
+            if s.task is None:
+                s.cached = self._estimate(s.job)
         self.held = {s: h for s in self.active if (h := self._holder(s)) is not None}
         slot, aged = self._choose([s for s in self.active if s not in self.held])
         slot.aged = aged
         return slot
+
+    def changed(self) -> None:
+        """The store may hold more of the waiting jobs' prompts: their estimates are asked
+        again."""
+        self._estimates.clear()
 
     def share(self, slot: Slot) -> int:
         """Where `slot`'s prefill publishes its state next for the jobs waiting for it (the
@@ -203,13 +218,7 @@ class Schedule:
     def _common(self, a: Job, b: Job) -> int:
         key = (min(id(a), id(b)), max(id(a), id(b)))
         if key not in self._shared:
-            x, y, n = a.prompt.tokens, b.prompt.tokens, 0
-            n = min(len(x), len(y))
-            for k, (i, j) in enumerate(zip(x, y, strict=False)):
-                if i != j:
-                    n = k
-                    break
-            self._shared[key] = n
+            self._shared[key] = common_prefix(a.prompt.tokens, b.prompt.tokens)
         return self._shared[key]
 
     def _choose(self, free: list[Slot]) -> tuple[Slot, bool]:
@@ -256,8 +265,11 @@ class Schedule:
         return (1 if left == 0 else 2), left, s.last
 
     def _one_pass(self, s: Slot, left: int) -> bool:
-        """A short prompt's prefill whose next pass is its last."""
-        return 0 < left <= self.slice_tokens and len(s.job.prompt.tokens) <= self.chunk
+        """A short prefill whose next pass is its last: a short prompt, or a turn whose
+        conversation the cache holds (its work: what the cache did not hold when it started,
+        at most `prefill_chunk`). Not a long prompt's last slice: deep in a long prompt each
+        slice is as slow as the others."""
+        return 0 < left <= self.slice_tokens and len(s.job.prompt.tokens) - s.cached <= self.chunk
 
     def ran(self, slot: Slot, seconds: float = 0.0, paused: bool = False,
             others: Sequence[Slot] | None = None, group: Sequence[Slot] = ()) -> None:
@@ -297,6 +309,7 @@ class Schedule:
 
     def remove(self, slot: Slot) -> None:
         self.active.remove(slot)
+        self.changed()      # its state is stored now
         self._shared = {k: v for k, v in self._shared.items() if id(slot.job) not in k}
 
 
@@ -357,6 +370,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         for other in others:
             other.job.paused_s += spent
         schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
+        if schedule.share(slot) and len(group) == 1:   # it may have published a prefix
+            schedule.changed()
         for member, step in zip(group, steps, strict=True):
             if isinstance(step, Finished | Failed):
                 schedule.remove(member)
