@@ -192,6 +192,15 @@ class Schedule:
         again."""
         self._estimates.clear()
 
+    def published(self, slot: Slot) -> None:
+        """After `slot`'s pass: if it reached the position it was to publish, the store holds
+        that prefix now (for the jobs waiting, and for itself: its own last pass is then as
+        short as theirs, and ranks with them)."""
+        at = self.share(slot)
+        if at and len(slot.job.prompt.tokens) - slot.remaining() >= at:
+            slot.cached = max(slot.cached, at)
+            self.changed()
+
     def share(self, slot: Slot) -> int:
         """Where `slot`'s prefill publishes its state next for the jobs waiting for it (the
         nearest such position ahead; 0: none)."""
@@ -370,8 +379,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         for other in others:
             other.job.paused_s += spent
         schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
-        if schedule.share(slot) and len(group) == 1:   # it may have published a prefix
-            schedule.changed()
+        if len(group) == 1:
+            schedule.published(slot)
         for member, step in zip(group, steps, strict=True):
             if isinstance(step, Finished | Failed):
                 schedule.remove(member)
