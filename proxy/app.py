@@ -148,6 +148,7 @@ def cache_summary(info: dict | None) -> dict | None:
             "recomputed_tokens_total": info.get("recomputed_tokens_total"),
             "misses": info.get("misses") or {},
             "group": info.get("group"),
+            "batch": info.get("batch"),
             "disk": _disk_summary(info.get("disk"))}
 
 

@@ -121,6 +121,10 @@ async def test_requests_sharing_a_long_prefix_wait_for_it_instead_of_computing_i
             await asyncio.sleep(0.01)
         second = await ask("write tests for lexer.py")
         await first
+        async with http.get(f"http://127.0.0.1:{server.port}/status") as r:
+            batch = (await r.json())["backends"][0]["cache"]["batch"]
     finally:
         await server.shutdown(5.0)
     assert second["prompt_tokens_details"]["cached_tokens"] >= 1500
+    # the status page's view of the worker's passes (batched decode)
+    assert batch["decode_passes"] > 0 and batch["largest_decode_batch"] >= 1
