@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.passes import PassCounts
@@ -58,6 +59,42 @@ def unbatchable(cache: list[Any]) -> str | None:
 # each growth adds them to every row, and copies the batch's KV once. 64: a batch of 16 holds at
 # most 64 spare positions a row, and copies its KV once every 64 steps.
 GROWTH = 64
+
+
+def _stackable(batch: Any, joining: list[Any]) -> bool:
+    return (batch is None or (type(batch) is BatchKVCache and batch.keys is not None)) and \
+        all(type(c) is KVCache and c.keys is not None for c in joining)
+
+
+def _stack(batch: Any, joining: list[Any]) -> Any:
+    """The batch's KV rows and the joining runs' in one new `BatchKVCache`, right-aligned at
+    the longest and with `GROWTH` spare positions: one new buffer (mlx-lm's `merge` then
+    `extend` pad copies of both first, and the first decode step grows it again), so joining
+    holds at most the old batch, the joiners and the new batch at once."""
+    lengths = [c.offset for c in joining]
+    old = 0 if batch is None else batch._idx
+    idx = max(old, *lengths)
+    first = joining[0].keys
+    rows = len(joining) + (0 if batch is None else batch.keys.shape[0])
+    keys = mx.zeros((rows, first.shape[1], idx + GROWTH, first.shape[3]), first.dtype)
+    vals = joining[0].values
+    values = mx.zeros((rows, vals.shape[1], idx + GROWTH, vals.shape[3]), vals.dtype)
+    at = 0
+    pads, offsets = [], []
+    if batch is not None:
+        at = batch.keys.shape[0]
+        keys[:at, :, idx - old:idx] = batch.keys[..., :old, :]
+        values[:at, :, idx - old:idx] = batch.values[..., :old, :]
+        pads.append(batch.left_padding + (idx - old))
+        offsets.append(batch.offset)
+    for j, (c, n) in enumerate(zip(joining, lengths, strict=True)):
+        keys[at + j:at + j + 1, :, idx - n:idx] = c.keys[..., :n, :]
+        values[at + j:at + j + 1, :, idx - n:idx] = c.values[..., :n, :]
+    out: Any = BatchKVCache([0] * rows)
+    out.keys, out.values, out._idx = keys, values, idx
+    out.left_padding = mx.concatenate([*pads, mx.array([idx - n for n in lengths])])
+    out.offset = mx.concatenate([*offsets, mx.array(lengths)])
+    return out
 
 
 def _draw(run: Run) -> mx.array | None:
@@ -114,12 +151,18 @@ class Batch:
         if not runs:
             return
         caches = [r.cache for r in runs]
-        merged = [type(layer).merge([c[i] for c in caches]) for i, layer in enumerate(caches[0])]
-        if self.cache is None:
-            self.cache = merged
-        else:
-            for mine, theirs in zip(self.cache, merged, strict=True):
-                mine.extend(theirs)
+        layers = []
+        for i, layer in enumerate(caches[0]):
+            mine = None if self.cache is None else self.cache[i]
+            joining = [c[i] for c in caches]
+            if _stackable(mine, joining):
+                layers.append(_stack(mine, joining))
+                continue
+            merged = type(layer).merge(joining)
+            if mine is not None:
+                mine.extend(merged)
+            layers.append(merged if mine is None else mine)
+        self.cache = layers
         for leaf in snapshot.leaves(self.cache):
             if hasattr(leaf, "step"):   # grown for every row at once: in smaller steps
                 leaf.step = GROWTH
