@@ -35,6 +35,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.passes import PassCounts
+from prefixd.backends.mlx.model.memory import trim_heap
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.run import Run
@@ -59,6 +60,11 @@ def unbatchable(cache: list[Any]) -> str | None:
 # each growth adds them to every row, and copies the batch's KV once. 64: a batch of 16 holds at
 # most 64 spare positions a row, and copies its KV once every 64 steps.
 GROWTH = 64
+
+
+def release() -> None:
+    mx.clear_cache()
+    trim_heap()
 
 
 def _stackable(batch: Any, joining: list[Any]) -> bool:
@@ -138,9 +144,7 @@ class Batch:
             drawn = [_draw(r) for r in members]
             snapshot.evaluate(self.cache, logits, *drawn)
         except BaseException:
-            self.runs, self.cache = [], None
-            for r in members:
-                r.batch = r.drawn = None
+            self._break()
             raise
         self.passes.decode(len(members))
         for r, d in zip(members, drawn, strict=True):
@@ -148,42 +152,61 @@ class Batch:
             r.drawn, r.broken = d, False
 
     def _join(self, runs: list[Run]) -> None:
+        """Merge the runs' caches into the batch a layer at a time, each run's layer dropped
+        once copied: joining holds about the larger of the two (the runs' caches, the batch),
+        not both. A failure leaves every member and joiner `broken`, and the batch empty."""
         if not runs:
             return
         caches = [r.cache for r in runs]
-        layers = []
-        for i, layer in enumerate(caches[0]):
-            mine = None if self.cache is None else self.cache[i]
-            joining = [c[i] for c in caches]
-            if _stackable(mine, joining):
-                layers.append(_stack(mine, joining))
-                continue
-            merged = type(layer).merge(joining)
-            if mine is not None:
-                mine.extend(merged)
-            layers.append(merged if mine is None else mine)
-        self.cache = layers
-        for leaf in snapshot.leaves(self.cache):
-            if hasattr(leaf, "step"):   # grown for every row at once: in smaller steps
-                leaf.step = GROWTH
         for r in runs:
             r.cache, r.batch = [], self
             self.runs.append(r)
-        snapshot.evaluate(self.cache)
-        mx.clear_cache()   # the copies merged from go back now, not at the allocator's leisure
+        try:
+            batch = self.cache = self.cache or [None] * len(caches[0])
+            for i, kind in enumerate([type(layer) for layer in caches[0]]):
+                mine, joining = batch[i], [c[i] for c in caches]
+                if _stackable(mine, joining):
+                    batch[i] = _stack(mine, joining)
+                elif mine is None:
+                    batch[i] = kind.merge(joining)
+                else:
+                    mine.extend(kind.merge(joining))
+                snapshot.evaluate([batch[i]])
+                for c in caches:
+                    c[i] = None
+                del mine, joining
+        except BaseException:
+            self._break()
+            raise
+        for leaf in snapshot.leaves(self.cache):
+            if hasattr(leaf, "step"):   # grown for every row at once: in smaller steps
+                leaf.step = GROWTH
+        release()   # the copies merged from go back now, not at the allocators' leisure
+
+    def _break(self) -> None:
+        for r in self.runs:
+            r.broken, r.batch, r.drawn = True, None, None
+        self.runs, self.cache = [], None
 
     def leave(self, run: Run) -> None:
-        """`run` takes its own cache back out of the batch (its row dropped)."""
+        """`run` takes its own cache back out of the batch (its row dropped), a layer at a
+        time (the old layer freed before the next is copied)."""
         assert self.cache is not None
         i = self.runs.index(run)
-        run.cache = [layer.extract(i) for layer in self.cache]
-        run.batch = None
+        rows = len(self.runs)
+        keep = mx.array([j for j in range(rows) if j != i])
+        mine: list[Any] = []
+        try:
+            for layer in self.cache:
+                mine.append(layer.extract(i))
+                if rows > 1:
+                    layer.filter(keep)
+                snapshot.evaluate([mine[-1], *([layer] if rows > 1 else [])])
+        except BaseException:
+            self._break()
+            raise
+        run.cache, run.batch = mine, None
         self.runs.pop(i)
         if not self.runs:
             self.cache = None
-            return
-        keep = mx.array([j for j in range(len(self.runs) + 1) if j != i])
-        for layer in self.cache:
-            layer.filter(keep)
-        snapshot.evaluate(self.cache, *(leaf.state for leaf in snapshot.leaves(run.cache)))
-        mx.clear_cache()
+        release()

@@ -224,6 +224,7 @@ class Engine(Checkpointing):
         run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
                   self.passes, lambda pos: self._publish(prompt[:pos], run.cache, namespace))
         turn.run = run
+        del cache   # the run's own from here: a decode batch takes it over (no second copy)
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
             self._capture(entry, run, pos, interval, stats, payload)

@@ -73,3 +73,33 @@ def memory_info(mlx_snapshot: dict[str, Any]) -> dict[str, Any]:
     """The "memory" object of GET /v1/cache: the process's RSS now and MLX's last snapshot."""
     rss, source = process_rss()
     return {"rss_bytes": rss, "rss_source": source, **mlx_snapshot}
+
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's `malloc_trim`; elsewhere
+    nothing). After a decode batch's join or leave (`engine/batch.py`) has freed the copies it
+    made: their buffers (a few MiB a layer) come from the heap, where glibc keeps what is freed
+    resident. Measured on the built-in model: four sub-agents' batched second turns left the
+    process at 1,393 MiB, and 1,187 MiB with the heap trimmed (unbatched: 1,145 MiB). A few
+    milliseconds at most, and only when a request joins or leaves the batch. (A fixed
+    `M_MMAP_THRESHOLD` does the same for every allocation and cost 10-20% of decode speed.)"""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim     # noqa: B018  (glibc only)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _glibc()
