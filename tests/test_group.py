@@ -91,6 +91,28 @@ def test_warm_equals_cold_and_seeded_sampling_matches(pair: tuple[str, str, str]
         warm["choices"][0]["message"] == _post(one, body)["choices"][0]["message"]
 
 
+def test_a_group_batches_decode_steps_and_answers_as_one_process(
+        pair: tuple[str, str, str]) -> None:
+    """Four requests at once: the group's ranks run their decode steps as one batched pass
+    (the journal's `batch` entry, replayed by the follower) and every reply is one process's
+    reply to that request alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    one, group, _ = pair
+    bodies = [{"model": "tiny", "max_tokens": 16, "temperature": 0, "messages": [
+        {"role": "user", "content": f"Topic {i}: " + "tell me more. " * (5 + 9 * i)}]}
+        for i in range(4)]
+    alone = [_post(one, b)["choices"][0]["message"] for b in bodies]
+    before = _get(group, "/v1/cache")["batch"]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda b: _post(group, b)["choices"][0]["message"], bodies))
+    after = _get(group, "/v1/cache")["batch"]
+    assert together == alone
+    assert after["largest_decode_batch"] >= 2
+    assert after["decode_tokens"] - before["decode_tokens"] > \
+        after["decode_passes"] - before["decode_passes"]        # fewer passes than tokens
+
+
 def test_a_group_refuses_to_move_prefix_states(pair: tuple[str, str, str]) -> None:
     _, group, _ = pair
     req = urllib.request.Request(group + "/v1/cache/export", json.dumps(
