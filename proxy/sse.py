@@ -115,6 +115,9 @@ class SSERecorder:
         self.finished = False            # a choice carried its finish_reason
         self.error: dict[str, Any] | None = None   # an in-band error event (held, not passed)
         self.events = 0
+        # comment-only events (a prefixd worker's `: queued position=N`), taken out of the
+        # answer's bytes: the relay sends them on at once, even while it holds the answer back
+        self.notes: list[bytes] = []
         self.builder = MessageBuilder()
         self._buf = bytearray()
         self._scanned = 0                # bytes of _buf already searched for an event end
@@ -148,6 +151,11 @@ class SSERecorder:
             return b"" if self.translate is not None else rest
         return self._pass(rest + b"\n\n", [rest.rstrip(b"\n")])
 
+    def take_notes(self) -> bytes:
+        """The comment events seen since the last call."""
+        notes, self.notes = b"".join(self.notes), []
+        return notes
+
     @property
     def ended(self) -> bool:
         """The upstream ended its answer as a complete one: `[DONE]`, or a finish reason."""
@@ -155,13 +163,17 @@ class SSERecorder:
 
     def _pass(self, ready: bytes, events: list[bytes]) -> bytes:
         kept: list[bytes | None] = []
+        notes = len(self.notes)
         for event in events:
             if self.error is not None:
                 break                            # nothing after the upstream's error passes
+            if event and all(line.startswith(b":") for line in event.split(b"\n")):
+                self.notes.append(event + b"\n\n")
+                continue
             kept.append(self._event(event))
         if self.translate is not None:
             return b"".join(k for k in kept if k)
-        if not self.strip_usage and self.error is None:
+        if not self.strip_usage and self.error is None and len(self.notes) == notes:
             return ready                         # nothing removed: pass the bytes as they came
         return b"".join(k + b"\n\n" for k in kept if k is not None)
 

@@ -96,6 +96,24 @@ async def test_fifo_order_and_queue_position_comments(upstream, start_proxy, htt
     assert [b["messages"][0]["content"] for b in upstream.received] == ["0", "1", "2", "3", "4"]
 
 
+async def test_a_workers_place_in_line_reaches_the_client_while_it_waits(
+        upstream, start_proxy, http):
+    """A prefixd worker holding the request in its own queue streams `: queued position=N`
+    before any of the answer: the proxy, which holds back what precedes the answer, sends
+    those comments on at once (the client's place in line stays true when the proxy forwards
+    every request to the worker)."""
+    proxy = await start_proxy(upstream.url)
+    answer = ('data: {"choices": [{"index": 0, "delta": {"content": "ok"}, '
+              '"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+    r = await http.post(url(proxy), json=chat("w", stream=True, fake={
+        "raw": [": queued position=3\n\n", answer], "hold_after_first": True}))
+    assert b": queued position=3" in await read_until(r, b"position=3")   # before release
+    upstream.release.set()
+    rest = await r.read()
+    assert b'"ok"' in rest and b"[DONE]" in rest and rest.count(b"position=3") == 0
+    r.release()
+
+
 async def test_queue_full_gives_429_with_retry_after(upstream, start_proxy, http):
     proxy = await start_proxy(upstream.url, backend={"queue_depth": 2})
     held = [asyncio.create_task(http.post(url(proxy), json=chat(fake={"hold": True})))]

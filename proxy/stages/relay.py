@@ -91,6 +91,9 @@ class RelayStage:
         try:
             async for chunk in up.chunks:
                 out = rec.feed(chunk)
+                notes = rec.take_notes()     # a worker's place in line: on at once
+                if notes:
+                    await resp.write(notes)
                 if out and not answering():
                     held += out
                 elif out or held:
