@@ -3,11 +3,13 @@
 Owns: the live caches of the decoding runs that joined it, merged into mlx-lm's batch caches
 (`BatchKVCache` left-padded to the longest, `BatchRotatingKVCache`, `ArraysCache` and
 `CacheList` stacked on the batch axis), and which run is which row. A run joins at its first
-batched step (`merge`, then `extend` into the batch); it leaves when its request ends, is
-cancelled, or steps alone again (`extract` gives back a cache of its own, exactly the classes
-and contents it would hold alone: its checkpoints, commit, disk tier and transfers see no
-batch; then `filter` drops its row). While it is in the batch, its own `cache` is empty (the
-batch holds the only copy: no memory twice).
+batched step (its full-attention KV rows stacked with the batch's into one new buffer with
+`GROWTH` spare positions, `_stack`; other layers through mlx-lm's `merge` and `extend`); it
+leaves when its request ends, is cancelled, or steps alone again (`extract` gives back a cache
+of its own, exactly the classes and contents it would hold alone: its checkpoints, commit,
+disk tier and transfers see no batch; then `filter` drops its row). Both go a layer at a time,
+each old layer freed before the next is copied. While it is in the batch, its own `cache` is
+empty (the batch holds the only copy: no memory twice).
 
 A step feeds every member's pending token (the one it sampled last) in one pass of shape
 [members, 1] and hands each member its row of logits (`Run.incoming`); each request then
@@ -63,6 +65,8 @@ GROWTH = 64
 
 
 def release() -> None:
+    """The buffers a join or leave freed go back to the system now (MLX's cache, the C heap),
+    not at the allocators' leisure."""
     mx.clear_cache()
     trim_heap()
 
@@ -117,9 +121,6 @@ class Batch:
         self.model, self.passes = model, passes
         self.runs: list[Run] = []
         self.cache: list[Any] | None = None
-
-    def __len__(self) -> int:
-        return len(self.runs)
 
     def step(self, runs: list[Run]) -> None:
         """Feed each run's pending token in one forward pass; each run's logits for its next
