@@ -342,6 +342,28 @@ def test_a_turn_whose_conversation_the_cache_holds_ranks_with_short_prompts() ->
     assert set(schedule.decoding(schedule.pick())) == {slots[1], slots[2]}
 
 
+def test_a_prefix_already_computed_by_a_running_job_is_waited_for_as_long_as_computing_it(
+        ) -> None:
+    """A sub-agent arriving after another computed their shared prompt (it is decoding; its
+    state is stored when it ends) waits for that end rather than compute the prompt again,
+    but no longer than computing it would take at the worker's prefill rate."""
+    shared = [7] * 2000
+    first, late = _job([*shared, 1]), _job([*shared, 2, 3])
+    schedule = Schedule(4, 256, 512, 1 << 30, 1, prefill_rate=lambda: 1000.0)
+    schedule.add(first)
+    (a,) = schedule.admit()
+    a.task = FakeTask(0)                        # decoding: past the shared prompt
+    schedule.add(late)
+    (b,) = schedule.admit()
+    assert schedule.pick() is a and schedule.share(a) == 0   # b waits; nothing to publish
+    schedule.ran(a, 1.5)                        # 1.5 s of a's passes: under 2,000 / 1,000 s
+    assert schedule.pick() is a
+    assert b in schedule.held
+    schedule.ran(a, 0.6)                        # 2.1 s: computing it would have been sooner
+    schedule.pick()
+    assert b not in schedule.held               # free to run (in its turn)
+
+
 def test_aging_by_time_lets_cheap_decode_steps_run_before_an_expensive_slice() -> None:
     """With slices sized by time, aging is too: a long prefill waits AGE_LIMIT slices' time
     (not AGE_LIMIT passes) of others' passes, so twenty 40 ms decode steps do not make it

@@ -93,8 +93,8 @@ def _field(message: str, name: str) -> str:
 
 async def test_requests_sharing_a_long_prefix_wait_for_it_instead_of_computing_it_twice(
         tiny_model_dir: Callable[[str], Path], http: aiohttp.ClientSession) -> None:
-    """Sub-agents with one long system prompt sent together: the second waits for the first
-    (which computes the prefix) and restores it, instead of computing it again beside it."""
+    """Sub-agents with one long system prompt sent together: one waits for the other (which
+    computes the prefix) and restores it, instead of computing it again beside it."""
     settings = Settings(_env_file=None, prefix_detect=False, backends=[
         {"name": "w", "kind": "mlx", "model": str(tiny_model_dir("qwen3")), "models": ["t"],
          "max_concurrency": 2}])
@@ -120,11 +120,14 @@ async def test_requests_sharing_a_long_prefix_wait_for_it_instead_of_computing_i
                 break
             await asyncio.sleep(0.01)
         second = await ask("write tests for lexer.py")
-        await first
+        first_usage = await first
         async with http.get(f"http://127.0.0.1:{server.port}/status") as r:
             batch = (await r.json())["backends"][0]["cache"]["batch"]
     finally:
         await server.shutdown(5.0)
-    assert second["prompt_tokens_details"]["cached_tokens"] >= 1500
+    # computed once: whichever the worker started first computes it, the other restores it
+    # (both can reach the worker before it starts either: then the shorter goes first)
+    cached = sorted(u["prompt_tokens_details"]["cached_tokens"] for u in (first_usage, second))
+    assert cached[0] < 256 and cached[1] >= 1500
     # the status page's view of the worker's passes (batched decode)
     assert batch["decode_passes"] > 0 and batch["largest_decode_batch"] >= 1

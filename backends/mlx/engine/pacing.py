@@ -43,6 +43,7 @@ class Pacing:
     tokens: int
     preempt: Callable[[], bool] | None = None
     share: int = 0   # a prompt position other requests wait for: a pass ends there, published
+    pausable: bool = True   # False: no newcomer can outrank it, so the pass is evaluated whole
 
 
 @dataclass(eq=False)

@@ -112,7 +112,7 @@ class Run:
         if recorder is not None and recorder.failed:
             self.tap_failure = self.tap_failure or recorder.failed
         preempt = self.pacing.preempt
-        if staged and preempt is not None:
+        if staged and preempt is not None and self.pacing.pausable:
             leaves = snapshot.leaves(self.cache)
             for layer, leaf in enumerate(leaves[:-1]):
                 mx.eval(leaf.state)

@@ -67,7 +67,7 @@ class Active:
         """One forward pass, or its part up to a pause, on `decision` (journaled first: a
         group's followers replay it). Never raises."""
         self.turn.pacing.tokens, self.stopping = decision.tokens, decision.stop
-        self.turn.pacing.share = decision.share
+        self.turn.pacing.share, self.turn.pacing.pausable = decision.share, decision.pausable
         self.lockstep.journal({"op": "step", "job": self.job.id, "tokens": decision.tokens,
                                "stop": decision.stop, "share": decision.share})
         return self.advance()

@@ -192,6 +192,12 @@ class Schedule:
         again."""
         self._estimates.clear()
 
+    def pausable(self, slot: Slot) -> bool:
+        """Whether a newcomer could pause `slot`'s pass (`preempts`): not one aging chose, nor
+        a short prefill's (nothing ranks before it). Else the pass is evaluated whole, without
+        a sync per layer."""
+        return not slot.aged and self._rank(slot)[0] > 0
+
     def published(self, slot: Slot) -> None:
         """After `slot`'s pass: if it reached the position it was to publish, the store holds
         that prefix now (for the jobs waiting, and for itself: its own last pass is then as
@@ -204,24 +210,31 @@ class Schedule:
     def share(self, slot: Slot) -> int:
         """Where `slot`'s prefill publishes its state next for the jobs waiting for it (the
         nearest such position ahead; 0: none)."""
-        return min((at for holder, at in self.held.values() if holder is slot), default=0)
+        return min((at for holder, at in self.held.values() if holder is slot and at),
+                   default=0)
 
     def _holder(self, slot: Slot) -> tuple[Slot, int] | None:
-        """A job not started yet waits for a started one computing a long prefix of its
+        """A job not started yet waits for a started one that shares a long prefix of its
         prompt (at least `SHARE_MIN` tokens past what the cache holds of it), and restores it
-        when that job publishes it (`share`), rather than compute it beside it: (that job,
-        the position)."""
+        instead of computing it beside it: (that job, the position it publishes it at, when
+        its prefill has not reached it yet, `share`; else 0: its state is stored when it ends,
+        and the job waits for that at most as long as computing the prefix would take, at the
+        worker's prefill rate, or that job's before one is measured)."""
         if slot.task is not None or slot.job.cancelled:
             return None
         for other in self.active:
-            left = other.remaining()
-            if other.task is None or other.job.cancelled or left == 0 or \
+            if other.task is None or other.job.cancelled or \
                     other.job.namespace != slot.job.namespace:
                 continue
             mine, theirs = slot.job.prompt.tokens, other.job.prompt.tokens
             at = min(self._common(slot.job, other.job), len(mine) - 1, len(theirs) - 1)
-            if len(theirs) - left < at and at - self._estimate(slot.job) >= SHARE_MIN:
+            if at < SHARE_MIN or at - self._estimate(slot.job) < SHARE_MIN:
+                continue
+            if len(theirs) - other.remaining() < at:
                 return other, at
+            rate = self.rate() or other.task.pass_rate()   # the worker's, or that job's
+            if rate and slot.kept < (at - self._estimate(slot.job)) / rate:
+                return other, 0
         return None
 
     def _common(self, a: Job, b: Job) -> int:
@@ -374,7 +387,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
                           [s.job.cancelled for s in group])
         else:
             steps = [slot.task.step(Decision(schedule.pass_tokens(slot), slot.job.cancelled,
-                                             schedule.share(slot)))]
+                                             schedule.share(slot), schedule.pausable(slot)))]
         spent = time.perf_counter() - t0
         for other in others:
             other.job.paused_s += spent

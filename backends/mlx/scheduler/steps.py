@@ -25,6 +25,7 @@ class Decision:
     tokens: int
     stop: bool
     share: int = 0   # publish the prompt's state at this position (others wait for it)
+    pausable: bool = True   # its pass may pause between two layers for a newcomer
 
 
 @dataclass(frozen=True)
