@@ -180,17 +180,19 @@ class Engine(Checkpointing):
         return self._reference
 
     def adopt(self, tokens: list[int], cache: list[Any], namespace: str = "") -> int:
-        """Store a state another worker computed (`bundle.import_`) as if a request of
-        `namespace` had ended at `tokens`; the tokens stored (0: the cache is unsupported or
-        the budget refused it)."""
+        """Store a state another worker computed (`bundle.import_`), or a prefix this one
+        publishes (`_publish`), as if a request of `namespace` had ended at `tokens`; the
+        tokens stored (0: the cache is unsupported or the budget refused it)."""
         if self._unsupported or not tokens:
             return 0
         held = self.store.lookup([*tokens, -1], namespace)   # restores all of it: keep ours
         if held is not None and held.pos >= len(tokens):
             return len(tokens)
-        entry = self.store.begin(tokens, namespace)
-        stored = self.store.finish(entry, tokens, cache, snapshot.nbytes(cache),
-                                   snapshot.trimmable(cache), self._end_snapshot)
+        entry = self.store.begin(tokens, namespace)   # the same decision on every rank
+        stored = self.store.finish(entry, tokens, cache,
+                                   self.lockstep.max(snapshot.nbytes(cache)),
+                                   self.lockstep.all(snapshot.trimmable(cache)),
+                                   self._end_snapshot)
         if stored:
             self.tiers.committed(entry)
         self.counts.gauges(self.store)
@@ -273,12 +275,7 @@ class Engine(Checkpointing):
             copy = snapshot.rebuild(cache, [snapshot.copy_leaf(leaf)
                                             for leaf in snapshot.leaves(cache)])
             snapshot.trim_padding(copy)
-            entry = self.store.begin(tokens, namespace)
-            if self.store.finish(entry, tokens, copy, self.lockstep.max(snapshot.nbytes(copy)),
-                                 self.lockstep.all(snapshot.trimmable(copy)),
-                                 self._end_snapshot):
-                self.tiers.committed(entry)
-            self.counts.gauges(self.store)
+            self.adopt(tokens, copy, namespace)
         except Exception:
             log.exception("storing a shared prefix of %d tokens failed", len(tokens))
             self.lockstep.local_failure()
