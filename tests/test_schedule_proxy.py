@@ -75,7 +75,8 @@ async def test_a_short_request_is_not_held_behind_a_long_prefill(
     waited = {k: float(_field(v, "waited_s")) for k, v in lines.items()}
     queued = {k: float(_field(v, "queue_wait_s")) for k, v in lines.items()}
     assert status["waited_n"] == 2
-    assert status["waited_max_s"] == round(max(waited.values()), 3)
+    # the same wait: the status rounds the raw value to 3 decimals, the log line to 4
+    assert abs(status["waited_max_s"] - max(waited.values())) <= 0.00051
     if concurrency == 2:
         assert order.index("short:end") < order.index("long:end"), order
         # the long one was paused while the short one's passes ran (in the worker)
