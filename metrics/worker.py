@@ -93,6 +93,12 @@ PASS_TOKENS = Histogram("prefixd_worker_pass_tokens",
                         "Tokens one forward pass ran, by kind (prefill, decode).", ["kind"],
                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
                         registry=REGISTRY)
+DRAFT_TOKENS = Counter("prefixd_worker_draft_tokens_total",
+                       "Speculative decoding: tokens drafted (prompt lookup) and verified, and "
+                       "of those the tokens accepted.", ["outcome"], registry=REGISTRY)
+VERIFY_PASSES = Counter("prefixd_worker_verify_passes_total",
+                        "Speculative decoding: forward passes that verified a draft.",
+                        registry=REGISTRY)
 BATCH_WAIT = Histogram("prefixd_worker_batch_slot_wait_seconds",
                        "Time a request waited for a slot among the requests under way (admission "
                        "by the live caches' memory) before its prefill started.",

@@ -113,6 +113,23 @@ class WorkerSettings(BaseSettings):
                                "batch caches; a model whose caches cannot merge, e.g. with "
                                "kv_bits, decodes one request per pass). false: one request's "
                                "step per pass.")
+    speculative: bool = Field(True, description="Worker: speculative decoding with drafts "
+                              "looked up in the request's own context (prompt lookup): a "
+                              "reply that copies (an edit, a file rewritten, a path or JSON "
+                              "echoed from a tool result) decodes several tokens per forward "
+                              "pass; exact (greedy replies equal decoding without it, sampled "
+                              "ones follow the same distribution, seeded ones draw the same "
+                              "tokens), on every cache type including recurrent and sliding-"
+                              "window layers. Each request drafts only while its drafts pay "
+                              "(docs/CHECKPOINTS.md, Speculative decoding).")
+    spec_draft_max: int = Field(8, ge=1, le=64, description="Worker: the longest draft "
+                                "verified in one pass (each request sizes its drafts from "
+                                "their acceptance, up to this).")
+    spec_ngram: int = Field(4, ge=1, le=16, description="Worker: the longest suffix of the "
+                            "reply looked up in the context to draft from (shorter ones down "
+                            "to spec_ngram_min are tried when it has no match).")
+    spec_ngram_min: int = Field(2, ge=1, le=16, description="Worker: the shortest suffix "
+                                "looked up.")
     prefill_slice_ms: float = Field(
         250.0, ge=0, description="Worker (max_active > 1): prefill in passes of about this "
         "many milliseconds, sized from the job's own last pass (its rate at its depth; at "

@@ -20,6 +20,10 @@ class EngineConfig:
     checkpoint_tail: int = 4
     prefill_chunk: int = 512
     kv_bits: int | None = None
+    speculative: bool = True                    # draft by prompt lookup, verify exactly
+    spec_draft_max: int = 8
+    spec_ngram: int = 4
+    spec_ngram_min: int = 2
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:

@@ -36,6 +36,7 @@ from prefixd.backends.mlx.engine.counts import CacheCounts
 from prefixd.backends.mlx.engine.pacing import Turn
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.engine.run import Run, Step
+from prefixd.backends.mlx.engine.speculate import Speculation, spec_config
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
 from prefixd.backends.mlx.group.lockstep import Lockstep
@@ -101,6 +102,14 @@ class Engine(Checkpointing):
         self.unbatchable = unbatchable(template)
         if self.unbatchable:
             log.warning("decode steps run one request at a time: %s", self.unbatchable)
+        # speculative decoding (`engine/speculate.py`): a verify pass goes back exactly
+        rewind = self.inpass
+        if rewind is None and config.speculative and self._snap_idx and not lockstep.untimed:
+            rewind = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx, True)
+        self.spec, self.unspeculative = spec_config(config, self._snap_idx, rewind,
+                                                    self._unsupported, not lockstep.untimed)
+        if self.unspeculative and config.speculative:
+            log.warning("speculative decoding is off for this model: %s", self.unspeculative)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
                               self._snap_idx, config, lockstep)
@@ -203,7 +212,8 @@ class Engine(Checkpointing):
               logits_processors: list | None = None, max_tokens: int,
               boundaries: Sequence[int] = (),
               should_stop: Callable[[], bool] = lambda: False,
-              namespace: str = "", turn: Turn) -> Generator[Step, None, None]:
+              namespace: str = "", turn: Turn, speculate: bool = True
+              ) -> Generator[Step, None, None]:
         """Restore, prefill (checkpointing), decode: one forward pass per step (`run.Step`:
         `Prefilled` after each prefill pass but the last, `Paused` inside one, then the token
         of each decode step, up to `max_tokens`). Each pass's size is `turn.pacing`'s when it
@@ -214,7 +224,8 @@ class Engine(Checkpointing):
         gets this request's stats from its start (cached and recomputed tokens once the
         prefill ended; the commit time at the end) and its store entry. `namespace`: the
         request's cache partition (per-key isolation): it restores from and is stored in that
-        partition only."""
+        partition only. `speculate`: it may decode by drafts verified in one pass (when the
+        engine speculates, `engine/speculate.py`)."""
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
@@ -226,6 +237,8 @@ class Engine(Checkpointing):
         run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
                   self.passes, lambda pos: self._publish(prompt[:pos], run.cache, namespace))
         turn.run = run
+        if speculate and self.spec is not None:
+            run.spec = Speculation(self.spec, prompt, max_tokens)
         del cache   # the run's own from here: a decode batch takes it over (no second copy)
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
@@ -264,6 +277,8 @@ class Engine(Checkpointing):
             self._commit(entry, run)
             self.counts.gauges(self.store)
             stats.commit_s = time.perf_counter() - t0
+            if run.spec is not None:
+                stats.speculative = run.spec.info()
 
     def _publish(self, tokens: list[int], cache: list[Any], namespace: str) -> None:
         """A prefix other requests wait for (the scheduler's `share`), stored the moment it is
@@ -296,6 +311,8 @@ class Engine(Checkpointing):
             "disk": self.tiers.info(),
             "misses": self.tiers.misses(),
             "batch": {**self.passes.info(), "disabled_reason": self.unbatchable},
+            "speculative": {**self.passes.spec_info(), "disabled_reason": self.unspeculative,
+                            "draft_max": self.config.spec_draft_max},
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

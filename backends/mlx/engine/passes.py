@@ -1,9 +1,11 @@
 """What each forward pass of the worker carried: how many requests and how many tokens.
 
 Owns: the totals since start by kind (a prefill pass: one request's slice; a decode pass: the
-pending tokens of every request it fed, `engine/batch.py`), the largest decode batch, the
-last one, and their Prometheus series (`metrics/worker.py`). Generation thread only, like the
-Engine that owns it; read for `GET /v1/cache` (`batch`) and the status page.
+pending tokens of every request it fed, `engine/batch.py`, or one request's token and the
+draft it verified, `engine/speculate.py`), the largest decode batch, the last one, the
+tokens drafted and accepted, and their Prometheus series (`metrics/worker.py`). Generation
+thread only, like the Engine that owns it; read for `GET /v1/cache` (`batch`,
+`speculative`) and the status page.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class PassCounts:
         self.passes = {"prefill": 0, "decode": 0}
         self.tokens = {"prefill": 0, "decode": 0}
         self.largest, self.last = 0, 0      # requests in a decode pass
+        self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0}
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -26,11 +29,27 @@ class PassCounts:
         self.largest, self.last = max(self.largest, requests), requests
         self._count("decode", requests, requests)
 
+    def verify(self, drafted: int, accepted: int) -> None:
+        """A decode pass that verified `drafted` tokens and accepted `accepted` of them."""
+        self.decode(1)
+        self.spec["verify_passes"] += 1
+        self.spec["drafted"] += drafted
+        self.spec["accepted"] += accepted
+        metrics.VERIFY_PASSES.inc()
+        metrics.DRAFT_TOKENS.labels("drafted").inc(drafted)
+        metrics.DRAFT_TOKENS.labels("accepted").inc(accepted)
+
     def _count(self, kind: str, requests: int, tokens: int) -> None:
         self.passes[kind] += 1
         self.tokens[kind] += tokens
         metrics.PASS_REQUESTS.labels(kind).observe(requests)
         metrics.PASS_TOKENS.labels(kind).observe(tokens)
+
+    def spec_info(self) -> dict[str, Any]:
+        """The `speculative` part of GET /v1/cache (its counts)."""
+        drafted = self.spec["drafted"]
+        return {**self.spec, "acceptance": round(self.spec["accepted"] / drafted, 3)
+                if drafted else None}
 
     def info(self) -> dict[str, Any]:
         """The `batch` part of GET /v1/cache."""

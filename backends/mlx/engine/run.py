@@ -36,6 +36,7 @@ from prefixd.backends.mlx.engine.stats import PromptStats
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.batch import Batch
+    from prefixd.backends.mlx.engine.speculate import Speculation
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
 # checkpoint payload when the pass computed it (an in-pass mark), else None: take it from the
@@ -78,6 +79,8 @@ class Run:
         self.drawn: mx.array | None = None   # its next token, drawn in a batch's evaluation
         self.sampler: Callable[[mx.array], mx.array] = lambda x: x
         self.processors: list = []
+        self.spec: Speculation | None = None   # drafting, when this request speculates
+        self.ahead: list[int] = []   # tokens a verify pass accepted, not yet yielded
 
     @property
     def tokens(self) -> list[int]:
@@ -186,37 +189,57 @@ class Run:
     def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
                processors: list, max_tokens: int, stats: PromptStats
                ) -> Generator[int, None, None]:
-        """Sample, yield the token, feed it: alone (a forward pass of its own), or, when a
-        `Batch` fed it with others' before this step resumed, from the logits it left in
-        `incoming` (and the token it drew from them in the same evaluation, `drawn`)."""
+        """Sample, yield the token, feed it: alone (a forward pass of its own, or a verify pass
+        of it and a draft, `engine/speculate.py`, when `spec` drafts), or, when a `Batch` fed it
+        with others' before this step resumed, from the logits it left in `incoming` (and the
+        token it drew from them in the same evaluation, `drawn`). After a verify pass the
+        tokens it accepted are yielded one per step, with no pass between them."""
         self.max_tokens, self.sampler, self.processors = max_tokens, sampler, processors
         for i in range(max_tokens):
             t0 = time.perf_counter()
-            drawn, self.drawn = self.drawn, None
-            token = int(drawn if drawn is not None else self.draw(logits))
+            if self.ahead:       # accepted in a verify pass (all but the last are in the cache)
+                token = self.ahead.pop(0)
+                self.pending = None if self.ahead else token
+            else:
+                drawn, self.drawn = self.drawn, None
+                token = self.pending = int(drawn if drawn is not None else self.draw(logits))
             if i == 0:
                 stats.first_token_s = time.perf_counter() - t0
-            self.pending, self.sampled = token, i + 1
+            self.sampled = i + 1
+            if self.spec is not None:
+                self.spec.lookup.extend([token])
             yield token
+            if self.ahead:
+                continue
             if self.incoming is not None:      # a batch fed it
                 logits, self.incoming = self.incoming, None
                 continue
             if not self.wants_feed():
                 return
             self.settle()
+            room = self.max_tokens - self.sampled - 1   # drafted tokens it may still yield
+            draft = self.spec.draft(room) if self.spec is not None and room > 0 else []
+            t0 = time.perf_counter()
+            if draft and self.spec is not None:
+                self.ahead, self.pending = self.spec.verify(self, token, draft), None
+                self.passes.verify(len(draft), len(self.ahead) - 1)
+                self.batched += len(self.ahead)
+                continue
             logits, _ = self._forward([token])
+            if self.spec is not None:
+                self.spec.config.costs.observe(1, time.perf_counter() - t0)
             self.passes.decode(1)
             self.batched += 1
             self.fed.append(token)
             self.pending = None
 
-    def draw(self, logits: mx.array) -> mx.array:
+    def draw(self, logits: mx.array, history: list[int] | None = None) -> mx.array:
         """The next token from `logits` (lazy): its processors (penalties, a grammar's mask)
-        on what the cache holds, then its sampler."""
+        on `history` (default: what the cache holds), then its sampler."""
         if self.processors:
-            history = mx.array(self.prompt + self.fed)
+            tokens = mx.array(self.prompt + self.fed if history is None else history)
             for proc in self.processors:
-                logits = proc(history, logits)
+                logits = proc(tokens, logits)
         return self.sampler(logits - mx.logsumexp(logits, keepdims=True))
 
     def wants_feed(self) -> bool:
@@ -233,7 +256,13 @@ class Run:
         """Feed the last yielded token on a normal end (max_tokens, or the caller closing the
         generator at EOS or a stop string), so the cache covers the whole reply and the next
         turn starts after it. Not when should_stop() ended the request (the client left).
-        Raises what the model raises (the run is then `broken`)."""
+        Tokens a verify pass accepted and nobody yielded leave the cache first. Raises what
+        the model raises (the run is then `broken`)."""
+        unyielded = len(self.ahead) - 1
+        if unyielded > 0 and self.spec is not None and not self.broken \
+                and self.spec.go_back(self, self.spec.held - unyielded):
+            del self.fed[-unyielded:]
+        self.ahead = []
         token, self.pending = self.pending, None
         if token is None or self.broken or self.should_stop():
             return

@@ -17,6 +17,9 @@ log line. Stages, in request order:
   checkpoints between them;
 - `first_token`: sampling the first token (the last forward pass's logits are computed here);
 - `commit`: storing the cache after the reply (not part of the time to first token).
+
+With speculative decoding, `speculative` counts the request's verify passes and the tokens
+they drafted and accepted.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class PromptStats:
     known_tokens: int = 0  # the longest restorable prefix the worker knew of for this prompt
     miss: str | None = None  # why fewer than known_tokens were restored (tiers.MISS_REASONS)
     disk_load_s: float = 0.0  # reading and rebuilding a disk record (part of restore)
+    # speculative decoding (`engine/speculate.py`): None when the request did not speculate
+    speculative: dict[str, int] | None = None
 
     def seconds(self) -> dict[str, float]:
         """The engine's stages (forward passes and checkpoints counted apart)."""
@@ -86,6 +91,8 @@ def breakdown(stats: PromptStats | None, before: dict[str, float],
                         "miss": stats.miss}
         if stats.tier == "disk":
             out["cache"]["disk_load_ms"] = round(stats.disk_load_s * 1000, 3)
+        if stats.speculative is not None:
+            out["speculative"] = stats.speculative
     if restorable is not None:
         out["restorable"] = restorable
     return out

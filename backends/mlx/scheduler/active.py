@@ -110,7 +110,8 @@ class Active:
         return engine.steps(job.prompt.tokens, sampler=self.tap or sampler,
                             logits_processors=processors or None, max_tokens=job.max_tokens,
                             boundaries=job.prompt.boundaries, should_stop=self._stopping,
-                            namespace=job.namespace, turn=self.turn)
+                            namespace=job.namespace, turn=self.turn,
+                            speculate=s.constraint is None)
 
     def _stopping(self) -> bool:
         return self.stopping
@@ -155,10 +156,13 @@ class Active:
         run = self.turn.run
         batch = run.batched / len(run.fed) if run is not None and run.fed else 1.0
         metrics.BATCH_WAIT.observe(job.queue_s)
+        spec = stats.speculative if stats else None
+        drafts = (f"; drafted {spec['drafted']}, accepted {spec['accepted']} in "
+                  f"{spec['passes']} verify passes" if spec else "")
         log.info("worker: prompt %d tokens (%d cached) in %.3fs; %d generated in %.3fs (%.1f/s, "
-                 "decode batch %.1f); waited %.3fs for a slot; finish %s",
+                 "decode batch %.1f%s); waited %.3fs for a slot; finish %s",
                  len(job.prompt.tokens), cached, prefill_s, n, decode_s,
-                 n / decode_s if decode_s > 0 else 0.0, batch, job.queue_s, finish)
+                 n / decode_s if decode_s > 0 else 0.0, batch, drafts, job.queue_s, finish)
         return Finished(finish, n, cached, turn)
 
 

@@ -62,14 +62,25 @@ class SeededSampler:
         if top_k > 0:
             self.methods.append(lambda x: apply_top_k(x, top_k))
         self.scale, self.key = 1.0 / s.temperature, mx.random.key(seed & 0xFFFFFFFFFFFFFFFF)
+        self.keys: list[Any] = []   # the key before each of the last draws (`rewind`)
 
     def __call__(self, logprobs: Any) -> Any:
         import mlx.core as mx
 
         for method in self.methods:
             logprobs = method(logprobs)
+        self.keys = [*self.keys[-(REWIND - 1):], self.key]
         self.key, draw = mx.random.split(self.key)
         return mx.random.categorical(logprobs * self.scale, key=draw)
+
+    def rewind(self, draws: int) -> None:
+        """Undo the last `draws` draws (a verify pass drew tokens it did not emit,
+        `engine/speculate.py`): the key is the one the next emitted token draws with."""
+        self.key, self.keys = self.keys[-draws], self.keys[:-draws]
+
+
+# draws a sampler can undo: a verify pass's (the longest draft + 1), with room
+REWIND = 80
 
 
 class LogprobTap:
@@ -78,16 +89,24 @@ class LogprobTap:
 
     def __init__(self, sampler: Callable[[Any], Any], top: int, tokenizer: Any) -> None:
         self.sampler, self.top, self.tokenizer = sampler, top, tokenizer
-        self.lp: Any = None
+        self.lps: list[Any] = []   # of the draws not yet taken, in order
 
     def __call__(self, lp: Any) -> Any:
-        self.lp = lp
-        return self.sampler(lp)
+        token = self.sampler(lp)
+        self.lps.append(lp)
+        return token
+
+    def rewind(self, draws: int) -> None:
+        """Undo the last `draws` draws (`SeededSampler.rewind`)."""
+        del self.lps[-draws:]
+        inner = getattr(self.sampler, "rewind", None)
+        if inner is not None:
+            inner(draws)
 
     def take(self, token: int) -> TokenLogprob:
         import mlx.core as mx
 
-        row = self.lp.reshape(-1).astype(mx.float32)
+        row = self.lps.pop(0).reshape(-1).astype(mx.float32)
         top: tuple[tuple[str, float], ...] = ()
         k = min(self.top, row.size)
         if k:

@@ -35,6 +35,16 @@ def _with_breakdown(body: dict[str, Any], end: Finished) -> dict[str, Any]:
     return {**body, "prefixd": end.prefixd} if end.prefixd is not None else body
 
 
+def decode_header(end: Finished) -> dict[str, str]:
+    """`X-Prefixd-Decode` on a whole response: the reply's tokens and, when it speculated,
+    its verify passes and the tokens they drafted and accepted."""
+    spec = (end.prefixd or {}).get("speculative")
+    value = f"tokens={end.completion_tokens}"
+    if isinstance(spec, dict):
+        value += "; " + "; ".join(f"{k}={spec[k]}" for k in ("passes", "drafted", "accepted"))
+    return {"X-Prefixd-Decode": value}
+
+
 def _finish_reason(end: Finished, calls: list[dict[str, Any]]) -> str:
     """`tool_calls` for a reply that ended after its calls; a reply cut by `max_tokens` is
     `length` whatever calls it finished before the cut (never a finished call)."""
@@ -84,7 +94,8 @@ class Reply:
                 finish = _finish_reason(event, calls)
                 return web.json_response(_with_breakdown(self.shapes.final(
                     "".join(content) + c, finish, self._usage(event), tool_calls=calls,
-                    reasoning="".join(reasoning) + r, logprobs=self._take_logprobs()), event))
+                    reasoning="".join(reasoning) + r, logprobs=self._take_logprobs()), event),
+                    headers=decode_header(event))
         raise AssertionError("a job's events end with Finished or Failed")
 
     async def stream(self, request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,170 @@
+"""Speculative decoding of one request: a draft verified in one forward pass, and the live
+cache brought back exactly to the last accepted token, on every cache type prefixd serves.
+
+Owns: a run's drafter and pace (`engine/draft.py`), the verify pass, the acceptance rule, and
+the states it keeps to go back: per position of the pass, the recurrent and convolution states
+(Gated-DeltaNet, Mamba, short convolutions) and sliding windows, captured inside the pass by
+the in-pass tap (`engine/tap.py`, proven equal to a pass cut there at start-up); full-attention
+KV is trimmed. So the state after accepting `a` of `k` drafted tokens is the one `a + 1`
+one-token passes would have left, never an approximation. Should the tap fail in a pass, the
+snapshotted leaves go back to their state before it and the accepted tokens are fed again (one
+more pass, the same state).
+
+The acceptance rule. The drafter's draft is deterministic (a one-hot proposal), so standard
+speculative sampling reduces to: draw the target's token at each position with the request's
+own sampler (processors, penalties, temperature, top-p, seed) as if the drafted tokens before
+it had been decoded, accept the drafted token while it equals the draw, and emit the first draw
+that differs (or the draw after the last drafted token). The emitted tokens are then exactly
+the draws a non-speculative decode makes: greedy replies are those of decoding one token at a
+time, sampled ones follow the same distribution, and a seeded request draws the same tokens
+(its key advances once per emitted token: `rewind`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine import tap
+from prefixd.backends.mlx.engine.draft import Pace, PassCosts, PromptLookup
+
+if TYPE_CHECKING:
+    from prefixd.backends.mlx.engine.config import EngineConfig
+    from prefixd.backends.mlx.engine.run import Run
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The Engine's speculative decoding: the longest draft, the n-gram sizes looked up, the
+    leaves to capture in a verify pass (None: the model cannot go back, speculation is off)."""
+
+    max_draft: int
+    ngram: int
+    min_ngram: int
+    leaves: tuple[int, ...]
+    costs: PassCosts
+
+
+class Speculation:
+    """One run's drafting state: its lookup over prompt and reply, its pace, what it drafted
+    and accepted, and the states at each position of its last verify pass (kept until the
+    tokens it accepted are all yielded: a reply that ends among them goes back to its end)."""
+
+    def __init__(self, config: SpecConfig, prompt: list[int], max_tokens: int) -> None:
+        self.config = config
+        self.lookup = PromptLookup(prompt, max_tokens + config.max_draft + 1, config.ngram,
+                                   config.min_ngram)
+        self.pace = Pace(config.max_draft, config.costs)
+        self.drafted = self.accepted = self.passes = 0
+        self.states: dict[int, snapshot.Snapshot] = {}
+        self.held = 0   # positions of the last verify pass in the live cache
+
+    def draft(self, room: int) -> list[int]:
+        """The draft to verify at this step (at most `room` tokens; empty: decode one)."""
+        k = min(self.pace.length(), room)
+        return self.lookup.propose(k)[0] if k > 0 else []
+
+    def verify(self, run: Run, token: int, draft: list[int]) -> list[int]:
+        """Feed `token` and `draft` in one pass: the tokens the run yields from here (the
+        accepted drafted ones, then the first draw that differs from the draft or the draw
+        after it), with the cache (and `run.fed`) holding `token` and the accepted ones."""
+        x = [token, *draft]
+        n = len(x)
+        leaves = self.config.leaves
+        before = snapshot.take(run.cache, leaves)[0] if leaves else {}
+        recorder = tap.Tap(tuple(range(1, n)), n) if leaves else None
+        t0 = time.perf_counter()
+        run.broken = True
+        with tap.tapping(recorder):
+            logits = run.model(mx.array(x)[None], cache=run.cache)[0]
+        states = recorder.payloads(run.cache, leaves) if recorder else {}
+        history = run.prompt + run.fed
+        draws = [run.draw(logits[i:i + 1], history + x[:i + 1]) for i in range(n)]
+        snapshot.evaluate(run.cache, logits, *draws,
+                          *(recorder.arrays(states) if recorder and states else ()))
+        run.broken = False
+        self.config.costs.observe(n, time.perf_counter() - t0)
+        got = [int(d.item()) for d in draws]
+        a = 0
+        while a < len(draft) and got[a] == draft[a]:
+            a += 1
+        _rewind_sampler(run.sampler, n - (a + 1))
+        self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
+                                                    self.accepted + a, self.passes + 1)
+        self.pace.update(len(draft), a)
+        run.fed.extend(x[:a + 1])
+        if recorder is not None and recorder.failed and a + 1 < n:
+            self._refeed(run, before, x[:a + 1], n)
+        else:
+            self.states, self.held = states, n
+            self.go_back(run, a + 1)
+        return [*draft[:a], got[a]]
+
+    def go_back(self, run: Run, keep: int) -> bool:
+        """Keep the first `keep` positions of the last verify pass in the live cache: full
+        attention trimmed, the other leaves replaced by their state there (captured in the
+        pass). False when it cannot (no states kept from that pass: the cache is as it was)."""
+        drop = self.held - keep
+        if drop <= 0:
+            return True
+        if keep < 1 or (keep not in self.states and self.config.leaves):
+            return False
+        new = []
+        for i, leaf in enumerate(snapshot.leaves(run.cache)):
+            if i in self.config.leaves:
+                new.append(snapshot.copy_leaf(self.states[keep][i]))
+            else:
+                leaf.trim(drop)
+                new.append(leaf)
+        run.cache = snapshot.rebuild(run.cache, new)
+        self.held = keep
+        return True
+
+    def _refeed(self, run: Run, before: snapshot.Snapshot, kept: list[int], n: int) -> None:
+        """The tap failed: the snapshotted leaves back to their state before the pass, the
+        KV trimmed to it, and the kept tokens fed again."""
+        new = []
+        for i, leaf in enumerate(snapshot.leaves(run.cache)):
+            if i in before:
+                new.append(snapshot.copy_leaf(before[i]))
+            else:
+                leaf.trim(n)
+                new.append(leaf)
+        run.cache = snapshot.rebuild(run.cache, new)
+        run.broken = True
+        run.model(mx.array(kept)[None], cache=run.cache)
+        snapshot.evaluate(run.cache)
+        run.broken = False
+        self.states, self.held = {}, 0
+
+    def info(self) -> dict[str, Any]:
+        return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
+
+
+def _rewind_sampler(sampler: Callable[[mx.array], mx.array], draws: int) -> None:
+    """Undo the sampler's last `draws` draws (a seeded sampler's key, a log-probability
+    tap's record): the drawn tokens after the first rejected one were never emitted."""
+    rewind = getattr(sampler, "rewind", None)
+    if draws > 0 and rewind is not None:
+        rewind(draws)
+
+
+def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[int, ...] | None,
+                unsupported: str | None, timed: bool) -> tuple[SpecConfig | None, str | None]:
+    """The Engine's speculative decoding, or None and why not: the live cache must go back
+    exactly to any position of a verify pass (full attention trims; every other leaf is
+    captured in the pass, which needs the in-pass tap verified for this model)."""
+    if not config.speculative:
+        return None, "off (speculative=false)"
+    if unsupported:
+        return None, f"the cache cannot be snapshotted ({unsupported})"
+    if snap_idx and inpass is None:
+        return None, "recurrent or sliding-window state cannot be captured inside a pass here"
+    return SpecConfig(config.spec_draft_max, config.spec_ngram,
+                      min(config.spec_ngram_min, config.spec_ngram), inpass or (),
+                      PassCosts(timed=timed)), None
