@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -89,7 +89,7 @@ class Speculation:
                           *(recorder.arrays(states) if recorder and states else ()))
         run.broken = False
         self.config.costs.observe(n, time.perf_counter() - t0)
-        got = [int(d.item()) for d in draws]
+        got = cast(list[int], mx.concatenate([d.reshape(-1) for d in draws]).tolist())
         a = 0
         while a < len(draft) and got[a] == draft[a]:
             a += 1
