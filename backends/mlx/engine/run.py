@@ -216,9 +216,11 @@ class Run:
                 continue
             if not self.wants_feed():
                 return
-            self.settle()
+            # a run decoding in a batch keeps its row (its passes are full): no draft
             room = self.max_tokens - self.sampled - 1   # drafted tokens it may still yield
-            draft = self.spec.draft(room) if self.spec is not None and room > 0 else []
+            drafts = self.spec is not None and self.batch is None and room > 0
+            self.settle()
+            draft = self.spec.draft(room) if drafts and self.spec is not None else []
             t0 = time.perf_counter()
             if draft and self.spec is not None:
                 self.ahead, self.pending = self.spec.verify(self, token, draft), None

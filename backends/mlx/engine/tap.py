@@ -101,28 +101,32 @@ class Tap:
             return {}
         all_leaves = snapshot.leaves(cache)
         out: dict[int, snapshot.Snapshot] = {r: {} for r in self.offsets}
-        recurrent = 0
+        recurrent = convs = 0
         for i in indices:
             leaf = all_leaves[i]
             if type(leaf) is ArraysCache:
-                if recurrent >= len(self.states) or recurrent >= len(self.convs):
+                # [conv, state] (a recurrence after a short convolution), or [conv] alone
+                # (LFM2's short-convolution layers)
+                with_state = len(leaf.cache) > 1
+                if convs >= len(self.convs) or (with_state and recurrent >= len(self.states)):
                     self.failed = "fewer tapped recurrences than recurrent caches"
                     return {}
-                x, k = self.convs[recurrent]
+                x, k = self.convs[convs]
                 for j, r in enumerate(self.offsets):
                     conv = mx.contiguous(x[:, r:r + k - 1, :])  # a copy: x is pass-sized
-                    out[r][i] = ArraysCache.from_state(([conv, self.states[recurrent][j]],
-                                                        None, None))
-                recurrent += 1
+                    arrays = [conv, self.states[recurrent][j]] if with_state else [conv]
+                    out[r][i] = ArraysCache.from_state((arrays, None, None))
+                convs += 1
+                recurrent += with_state
             elif type(leaf) is RotatingKVCache:
                 if not self._window(leaf, i, out):
                     return {}
             else:
                 self.failed = f"no in-pass capture for {type(leaf).__name__}"
                 return {}
-        if recurrent != len(self.states) or recurrent != len(self.convs):
+        if recurrent != len(self.states) or convs != len(self.convs):
             self.failed = (f"{len(self.states)} recurrences and {len(self.convs)} convolutions "
-                           f"tapped for {recurrent} recurrent caches")
+                           f"tapped for {recurrent} recurrent and {convs} convolution caches")
             return {}
         return out
 

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 # processes that never load mlx (the proxy side).
 
 ARCHS: tuple[str, ...] = ("qwen3", "gemma3_text", "qwen3_next", "qwen3_5", "falcon_h1")
+# More cache kinds, built in-process by the tests that cover every kind (speculative decoding):
+# plain KV (llama, gemma2: tied embeddings), Mamba2 alone, LFM2's short convolutions.
+EXTRA_ARCHS: tuple[str, ...] = ("llama", "gemma2", "mamba2", "lfm2")
 
 TINY_VOCAB = 1024
 # Scale of the allowed lm_head rows: large enough that a word token's best logit beats the zero
@@ -103,7 +106,26 @@ def _arch_fields(arch: str) -> dict[str, Any]:
             "mamba_chunk_size": 64,
             "rope_theta": 1_000_000.0,
         }
-    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+    return _extra_fields(arch)
+
+
+def _extra_fields(arch: str) -> dict[str, Any]:
+    if arch == "llama":
+        return {"num_hidden_layers": 2}
+    if arch == "gemma2":
+        return {"num_hidden_layers": 2, "query_pre_attn_scalar": 16}
+    if arch == "mamba2":
+        return {"num_heads": 8, "state_size": 16, "num_hidden_layers": 2,
+                "layer_norm_epsilon": 1e-5, "conv_kernel": 4, "n_groups": 1, "use_bias": False,
+                "use_conv_bias": True, "time_step_limit": [0.0, float("inf")],
+                "time_step_rank": "auto"}
+    if arch == "lfm2":
+        # short-convolution layers (ArraysCache of one conv state) and 2 attention layers
+        return {"num_hidden_layers": 4, "norm_eps": 1e-5, "conv_bias": False,
+                "conv_L_cache": 3, "block_dim": 64, "block_multiple_of": 16,
+                "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
+                "block_ff_dim": 128, "full_attn_idxs": [1, 3]}
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
 
 
 def tiny_config(arch: str, vocab_size: int = TINY_VOCAB) -> dict[str, Any]:
@@ -141,7 +163,11 @@ def build_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB) -> nn.Mo
 def _lm_head(model: nn.Module) -> nn.Module:
     # qwen3_5 wraps its text model in `language_model`; the rest hold lm_head at the top.
     holder: Any = getattr(model, "language_model", model)   # modules' children are dynamic
-    return holder.lm_head
+    if "lm_head" in holder:
+        return holder.lm_head
+    # tied embeddings (gemma2, lfm2): restricting the output restricts the input too
+    inner = holder.model
+    return inner.embed_tokens if "embed_tokens" in inner else inner.embedding
 
 
 def restrict_output(model: nn.Module, allowed_ids: list[int]) -> None:
@@ -156,8 +182,10 @@ def restrict_output(model: nn.Module, allowed_ids: list[int]) -> None:
     mx.eval(head.weight)
 
 
-def save_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write a folder `mlx_lm.load(str(out_dir))` opens offline: config, weights, tokenizer."""
+def save_tiny_model(arch: str, out_dir: Path, seed: int = 0, words: int | None = None) -> Path:
+    """Write a folder `mlx_lm.load(str(out_dir))` opens offline: config, weights, tokenizer.
+    `words`: the model writes only that many word tokens (the first ones): its replies repeat
+    themselves, as copying replies do (speculative decoding's tests)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -168,7 +196,7 @@ def save_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     tokenizer = tinytok.train_tokenizer(TINY_VOCAB)
     config = tiny_config(arch, TINY_VOCAB)
     model = model_from_config(config, seed)
-    restrict_output(model, tinytok.word_token_ids(tokenizer))
+    restrict_output(model, tinytok.word_token_ids(tokenizer)[:words])
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     eos_id = tokenizer.token_to_id(tinytok.EOS)

@@ -182,7 +182,8 @@ class Generator:
                         int(s.active_kv_share * engine.config.cache_bytes),
                         kv_bytes_per_token(engine.reference_leaves()), s.prefill_slice_ms,
                         engine.tiers.prefill_rate,
-                        lambda job: engine.cached_now(job.prompt.tokens, job.namespace))
+                        lambda job: engine.cached_now(job.prompt.tokens, job.namespace),
+                        engine.spec.max_draft + 1 if engine.spec else 0)
         batched = s.batch_decode and not engine.unbatchable
         drive(plan, self._take, self._start, self._end, self._arrived,
               self._batch if batched else None)

@@ -115,7 +115,8 @@ class Schedule:
     def __init__(self, max_active: int, prefill_slice: int, prefill_chunk: int,
                  active_kv_bytes: int, kv_bytes_per_token: int, slice_ms: float = 0.0,
                  prefill_rate: Callable[[], float | None] = lambda: None,
-                 cached: Callable[[Job], int] = lambda job: 0) -> None:
+                 cached: Callable[[Job], int] = lambda job: 0, draft_tokens: int = 0) -> None:
+        self.draft_tokens = draft_tokens   # positions a verify pass adds for a moment
         self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
         self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
             kv_bytes_per_token
@@ -148,7 +149,7 @@ class Schedule:
         return gone
 
     def _cost(self, job: Job) -> int:
-        return (len(job.prompt.tokens) + job.max_tokens) * self.per_token
+        return (len(job.prompt.tokens) + job.max_tokens + self.draft_tokens) * self.per_token
 
     def _fits(self, job: Job, active: Sequence[Slot]) -> bool:
         """Room for `job` beside `active`: by count (`max_active`), and by memory: their live

@@ -1,0 +1,307 @@
+"""Speculative decoding (issue 36): drafts looked up in the request's own context, verified in
+one forward pass, the live cache brought back exactly to the last accepted token on every
+cache kind prefixd serves (full-attention KV, sliding windows, Gated-DeltaNet, Mamba2, LFM2's
+short convolutions). Greedy replies equal decoding one token at a time; seeded sampled ones
+draw the same tokens; a reply that ends among accepted tokens, or whose client leaves, leaves
+exactly its tokens cached, and the next turn is warm and equals cold.
+
+The tiny models write from a handful of tokens, so their replies repeat themselves and the
+lookup drafts often, with drafts both accepted and rejected (every rewind path runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from prefixd.backends.mlx.chat.prompt import Prompt
+from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine.config import EngineConfig
+from prefixd.backends.mlx.engine.draft import Pace, PassCosts, PromptLookup
+from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.model.tiny import (
+    ARCHS,
+    EXTRA_ARCHS,
+    build_model,
+    restrict_output,
+    save_tiny_model,
+)
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.scheduler.jobs import Finished, Job
+from prefixd.backends.mlx.scheduler.output import Delta
+from prefixd.backends.mlx.server.app import create_app
+from prefixd.backends.mlx.settings import WorkerSettings
+from tests.engine_steps import generate, turn_for
+from tests.worker_fixtures import loaded
+
+ALPHABET = [5, 6, 7, 8]
+LOGPROB_TOLERANCE = 1e-4
+
+
+# --- drafting policy (pure) --------------------------------------------------------------------
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix() -> None:
+    lookup = PromptLookup([1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 6, 7, 1, 2, 3], capacity=8, ngram=3)
+    # suffix [1, 2, 3] occurs at the start only (then 4, 9, 9, ...)
+    assert lookup.propose(4) == ([4, 9, 9, 2], 3)
+    lookup.extend([4])
+    # suffix [2, 3, 4]: latest earlier occurrence is at 6 (then 5, 6, 7)
+    assert lookup.propose(3) == ([5, 6, 7], 3)
+    assert lookup.propose(0) == ([], 0)
+
+
+def test_prompt_lookup_falls_back_to_shorter_suffixes_and_proposes_nothing_without_one() -> None:
+    lookup = PromptLookup([10, 11, 12, 20, 21, 11, 12], capacity=4, ngram=4, min_ngram=2)
+    assert lookup.propose(2) == ([20, 21], 2)      # only [11, 12] has an earlier occurrence
+    lookup.extend([99])
+    assert lookup.propose(5) == ([], 0)            # [12, 99] / [99]: none (min 2)
+    grown = PromptLookup([1, 2], capacity=1, ngram=2, min_ngram=1)
+    grown.extend([3, 1, 2, 3, 1])                   # past its capacity: the buffer grows
+    assert grown.propose(3) == ([2, 3, 1], 2)
+
+
+def test_a_request_whose_drafts_fail_drafts_rarely_and_one_that_copies_drafts_long() -> None:
+    costs = PassCosts(timed=False)
+    prose = Pace(8, costs)
+    drafted = 0
+    for _ in range(300):
+        k = prose.length()
+        if k:
+            drafted += 1
+            prose.update(k, 0)
+    assert 0 < drafted <= 12          # probes, ever further apart (backoff to 64 steps)
+    copying = Pace(8, costs)
+    lengths = []
+    for _ in range(20):
+        k = copying.length()
+        lengths.append(k)
+        copying.update(k, k)
+    assert lengths[-1] == 8 and all(k > 0 for k in lengths)
+
+
+def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:
+    costs = PassCosts()
+    assert costs.ratio(1) == 1.0
+    assert costs.ratio(5) == pytest.approx(1 + 4 * PassCosts.PRIOR_SLOPE)
+    costs.observe(1, 0.05)
+    costs.observe(4, 0.06)
+    assert costs.ratio(4) == pytest.approx(1.2)
+    assert costs.ratio(6) == pytest.approx(1.2 + 2 * PassCosts.PRIOR_SLOPE)
+    costs.observe(2, 0.01)            # a pass is never cheaper than a one-token pass
+    assert costs.ratio(2) == 1.0
+    untimed = PassCosts(timed=False)
+    untimed.observe(1, 0.05)
+    assert untimed.seconds == {}
+
+
+# --- exactness on every cache kind (the Engine, in-process) -------------------------------------
+def _greedy(lp: mx.array) -> mx.array:
+    return mx.argmax(lp, axis=-1)
+
+
+@pytest.fixture(scope="module", params=ARCHS + EXTRA_ARCHS)
+def small_alphabet_model(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    model = build_model(request.param)
+    restrict_output(model, ALPHABET)
+    return request.param, model
+
+
+def test_greedy_replies_with_speculation_equal_replies_without_on_every_cache_kind(
+        small_alphabet_model: tuple[str, Any]) -> None:
+    arch, model = small_alphabet_model
+    rng = random.Random(1)
+    spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
+    plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
+    assert spec.unspeculative is None, spec.unspeculative
+    totals = {"drafted": 0, "accepted": 0, "passes": 0}
+    rewound = 0
+    for n in (40, 75, 150):       # gemma3's windows (128) wrap in the last
+        prompt = [rng.choice(ALPHABET) for _ in range(n)]
+        turn = turn_for(spec)
+        got = list(generate(spec, prompt, sampler=_greedy, max_tokens=70, turn=turn))
+        want = list(generate(plain, prompt, sampler=_greedy, max_tokens=70))
+        assert got == want, arch
+        assert turn.stats is not None and turn.stats.speculative is not None
+        for k in totals:
+            totals[k] += turn.stats.speculative[k]
+        rewound += turn.stats.speculative["drafted"] > turn.stats.speculative["accepted"]
+    # drafts were verified, some accepted, some rejected (the cache went back)
+    assert totals["passes"] > 5 and 0 < totals["accepted"] < totals["drafted"], totals
+    assert rewound
+
+
+def test_the_next_turn_after_a_speculative_reply_restores_all_of_it_and_equals_cold(
+        small_alphabet_model: tuple[str, Any]) -> None:
+    """Replies cut by max_tokens at every length, so some end among tokens a verify pass
+    accepted: the cache goes back to the reply's last token, the entry holds prompt + reply,
+    and the next turn restores all of it and replies as a cold run."""
+    arch, model = small_alphabet_model
+    rng = random.Random(2)
+    spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
+    base = [rng.choice(ALPHABET) for _ in range(50)]
+    for max_tokens in range(2, 15):
+        prompt = [*base, *(rng.choice(ALPHABET) for _ in range(max_tokens))]
+        reply = list(generate(spec, prompt, sampler=_greedy, max_tokens=max_tokens))
+        assert len(reply) == max_tokens
+        follow = [*prompt, *reply, 5, 6]
+        assert spec.cached_now(follow) == len(prompt) + len(reply), (arch, max_tokens)
+        turn = turn_for(spec)
+        warm = list(generate(spec, follow, sampler=_greedy, max_tokens=12, turn=turn))
+        cold = list(generate(Engine(model, EngineConfig(cache_bytes=1 << 28,
+                                                        speculative=False)),
+                             follow, sampler=_greedy, max_tokens=12))
+        assert turn.stats is not None and turn.stats.cached_tokens == len(prompt) + len(reply)
+        assert warm == cold, (arch, max_tokens)
+
+
+def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded() -> None:
+    """The caller closes the reply (a stop string, EOS) right after a token a verify pass
+    accepted, with more accepted after it: they leave the cache, which holds the prompt and
+    the tokens yielded, and the next turn from there equals cold."""
+    model = build_model("qwen3_next")
+    restrict_output(model, ALPHABET)
+    spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
+    plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
+    rng = random.Random(4)
+    prompt = [rng.choice(ALPHABET) for _ in range(60)]
+    among = 0
+    for cut in range(2, 30):
+        other = [9, cut, *prompt]     # a prompt of its own each time
+        turn = turn_for(spec)
+        steps = generate(spec, other, sampler=_greedy, max_tokens=40, turn=turn)
+        got = [next(steps) for _ in range(cut)]
+        assert turn.run is not None
+        among += len(turn.run.ahead) > 1     # accepted tokens not yielded yet
+        steps.close()
+        follow = [*other, *got, 5]
+        assert spec.cached_now(follow) == len(other) + cut
+        warm = list(generate(spec, follow, sampler=_greedy, max_tokens=8))
+        assert warm == list(generate(plain, follow, sampler=_greedy, max_tokens=8))
+    assert among
+
+
+# --- the worker: sampling, log-probabilities, batches, a client leaving -------------------------
+@pytest.fixture(scope="module")
+def words_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model("qwen3_next", tmp_path_factory.mktemp("words"), words=6)
+
+
+def _gen(path: Path, **extra: Any) -> Generator:
+    return loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False,
+                                           prefill_slice_ms=0, **extra)), str(path))
+
+
+@pytest.fixture(scope="module")
+def gens(words_model: Path) -> Iterator[tuple[Generator, Generator]]:
+    on, off = _gen(words_model), _gen(words_model, speculative=False)
+    yield on, off
+    on.close()
+    off.close()
+
+
+def _prompts(gen: Generator, seed: int, n: int = 3) -> list[list[int]]:
+    assert gen.loaded is not None
+    words = gen.loaded.tokenizer.encode(" the an some be on to", add_special_tokens=False)
+    rng = random.Random(seed)
+    return [[rng.choice(words) for _ in range(30 + 25 * i)] for i in range(n)]
+
+
+async def _collect(job: Job, cancel_after: int | None = None
+                   ) -> tuple[str, list[float], Finished]:
+    text, logprobs = [], []
+    async for event in job.events():
+        if isinstance(event, Delta):
+            text.append(event.text)
+            logprobs.extend(t.logprob for t in event.logprobs)
+            if cancel_after is not None and len(logprobs) >= cancel_after:
+                job.cancel()
+        elif isinstance(event, Finished):
+            return "".join(text), logprobs, event
+    raise AssertionError("no last event")
+
+
+def _submit(gen: Generator, tokens: list[int], sampling: Sampling, max_tokens: int = 48,
+            namespace: str = "") -> Job:
+    return gen.submit(Prompt(tokens, []), sampling, max_tokens, logprobs=0,
+                      namespace=namespace)
+
+
+def _spec(end: Finished) -> dict[str, int]:
+    return dict((end.prefixd or {}).get("speculative") or {})
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0),
+                                      Sampling(temperature=0.8, seed=21),
+                                      Sampling(temperature=1.1, top_p=0.9, seed=5,
+                                               repetition_penalty=1.2)],
+                         ids=["greedy", "seeded", "seeded-penalized"])
+async def test_replies_and_logprobs_with_drafts_equal_those_without(
+        gens: tuple[Generator, Generator], sampling: Sampling) -> None:
+    on, off = gens
+    drafted = accepted = 0
+    for i, p in enumerate(_prompts(on, 7)):
+        got = await _collect(_submit(on, p, sampling, namespace=f"a{i}"))
+        want = await _collect(_submit(off, p, sampling, namespace=f"a{i}"))
+        assert got[0] == want[0]
+        assert len(got[1]) == len(want[1]) == got[2].completion_tokens
+        assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) \
+            <= LOGPROB_TOLERANCE
+        drafted += _spec(got[2])["drafted"]
+        accepted += _spec(got[2])["accepted"]
+        assert not _spec(want[2])
+    assert drafted > 0 and accepted > 0
+
+
+async def test_a_client_leaving_mid_reply_leaves_a_state_the_next_request_trusts(
+        gens: tuple[Generator, Generator]) -> None:
+    on, off = gens
+    greedy = Sampling(temperature=0)
+    for cancel_after in (2, 5, 9):
+        p = _prompts(on, 30 + cancel_after, 1)[0]
+        gone = await _collect(_submit(on, p, greedy, namespace="gone"), cancel_after)
+        assert gone[2].finish_reason == "cancelled"
+        again = await _collect(_submit(on, p, greedy, namespace="gone"))
+        cold = await _collect(_submit(off, p, greedy, namespace="gone-cold"))
+        assert again[0] == cold[0]
+    assert not on._pending
+
+
+async def test_requests_decoding_together_batch_and_reply_as_alone(
+        gens: tuple[Generator, Generator]) -> None:
+    on, off = gens
+    greedy = Sampling(temperature=0)
+    prompts = _prompts(on, 11, 4)
+    alone = [await _collect(_submit(off, p, greedy, namespace="alone")) for p in prompts]
+    together = await asyncio.gather(*(_collect(_submit(on, p, greedy, namespace="together"))
+                                      for p in prompts))
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+    assert on.loaded is not None
+    assert on.loaded.engine.cache_info()["batch"]["largest_decode_batch"] >= 2
+
+
+async def test_the_worker_reports_drafts_in_its_header_cache_info_and_metrics(
+        gens: tuple[Generator, Generator]) -> None:
+    on, _ = gens
+    settings = WorkerSettings(_env_file=None, use_system_blas=False)
+    body = {"model": "tiny", "temperature": 0, "max_tokens": 40,
+            "messages": [{"role": "user", "content": " the an some be on to" * 12}]}
+    async with TestClient(TestServer(create_app(on, "tiny", settings))) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status == 200
+        reply = await resp.json()
+        spec = reply["prefixd"]["speculative"]
+        header = dict(part.split("=") for part in resp.headers["X-Prefixd-Decode"].split("; "))
+        assert int(header["tokens"]) == reply["usage"]["completion_tokens"]
+        assert int(header["drafted"]) == spec["drafted"] > 0
+        assert int(header["accepted"]) == spec["accepted"]
+        info = await (await client.get("/v1/cache")).json()
+        assert info["speculative"]["drafted"] >= spec["drafted"]
+        assert info["speculative"]["disabled_reason"] is None
+        metrics = await (await client.get("/metrics")).text()
+    assert 'prefixd_worker_draft_tokens_total{outcome="drafted"}' in metrics
+    assert "prefixd_worker_verify_passes_total" in metrics
