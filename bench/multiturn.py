@@ -122,11 +122,14 @@ def ensure_model(arch: str, models_dir: Path) -> Path:
 
 
 def start_server(kind: str, model_dir: Path, args: argparse.Namespace,
-                 port: int | None = None) -> Server:
+                 port: int | None = None, extra: tuple[str, ...] = (),
+                 label: str | None = None) -> Server:
+    """`kind`'s server on `model_dir` (`extra`: more command-line arguments; `label`: its
+    log's name, default `kind`)."""
     port = port or free_port()
     module = "mlx_lm.server" if kind == "stock" else "prefixd.backends.mlx"
     cmd = [sys.executable, "-m", module, "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            # a prefixd worker exits when the bench is gone, even if it was killed
            "PREFIXD_PARENT_PID": str(os.getpid())}
@@ -143,7 +146,7 @@ def start_server(kind: str, model_dir: Path, args: argparse.Namespace,
         env["PREFIXD_KV_BITS"] = str(args.kv_bits)
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with (logs / f"{model_dir.name}-{kind}.log").open("wb") as log:
+    with (logs / f"{model_dir.name}-{label or kind}.log").open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     server = Server(kind, model_dir.name, port, proc, cache_dir=cache_dir)
     threading.Thread(target=server.sample_rss, daemon=True).start()

@@ -149,6 +149,7 @@ def cache_summary(info: dict | None) -> dict | None:
             "misses": info.get("misses") or {},
             "group": info.get("group"),
             "batch": info.get("batch"),
+            "speculative": info.get("speculative"),
             "disk": _disk_summary(info.get("disk"))}
 
 

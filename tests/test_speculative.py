@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import mlx.core as mx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.config import EngineConfig
@@ -37,6 +39,9 @@ from prefixd.backends.mlx.scheduler.jobs import Finished, Job
 from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
+from prefixd.backends.states import ProcState
+from prefixd.proxy.server import Server, make_proxy
+from prefixd.proxy.settings import Settings
 from tests.engine_steps import generate, turn_for
 from tests.worker_fixtures import loaded
 
@@ -45,24 +50,24 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 # --- drafting policy (pure) --------------------------------------------------------------------
-def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix() -> None:
-    lookup = PromptLookup([1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 6, 7, 1, 2, 3], capacity=8, ngram=3)
-    # suffix [1, 2, 3] occurs at the start only (then 4, 9, 9, ...)
-    assert lookup.propose(4) == ([4, 9, 9, 2], 3)
-    lookup.extend([4])
-    # suffix [2, 3, 4]: latest earlier occurrence is at 6 (then 5, 6, 7)
-    assert lookup.propose(3) == ([5, 6, 7], 3)
+def test_prompt_lookup_copies_from_the_occurrence_whose_match_reaches_furthest_back() -> None:
+    # the suffix [2, 3] occurs at 1 (preceded by 1, as the suffix is: a 3-token match) and at
+    # 6 (preceded by 9): the longer match is copied, not the latest
+    lookup = PromptLookup([1, 2, 3, 4, 7, 9, 2, 3, 5, 1, 2, 3], capacity=8, ngram=2)
+    assert lookup.propose(3) == ([4, 7, 9], 3)
+    lookup.extend([8])           # [3, 8] never occurred
+    assert lookup.propose(3) == ([], 0)
     assert lookup.propose(0) == ([], 0)
+    ties = PromptLookup([5, 6, 1, 5, 6, 2, 5, 6], capacity=4, ngram=2)
+    assert ties.propose(1) == ([2], 2)      # equal matches: the latest
 
 
-def test_prompt_lookup_falls_back_to_shorter_suffixes_and_proposes_nothing_without_one() -> None:
-    lookup = PromptLookup([10, 11, 12, 20, 21, 11, 12], capacity=4, ngram=4, min_ngram=2)
-    assert lookup.propose(2) == ([20, 21], 2)      # only [11, 12] has an earlier occurrence
-    lookup.extend([99])
-    assert lookup.propose(5) == ([], 0)            # [12, 99] / [99]: none (min 2)
-    grown = PromptLookup([1, 2], capacity=1, ngram=2, min_ngram=1)
-    grown.extend([3, 1, 2, 3, 1])                   # past its capacity: the buffer grows
-    assert grown.propose(3) == ([2, 3, 1], 2)
+def test_prompt_lookup_continues_a_copy_that_runs_into_its_own_end() -> None:
+    loop = PromptLookup([9, 1, 2, 3, 1, 2, 3, 1, 2], capacity=2, ngram=2)
+    assert loop.propose(7) == ([3, 1, 2, 3, 1, 2, 3], 5)
+    loop.extend([3, 1, 2, 3])    # past its capacity: the buffer grows
+    assert loop.propose(2) == ([1, 2], 9)   # back to the 9 it starts after
+    assert PromptLookup([4], capacity=1, ngram=2).propose(3) == ([], 0)
 
 
 def test_a_request_whose_drafts_fail_drafts_rarely_and_one_that_copies_drafts_long() -> None:
@@ -70,18 +75,25 @@ def test_a_request_whose_drafts_fail_drafts_rarely_and_one_that_copies_drafts_lo
     prose = Pace(8, costs)
     drafted = 0
     for _ in range(300):
-        k = prose.length()
+        k = prose.length(6)
         if k:
             drafted += 1
-            prose.update(k, 0)
+            prose.update(6, k, 0)
     assert 0 < drafted <= 12          # probes, ever further apart (backoff to 64 steps)
     copying = Pace(8, costs)
     lengths = []
     for _ in range(20):
-        k = copying.length()
+        k = copying.length(6)
         lengths.append(k)
-        copying.update(k, k)
+        copying.update(6, k, k)
     assert lengths[-1] == 8 and all(k > 0 for k in lengths)
+    # the kinds of match learn apart: a failing short match does not stop long ones
+    mixed = Pace(8, costs)
+    for _ in range(50):
+        if k := mixed.length(2):
+            mixed.update(2, k, 0)
+    assert mixed.length(20) >= 4
+    assert mixed.length(2) == 0
 
 
 def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:
@@ -305,3 +317,30 @@ async def test_the_worker_reports_drafts_in_its_header_cache_info_and_metrics(
         metrics = await (await client.get("/metrics")).text()
     assert 'prefixd_worker_draft_tokens_total{outcome="drafted"}' in metrics
     assert "prefixd_worker_verify_passes_total" in metrics
+
+
+async def test_through_the_daemon_drafts_show_in_the_header_and_on_the_status_page(
+        words_model: Path, http: aiohttp.ClientSession) -> None:
+    """The daemon in front of a managed worker: a non-streamed reply carries the worker's
+    `X-Prefixd-Decode` header, and /status the worker's draft counts."""
+    settings = Settings(_env_file=None, prefix_detect=False, backends=[
+        {"name": "w", "kind": "mlx", "model": str(words_model), "models": ["t"]}])
+    backend = ManagedBackend(settings.backends[0], settings)
+    server = Server(make_proxy(settings, [backend]))
+    await server.start("127.0.0.1", 0)
+    body = {"model": "t", "temperature": 0, "max_tokens": 40,
+            "messages": [{"role": "user", "content": " the an some be on to" * 12}]}
+    try:
+        await backend.wait_for(ProcState.READY, timeout=120)
+        async with http.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                             json=body) as r:
+            assert r.status == 200, await r.text()
+            header = dict(p.split("=") for p in r.headers["X-Prefixd-Decode"].split("; "))
+            reply = await r.json()
+        async with http.get(f"http://127.0.0.1:{server.port}/status") as r:
+            spec = (await r.json())["backends"][0]["cache"]["speculative"]
+    finally:
+        await server.shutdown(5.0)
+    assert int(header["tokens"]) == reply["usage"]["completion_tokens"]
+    assert int(header["drafted"]) > 0
+    assert spec["drafted"] >= int(header["drafted"]) and spec["verify_passes"] > 0

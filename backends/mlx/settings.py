@@ -125,11 +125,10 @@ class WorkerSettings(BaseSettings):
     spec_draft_max: int = Field(8, ge=1, le=64, description="Worker: the longest draft "
                                 "verified in one pass (each request sizes its drafts from "
                                 "their acceptance, up to this).")
-    spec_ngram: int = Field(4, ge=1, le=16, description="Worker: the longest suffix of the "
-                            "reply looked up in the context to draft from (shorter ones down "
-                            "to spec_ngram_min are tried when it has no match).")
-    spec_ngram_min: int = Field(2, ge=1, le=16, description="Worker: the shortest suffix "
-                                "looked up.")
+    spec_ngram: int = Field(2, ge=1, le=16, description="Worker: the fewest tokens a "
+                            "match in the context must have to draft from (the reply's last "
+                            "tokens looked up; of their earlier occurrences, the one whose "
+                            "match reaches furthest back is copied from).")
     prefill_slice_ms: float = Field(
         250.0, ge=0, description="Worker (max_active > 1): prefill in passes of about this "
         "many milliseconds, sized from the job's own last pass (its rate at its depth; at "

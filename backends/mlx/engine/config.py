@@ -22,8 +22,7 @@ class EngineConfig:
     kv_bits: int | None = None
     speculative: bool = True                    # draft by prompt lookup, verify exactly
     spec_draft_max: int = 8
-    spec_ngram: int = 4
-    spec_ngram_min: int = 2
+    spec_ngram: int = 2
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:

@@ -23,16 +23,14 @@ import numpy as np
 
 
 class PromptLookup:
-    """The request's tokens so far (prompt, then each token it generates) and the n-gram
-    lookup over them. `ngram`: the longest suffix looked up (then shorter ones, down to
-    `min_ngram`)."""
+    """The request's tokens so far (prompt, then each token it generates) and the lookup over
+    them. `ngram`: the fewest tokens a match must have (the last `ngram` tokens looked up)."""
 
-    def __init__(self, prompt: list[int], capacity: int, ngram: int = 4,
-                 min_ngram: int = 2) -> None:
+    def __init__(self, prompt: list[int], capacity: int, ngram: int = 2) -> None:
         self.buf = np.zeros(max(len(prompt) + capacity, 16), dtype=np.int64)
         self.buf[:len(prompt)] = prompt
         self.n = len(prompt)
-        self.ngram, self.min_ngram = max(1, ngram), max(1, min(min_ngram, ngram))
+        self.min_ngram = max(1, ngram)
 
     def extend(self, tokens: list[int]) -> None:
         need = self.n + len(tokens)
@@ -42,24 +40,39 @@ class PromptLookup:
         self.n = need
 
     def propose(self, k: int) -> tuple[list[int], int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
-        (`ngram` .. `min_ngram` tokens) of the tokens so far, and the matched length (0: no
-        match)."""
-        if k <= 0:
+        """Up to `k` tokens that followed an earlier occurrence of the tokens so far, and how
+        many tokens that occurrence matches (0: none). Occurrences of the last `min_ngram`
+        tokens are candidates; the one whose match reaches furthest back wins (up to `REACH`
+        tokens: the same line of the same file, not another line that ends alike), the
+        latest among equals."""
+        if k <= 0 or self.n <= self.min_ngram:
             return [], 0
-        seq = self.buf[:self.n]
-        for size in range(min(self.ngram, self.n - 1), self.min_ngram - 1, -1):
-            tail = seq[self.n - size:]
-            # candidate starts: occurrences of the suffix that end before the suffix itself
-            starts = np.flatnonzero(seq[:self.n - size] == tail[0])
-            for j in range(1, size):
-                if not starts.size:
-                    break
-                starts = starts[seq[starts + j] == tail[j]]
-            if starts.size:
-                at = int(starts[-1]) + size
-                return seq[at:at + k].tolist(), size
-        return [], 0
+        seq, n = self.buf[:self.n], self.n
+        size = self.min_ngram
+        starts = np.flatnonzero(seq[:n - size] == seq[n - size])
+        for j in range(1, size):
+            starts = starts[seq[starts + j] == seq[n - size + j]]
+        if not starts.size:
+            return [], 0
+        # extend each candidate's match backwards, one token at a time, while any still grows
+        reach = np.full(starts.shape, size)
+        alive = np.ones(starts.shape, dtype=bool)
+        for back in range(1, self.REACH - size + 1):
+            at = starts - back
+            grow = alive & (at >= 0)
+            grow[grow] = seq[at[grow]] == seq[n - size - back]
+            if not grow.any():
+                break
+            reach[grow] += 1
+            alive = grow
+        best = int(reach.max())
+        at = int(starts[np.flatnonzero(reach == best)[-1]]) + size
+        out = seq[at:at + k].tolist()
+        while len(out) < k:     # a copy that runs into the end goes on copying its own copy
+            out.append(out[len(out) - (n - at)])
+        return out, best
+
+    REACH = 64
 
 
 @dataclass
@@ -96,37 +109,61 @@ class PassCosts:
 
 
 @dataclass
-class Pace:
-    """One request's draft sizing. The acceptance rate `alpha` (the chance that a drafted token
-    is accepted given the ones before it were) is an exponentially weighted estimate over its
-    verify passes; the next draft is the length k (at most `max_draft`) that maximizes the
-    expected tokens per pass, (1 - alpha^(k+1)) / (1 - alpha), per its cost; 0 when no length
-    beats a one-token pass by `MARGIN`. After a declined or failed draft it waits before trying
-    again, twice as long each time (up to `MAX_WAIT` steps), so prose costs almost nothing."""
+class Rate:
+    """The acceptance of one kind of draft (`Pace.BUCKETS`): the chance `alpha` that a drafted
+    token is accepted given the ones before it were, an exponentially weighted estimate over
+    its verify passes from a prior, and how long it waits before drafting again after a draft
+    that failed or did not pay (twice as long each time, up to `Pace.MAX_WAIT`)."""
 
-    max_draft: int
-    costs: PassCosts
-    accepted: float = 2.0     # a prior worth ~3 drafted tokens at 2/3 acceptance
-    rejected: float = 1.0
-    wait: int = 0             # decode steps to go before drafting again
+    accepted: float
+    rejected: float
+    wait: int = 0
     backoff: int = 1
     probe: bool = False       # the next length is a one-token probe if nothing pays
-    DECAY = 0.85
-    MARGIN = 1.02
-    MAX_WAIT = 64
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def length(self) -> int:
-        """The draft length to verify at this step (0: decode one token)."""
+    def back_off(self) -> None:
+        self.wait, self.probe = self.backoff, True
+        self.backoff = min(self.backoff * 2, Pace.MAX_WAIT)
+
+
+@dataclass
+class Pace:
+    """One request's draft sizing, by how far back the drafter's match reaches (a copy of a
+    whole line is more likely to go on than two tokens that happen to recur): per reach, a
+    `Rate`; the next draft is the length k (at most `max_draft`) that maximizes the expected
+    tokens per pass, (1 - alpha^(k+1)) / (1 - alpha), over its cost; 0 when no length beats
+    a one-token pass by `MARGIN`, then drafts of that reach wait (a one-token probe after the
+    wait), so prose costs almost nothing."""
+
+    max_draft: int
+    costs: PassCosts
+    rates: dict[int, Rate] = field(default_factory=dict)
+    # reach (tokens matched) -> its bucket's prior alpha, over ~3 drafted tokens
+    BUCKETS = ((2, 0.35), (3, 0.45), (5, 0.6), (9, 0.7), (17, 0.8))
+    DECAY = 0.85
+    MARGIN = 1.02
+    MAX_WAIT = 64
+
+    def _rate(self, reach: int) -> Rate:
+        low, prior = max(((b, p) for b, p in self.BUCKETS if b <= max(reach, 2)))
+        if low not in self.rates:
+            self.rates[low] = Rate(3 * prior, 3 * (1 - prior))
+        return self.rates[low]
+
+    def length(self, reach: int) -> int:
+        """The draft length to verify at this step for a match of `reach` tokens (0: decode
+        one token)."""
+        rate = self._rate(reach)
         if self.max_draft <= 0:
             return 0
-        if self.wait > 0:
-            self.wait -= 1
+        if rate.wait > 0:
+            rate.wait -= 1
             return 0
-        a = min(self.alpha, 0.99)
+        a = min(rate.alpha, 0.99)
         best, best_k = self.MARGIN, 0
         for k in range(1, self.max_draft + 1):
             gain = (1 - a ** (k + 1)) / (1 - a) / self.costs.ratio(k + 1)
@@ -134,23 +171,21 @@ class Pace:
                 best, best_k = gain, k
         if best_k:
             return best_k
-        if self.probe:      # it waited: one token, to see whether drafting pays again
-            self.probe = False
+        if rate.probe:      # it waited: one token, to see whether drafting pays again
+            rate.probe = False
             return 1
-        self._back_off()
+        rate.back_off()
         return 0
 
-    def _back_off(self) -> None:
-        self.wait, self.probe = self.backoff, True
-        self.backoff = min(self.backoff * 2, self.MAX_WAIT)
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """A verify pass checked `drafted` tokens and accepted the first `accepted`."""
+    def update(self, reach: int, drafted: int, accepted: int) -> None:
+        """A verify pass checked `drafted` tokens (matched over `reach`) and accepted the
+        first `accepted`."""
         if drafted <= 0:
             return
-        self.accepted = self.accepted * self.DECAY + accepted
-        self.rejected = self.rejected * self.DECAY + (1 if accepted < drafted else 0)
+        rate = self._rate(reach)
+        rate.accepted = rate.accepted * self.DECAY + accepted
+        rate.rejected = rate.rejected * self.DECAY + (1 if accepted < drafted else 0)
         if accepted == 0:
-            self._back_off()
+            rate.back_off()
         else:
-            self.backoff = 1
+            rate.backoff = 1

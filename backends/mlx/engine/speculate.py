@@ -40,12 +40,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The Engine's speculative decoding: the longest draft, the n-gram sizes looked up, the
+    """The Engine's speculative decoding: the longest draft, the shortest match drafted from, the
     leaves to capture in a verify pass (None: the model cannot go back, speculation is off)."""
 
     max_draft: int
     ngram: int
-    min_ngram: int
     leaves: tuple[int, ...]
     costs: PassCosts
 
@@ -57,17 +56,18 @@ class Speculation:
 
     def __init__(self, config: SpecConfig, prompt: list[int], max_tokens: int) -> None:
         self.config = config
-        self.lookup = PromptLookup(prompt, max_tokens + config.max_draft + 1, config.ngram,
-                                   config.min_ngram)
+        self.lookup = PromptLookup(prompt, max_tokens + config.max_draft + 1, config.ngram)
         self.pace = Pace(config.max_draft, config.costs)
         self.drafted = self.accepted = self.passes = 0
         self.states: dict[int, snapshot.Snapshot] = {}
         self.held = 0   # positions of the last verify pass in the live cache
+        self.reach = 0  # how far back the last draft's match reached
 
     def draft(self, room: int) -> list[int]:
         """The draft to verify at this step (at most `room` tokens; empty: decode one)."""
-        k = min(self.pace.length(), room)
-        return self.lookup.propose(k)[0] if k > 0 else []
+        tokens, self.reach = self.lookup.propose(min(room, self.config.max_draft))
+        k = self.pace.length(self.reach) if tokens else 0
+        return tokens[:k]
 
     def verify(self, run: Run, token: int, draft: list[int]) -> list[int]:
         """Feed `token` and `draft` in one pass: the tokens the run yields from here (the
@@ -96,7 +96,7 @@ class Speculation:
         _rewind_sampler(run.sampler, n - (a + 1))
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
-        self.pace.update(len(draft), a)
+        self.pace.update(self.reach, len(draft), a)
         run.fed.extend(x[:a + 1])
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
@@ -165,6 +165,5 @@ def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[i
         return None, f"the cache cannot be snapshotted ({unsupported})"
     if snap_idx and inpass is None:
         return None, "recurrent or sliding-window state cannot be captured inside a pass here"
-    return SpecConfig(config.spec_draft_max, config.spec_ngram,
-                      min(config.spec_ngram_min, config.spec_ngram), inpass or (),
+    return SpecConfig(config.spec_draft_max, config.spec_ngram, inpass or (),
                       PassCosts(timed=timed)), None

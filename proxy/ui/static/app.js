@@ -63,6 +63,10 @@ function cacheCell(c) {
       "per decode forward pass (batched decode): last / mean / largest" },
       `decode batch ${num(c.batch.last_decode_batch)} · mean ${c.batch.mean_decode_batch} · ` +
       `max ${num(c.batch.largest_decode_batch)}`) : null,
+    c.speculative && c.speculative.verify_passes ? el("div", { class: "muted small", title:
+      "speculative decoding: drafted tokens accepted / drafted, in verify passes" },
+      `drafts ${num(c.speculative.accepted)} / ${num(c.speculative.drafted)} accepted · ` +
+      `${plural(c.speculative.verify_passes, "verify pass", "verify passes")}`) : null,
     misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null,
     c.group ? el("div", { class: "muted small" }, `group, ${c.group.parallel || DASH}-parallel: ` +
       (c.group.ranks || []).map((r) => `rank ${r.rank} ${r.host} ` +
