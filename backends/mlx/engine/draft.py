@@ -66,10 +66,10 @@ class PromptLookup:
             reach[grow] += 1
             alive = grow
         best = int(reach.max())
-        at = int(starts[np.flatnonzero(reach == best)[-1]]) + size
-        out = seq[at:at + k].tolist()
+        src = int(starts[np.flatnonzero(reach == best)[-1]]) + size
+        out = seq[src:src + k].tolist()
         while len(out) < k:     # a copy that runs into the end goes on copying its own copy
-            out.append(out[len(out) - (n - at)])
+            out.append(out[len(out) - (n - src)])
         return out, best
 
     REACH = 64
