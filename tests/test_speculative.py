@@ -344,3 +344,50 @@ async def test_through_the_daemon_drafts_show_in_the_header_and_on_the_status_pa
     assert int(header["tokens"]) == reply["usage"]["completion_tokens"]
     assert int(header["drafted"]) > 0
     assert spec["drafted"] >= int(header["drafted"]) and spec["verify_passes"] > 0
+
+
+def test_a_draft_model_drafts_where_the_context_has_nothing_to_copy() -> None:
+    """A draft model (same vocabulary, full attention) proposes where the lookup finds no
+    match: with the served model's own weights every draft is accepted; with another model's
+    (a hybrid served model, a llama drafting) most are rejected; the replies are always the
+    served model's."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 1000) for _ in range(80)]
+    for target, draft, seed in (("qwen3", "qwen3", 0), ("qwen3_next", "llama", 3)):
+        model, drafter = build_model(target), build_model(draft, seed=seed)
+        want = list(generate(Engine(model, EngineConfig(cache_bytes=1 << 28,
+                                                        speculative=False)),
+                             prompt, sampler=_greedy, max_tokens=60))
+        engine = Engine(model, EngineConfig(cache_bytes=1 << 28), draft_model=drafter)
+        turn = turn_for(engine)
+        got = list(generate(engine, prompt, sampler=_greedy, max_tokens=60, turn=turn))
+        assert got == want, target
+        assert turn.stats is not None and turn.stats.speculative is not None
+        spec = turn.stats.speculative
+        assert spec["model_drafted"] > 0
+        if draft == target:
+            assert spec["accepted"] == spec["drafted"] >= 40
+        assert engine.cache_info()["speculative"]["draft_model"] is True
+
+
+async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
+        tmp_path: Path) -> None:
+    served = save_tiny_model("qwen3", tmp_path / "served", words=6)
+    hybrid = save_tiny_model("qwen3_next", tmp_path / "hybrid", words=6)
+    greedy = Sampling(temperature=0)
+    prompt = [random.Random(9).randrange(3, 1000) for _ in range(60)]
+    off = _gen(served, speculative=False)
+    try:
+        want = await _collect(_submit(off, prompt, greedy))
+    finally:
+        off.close()
+    for draft, used in ((served, True), (hybrid, False)):
+        g = _gen(served, spec_draft_model=str(draft))
+        try:
+            assert g.loaded is not None
+            assert g.loaded.engine.cache_info()["speculative"]["draft_model"] is used
+            got = await _collect(_submit(g, prompt, greedy))
+        finally:
+            g.close()
+        assert got[0] == want[0]
+        assert (_spec(got[2]).get("model_drafted", 0) > 0) is used

@@ -125,6 +125,11 @@ class WorkerSettings(BaseSettings):
     spec_draft_max: int = Field(8, ge=1, le=64, description="Worker: the longest draft "
                                 "verified in one pass (each request sizes its drafts from "
                                 "their acceptance, up to this).")
+    spec_draft_model: str | None = Field(
+        None, description="Worker: a smaller model with the served model's tokenizer (a path "
+        "or a name, as default_model) that drafts where the context has nothing to copy; "
+        "full-attention models only (its cache goes back by trimming); not in a group. "
+        "Unset: prompt lookup alone.")
     spec_ngram: int = Field(2, ge=1, le=16, description="Worker: the fewest tokens a "
                             "match in the context must have to draft from (the reply's last "
                             "tokens looked up; of their earlier occurrences, the one whose "

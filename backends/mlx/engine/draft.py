@@ -140,7 +140,7 @@ class Pace:
     wait), so prose costs almost nothing."""
 
     max_draft: int
-    costs: PassCosts
+    costs: PassCosts | DraftCosts
     rates: dict[int, Rate] = field(default_factory=dict)
     # reach (tokens matched) -> its bucket's prior alpha, over ~3 drafted tokens
     BUCKETS = ((2, 0.35), (3, 0.45), (5, 0.6), (9, 0.7), (17, 0.8))
@@ -148,8 +148,12 @@ class Pace:
     MARGIN = 1.02
     MAX_WAIT = 64
 
+    MODEL = -1          # the reach of a draft model's drafts (`drafter.py`): its own rate
+    MODEL_PRIOR = 0.6
+
     def _rate(self, reach: int) -> Rate:
-        low, prior = max(((b, p) for b, p in self.BUCKETS if b <= max(reach, 2)))
+        low, prior = (self.MODEL, self.MODEL_PRIOR) if reach == self.MODEL else \
+            max((b, p) for b, p in self.BUCKETS if b <= max(reach, 2))
         if low not in self.rates:
             self.rates[low] = Rate(3 * prior, 3 * (1 - prior))
         return self.rates[low]
@@ -189,3 +193,26 @@ class Pace:
             rate.back_off()
         else:
             rate.backoff = 1
+
+
+@dataclass
+class DraftCosts:
+    """What a verify pass of `n` tokens costs when a draft model wrote its `n - 1` drafted
+    tokens: the pass (`base`) and the draft model's passes, one per drafted token (measured
+    against a one-token pass of the served model; a prior of a tenth of one)."""
+
+    base: PassCosts
+    seconds: float | None = None   # one draft-model pass (exponential average)
+    PRIOR = 0.1
+
+    def observe(self, passes: int, seconds: float) -> None:
+        if not self.base.timed or passes <= 0 or seconds <= 0:
+            return
+        each = seconds / passes
+        self.seconds = each if self.seconds is None else \
+            self.seconds + PassCosts.WEIGHT * (each - self.seconds)
+
+    def ratio(self, n: int) -> float:
+        one = self.base.seconds.get(1)
+        share = self.seconds / one if self.seconds is not None and one else self.PRIOR
+        return self.base.ratio(n) + (n - 1) * share

@@ -53,7 +53,7 @@ class Engine(Checkpointing):
 
     def __init__(self, model: nn.Module, config: EngineConfig,
                  disk: DiskSpec | None = None, model_id: str | None = None,
-                 lockstep: Lockstep | None = None) -> None:
+                 lockstep: Lockstep | None = None, draft_model: Any = None) -> None:
         self.model = model
         self.config = config
         self.lockstep = lockstep = lockstep or Lockstep()
@@ -107,7 +107,8 @@ class Engine(Checkpointing):
         if rewind is None and config.speculative and self._snap_idx and not lockstep.untimed:
             rewind = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx, True)
         self.spec, self.unspeculative = spec_config(config, self._snap_idx, rewind,
-                                                    self._unsupported, not lockstep.untimed)
+                                                    self._unsupported, not lockstep.untimed,
+                                                    draft_model)
         if self.unspeculative and config.speculative:
             log.warning("speculative decoding is off for this model: %s", self.unspeculative)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
@@ -312,7 +313,9 @@ class Engine(Checkpointing):
             "misses": self.tiers.misses(),
             "batch": {**self.passes.info(), "disabled_reason": self.unbatchable},
             "speculative": {**self.passes.spec_info(), "disabled_reason": self.unspeculative,
-                            "draft_max": self.config.spec_draft_max},
+                            "draft_max": self.config.spec_draft_max,
+                            "draft_model": self.spec is not None
+                            and self.spec.draft_model is not None},
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

@@ -66,13 +66,38 @@ def load(settings: WorkerSettings, spec: str, lockstep: Lockstep | None = None) 
     lockstep.mode = mode or ""
     model_id += lockstep.shard   # a group's ranks: each disk tier holds its own shard's states
     disk = disk_spec(settings, model_id)
+    draft = load_draft(settings, tokenizer, group is None)
     engine = Engine(model, EngineConfig.from_settings(
-        settings, cache_bytes=lockstep.min(ram_budget(settings))), disk, model_id, lockstep)
+        settings, cache_bytes=lockstep.min(ram_budget(settings))), disk, model_id, lockstep,
+        draft)
     warm_up(model, engine.fresh_cache(), tokenizer)
     loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model), mode)
     log.info("worker: model %s loaded (%s, max context %s)", spec,
              type(model).__module__.rsplit(".", 1)[-1], loaded.max_context)
     return loaded
+
+
+def load_draft(settings: WorkerSettings, tokenizer: Any, alone: bool) -> Any:
+    """The draft model of speculative decoding (`spec_draft_model`), or None: not set, in a
+    group (its ranks would each need it), or one that cannot draft (logged)."""
+    if not settings.spec_draft_model or not settings.speculative:
+        return None
+    if not alone:
+        log.warning("worker: spec_draft_model is not used by a group worker")
+        return None
+    from prefixd.backends.mlx.engine.drafter import draft_model_problem
+    from prefixd.backends.mlx.model.provision import load_model, resolve_model
+
+    spec = settings.spec_draft_model
+    target = resolve_model(spec, settings.cache_dir, progress=log.info)
+    draft, draft_tokenizer = load_model(target, settings.cache_dir, progress=log.info,
+                                        dequantize=wants_dequantize(settings.dequantize, spec))
+    why = draft_model_problem(draft, len(tokenizer), len(draft_tokenizer))
+    if why:
+        log.warning("worker: draft model %s not used: %s", spec, why)
+        return None
+    log.info("worker: draft model %s loaded for speculative decoding", spec)
+    return draft
 
 
 def distribute(model: Any, group: Any, parallel: str) -> str:

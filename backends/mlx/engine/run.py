@@ -220,7 +220,8 @@ class Run:
             room = self.max_tokens - self.sampled - 1   # drafted tokens it may still yield
             drafts = self.spec is not None and self.batch is None and room > 0
             self.settle()
-            draft = self.spec.draft(room) if drafts and self.spec is not None else []
+            draft = self.spec.draft(self, token, room) if drafts and self.spec is not None \
+                else []
             t0 = time.perf_counter()
             if draft and self.spec is not None:
                 self.ahead, self.pending = self.spec.verify(self, token, draft), None

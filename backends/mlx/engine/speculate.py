@@ -31,7 +31,8 @@ import mlx.core as mx
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
-from prefixd.backends.mlx.engine.draft import Pace, PassCosts, PromptLookup
+from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
+from prefixd.backends.mlx.engine.drafter import ModelDrafter
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.config import EngineConfig
@@ -47,6 +48,8 @@ class SpecConfig:
     ngram: int
     leaves: tuple[int, ...]
     costs: PassCosts
+    draft_model: Any = None     # drafts where the context has nothing to copy (`drafter.py`)
+    draft_costs: DraftCosts | None = None
 
 
 class Speculation:
@@ -58,16 +61,32 @@ class Speculation:
         self.config = config
         self.lookup = PromptLookup(prompt, max_tokens + config.max_draft + 1, config.ngram)
         self.pace = Pace(config.max_draft, config.costs)
-        self.drafted = self.accepted = self.passes = 0
+        self.model = None if config.draft_model is None else ModelDrafter(config.draft_model)
+        self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs)
+        self.source = self.pace   # whose draft was verified last
+        self.drafted = self.accepted = self.passes = self.model_drafted = 0
         self.states: dict[int, snapshot.Snapshot] = {}
         self.held = 0   # positions of the last verify pass in the live cache
         self.reach = 0  # how far back the last draft's match reached
 
-    def draft(self, room: int) -> list[int]:
-        """The draft to verify at this step (at most `room` tokens; empty: decode one)."""
-        tokens, self.reach = self.lookup.propose(min(room, self.config.max_draft))
+    def draft(self, run: Run, token: int, room: int) -> list[int]:
+        """The draft to verify after `token` (at most `room` tokens; empty: decode one): a
+        copy from the context where there is one that pays, else the draft model's."""
+        limit = min(room, self.config.max_draft)
+        tokens, self.reach = self.lookup.propose(limit)
+        self.source = self.pace
         k = self.pace.length(self.reach) if tokens else 0
-        return tokens[:k]
+        if k or self.model is None:
+            return tokens[:k]
+        k = min(self.model_pace.length(Pace.MODEL), limit)
+        if not k:
+            return []
+        self.source, self.reach = self.model_pace, Pace.MODEL
+        out = self.model.propose(run.prompt + run.fed + [token], k)
+        self.model_drafted += len(out)
+        if self.config.draft_costs is not None:
+            self.config.draft_costs.observe(self.model.passes, self.model.seconds)
+        return out
 
     def verify(self, run: Run, token: int, draft: list[int]) -> list[int]:
         """Feed `token` and `draft` in one pass: the tokens the run yields from here (the
@@ -96,7 +115,7 @@ class Speculation:
         _rewind_sampler(run.sampler, n - (a + 1))
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
-        self.pace.update(self.reach, len(draft), a)
+        self.source.update(self.reach, len(draft), a)
         run.fed.extend(x[:a + 1])
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
@@ -143,7 +162,8 @@ class Speculation:
         self.states, self.held = {}, 0
 
     def info(self) -> dict[str, Any]:
-        return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
+        out = {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
+        return out if self.model is None else {**out, "model_drafted": self.model_drafted}
 
 
 def _rewind_sampler(sampler: Callable[[mx.array], mx.array], draws: int) -> None:
@@ -155,7 +175,8 @@ def _rewind_sampler(sampler: Callable[[mx.array], mx.array], draws: int) -> None
 
 
 def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[int, ...] | None,
-                unsupported: str | None, timed: bool) -> tuple[SpecConfig | None, str | None]:
+                unsupported: str | None, timed: bool, draft_model: Any = None
+                ) -> tuple[SpecConfig | None, str | None]:
     """The Engine's speculative decoding, or None and why not: the live cache must go back
     exactly to any position of a verify pass (full attention trims; every other leaf is
     captured in the pass, which needs the in-pass tap verified for this model)."""
@@ -165,5 +186,6 @@ def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[i
         return None, f"the cache cannot be snapshotted ({unsupported})"
     if snap_idx and inpass is None:
         return None, "recurrent or sliding-window state cannot be captured inside a pass here"
-    return SpecConfig(config.spec_draft_max, config.spec_ngram, inpass or (),
-                      PassCosts(timed=timed)), None
+    costs = PassCosts(timed=timed)
+    return SpecConfig(config.spec_draft_max, config.spec_ngram, inpass or (), costs,
+                      draft_model, DraftCosts(costs) if draft_model is not None else None), None
