@@ -10,11 +10,13 @@ the same request on another file, then the request):
 - json: a JSON object from a tool result returned with one field changed;
 - prose: a story (nothing to copy: speculation must not cost).
 
-Servers on the built-in model: prefixd (speculation on, its default), prefixd-off
-(`PREFIXD_SPECULATIVE=false`), stock, and stock-draft (`--draft-model` the same model: the only
-same-tokenizer draft model offline, so every drafted token costs a whole forward pass). On a
-hybrid model (tiny qwen3_next): prefixd on and off, and stock with `--draft-model`, whose
-refusal is shown. Decode rate: (completion tokens - 1) / (time after the first token);
+Servers on the built-in model: prefixd (speculation on, its default: prompt lookup),
+prefixd-off (`PREFIXD_SPECULATIVE=false`), prefixd-draft (`PREFIXD_SPEC_DRAFT_MODEL` the same
+model), stock, and stock-draft (`--draft-model` the same model). The served model is the only
+same-tokenizer draft model offline, so each drafted token costs a whole forward pass: the
+draft-model rows show each server's draft machinery, not a speed-up. On a hybrid model (tiny
+qwen3_next): prefixd on and off, and stock with `--draft-model`, whose refusal is shown.
+Decode rate: (completion tokens - 1) / (time after the first token);
 acceptance from the worker's `prefixd.speculative` (accepted / drafted tokens). Every reply is
 compared with prefixd-off's, token for token (the text of a greedy reply). All servers of a
 model run at once, idle but for the request sent to each in turn (`--repeats` times, median).
@@ -222,6 +224,7 @@ SERVERS: dict[str, tuple[str, dict[str, str], bool]] = {
     # name: (kind, env, whether stock gets --draft-model)
     "prefixd": ("prefixd", {}, False),
     "prefixd-off": ("prefixd", {"PREFIXD_SPECULATIVE": "false"}, False),
+    "prefixd-draft": ("prefixd", {}, True),
     "stock": ("stock", {}, False),
     "stock-draft": ("stock", {}, True),
 }
@@ -235,9 +238,11 @@ def run_model(model_dir: Path, names: list[str], args: argparse.Namespace,
     try:
         for name in names:
             kind, env, draft = SERVERS[name]
+            if draft and kind == "prefixd":
+                env = {**env, "PREFIXD_SPEC_DRAFT_MODEL": str(model_dir)}
             ns = argparse.Namespace(prefixd_env={"PREFIXD_DISK_CACHE_BYTES": "0", **env},
                                     kv_bits=None, out=args.out / "speculative-logs")
-            extra = ("--draft-model", str(model_dir)) if draft else ()
+            extra = ("--draft-model", str(model_dir)) if draft and kind == "stock" else ()
             servers[name] = start_server(kind, model_dir, ns, extra=extra, label=name)
         for name, server in servers.items():
             out[name] = {}
@@ -351,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         builtin = model == "builtin"
         model_dir = builtin_f32(args) if builtin else ensure_model(model, args.models_dir)
-        names = [n for n in args.servers.split(",") if builtin or n != "stock"]
+        names = [n for n in args.servers.split(",")
+                 if builtin or n in ("prefixd", "prefixd-off", "stock-draft")]
         results[model] = run_model(model_dir, names, args, texts, args.max_tokens)
         text += table(model, results[model], shapes) + "\n"
     text = f"# bench/speculative.py ({time.monotonic() - t0:.0f} s)\n\n" + text
