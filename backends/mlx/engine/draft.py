@@ -93,10 +93,21 @@ class PassCosts:
         old = self.seconds.get(n)
         self.seconds[n] = seconds if old is None else old + self.WEIGHT * (seconds - old)
 
+    def one(self) -> float | None:
+        """Seconds of a one-token pass: measured, else estimated from the shortest length
+        measured (through the prior shape); None before any measurement."""
+        if 1 in self.seconds:
+            return self.seconds[1]
+        if not self.seconds:
+            return None
+        m = min(self.seconds)
+        return self.seconds[m] / (1 + self.PRIOR_SLOPE * (m - 1))
+
     def ratio(self, n: int) -> float:
-        """cost(n) / cost(1), from measurements where both lengths have some, else the prior
-        (and never below the cost of fewer tokens' passes: a pass does not get cheaper)."""
-        one = self.seconds.get(1)
+        """cost(n) / cost(1), from measurements where both lengths have some (or `one`'s
+        estimate), else the prior (and never below the cost of fewer tokens' passes: a pass
+        does not get cheaper)."""
+        one = self.one()
         if n <= 1:
             return 1.0
         if one and n in self.seconds:
@@ -213,6 +224,6 @@ class DraftCosts:
             self.seconds + PassCosts.WEIGHT * (each - self.seconds)
 
     def ratio(self, n: int) -> float:
-        one = self.base.seconds.get(1)
+        one = self.base.one()
         share = self.seconds / one if self.seconds is not None and one else self.PRIOR
         return self.base.ratio(n) + (n - 1) * share
