@@ -15,7 +15,8 @@ prefixd-off (`PREFIXD_SPECULATIVE=false`), prefixd-draft (`PREFIXD_SPEC_DRAFT_MO
 model), stock, and stock-draft (`--draft-model` the same model). The served model is the only
 same-tokenizer draft model offline, so each drafted token costs a whole forward pass: the
 draft-model rows show each server's draft machinery, not a speed-up. On a hybrid model (tiny
-qwen3_next): prefixd on and off, and stock with `--draft-model`, whose refusal is shown.
+qwen3_next writing six words, so its replies repeat and there is something to copy): prefixd on
+and off, and stock with `--draft-model`, whose refusal is shown.
 Decode rate: (completion tokens - 1) / (time after the first token);
 acceptance from the worker's `prefixd.speculative` (accepted / drafted tokens). Every reply is
 compared with prefixd-off's, token for token (the text of a greedy reply). All servers of a
@@ -39,7 +40,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interactive import builtin_f32
-from multiturn import OUT, ensure_model, start_server, stop_server, stream_chat, wait_ready
+from multiturn import OUT, start_server, stop_server, stream_chat, wait_ready
+
+from prefixd.backends.mlx.model.tiny import save_tiny_model
 
 SHAPES = ("rewrite", "edit", "patch", "paths", "json", "prose")
 SYSTEM = "You are a coding agent. Follow the instructions exactly."
@@ -205,6 +208,15 @@ def conversations() -> dict[str, list[dict[str, str]]]:
     }
 
 
+def words_model(arch: str, models_dir: Path) -> Path:
+    """A tiny random `arch` that writes only six words: its replies repeat themselves, so
+    there is something to copy (a random tiny model's text has nothing)."""
+    path = models_dir / f"{arch}-words"
+    if not (path / "model.safetensors").exists():
+        save_tiny_model(arch, path, words=6)
+    return path
+
+
 def body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     return {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     text = ""
     for model in args.models.split(","):
         builtin = model == "builtin"
-        model_dir = builtin_f32(args) if builtin else ensure_model(model, args.models_dir)
+        model_dir = builtin_f32(args) if builtin else words_model(model, args.models_dir)
         names = [n for n in args.servers.split(",")
                  if builtin or n in ("prefixd", "prefixd-off", "stock-draft")]
         results[model] = run_model(model_dir, names, args, texts, args.max_tokens)

@@ -422,3 +422,48 @@ def test_a_group_speculates_as_one_process_decodes(words_model: Path) -> None:
         want, got = post(one), post(group)
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
     assert got["prefixd"]["speculative"]["accepted"] > 0
+
+
+@pytest.fixture(scope="module")
+def kv_words_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model("qwen3", tmp_path_factory.mktemp("kv-words"), words=6)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.9,
+                                                                          seed=3)],
+                         ids=["greedy", "seeded"])
+async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pass(
+        kv_words_model: Path, sampling: Sampling) -> None:
+    """Full-attention models: the decode batch's pass carries every member's draft (rows
+    padded to the longest), each row keeps its accepted tokens (the rest rolled into its
+    padding); the replies and log-probabilities are each request's alone without drafts."""
+    on, off = _gen(kv_words_model), _gen(kv_words_model, speculative=False)
+    try:
+        prompts = _prompts(on, 12, 4)
+        alone = [await _collect(_submit(off, p, sampling, namespace="a")) for p in prompts]
+        together = await asyncio.gather(*(_collect(_submit(on, p, sampling, namespace="b"))
+                                          for p in prompts))
+        assert on.loaded is not None
+        info = on.loaded.engine.cache_info()
+        # the states the batch left (rows rolled, then extracted and stored): next turns
+        follow = []
+        for p in prompts:
+            held = max((e.tokens for e in on.loaded.engine.store.entries
+                        if e.namespace == "b" and e.tokens[:len(p)] == p), key=len)
+            assert len(held) > len(p)
+            follow.append([*held, *p[:5]])
+        greedy = Sampling(temperature=0)
+        warm = [await _collect(_submit(on, f, greedy, namespace="b")) for f in follow]
+        cold = [await _collect(_submit(off, f, greedy, namespace="cold")) for f in follow]
+    finally:
+        on.close()
+        off.close()
+    assert [t for t, _, _ in warm] == [t for t, _, _ in cold]
+    assert all(end.cached_tokens >= len(f) - 6 for (_, _, end), f in zip(warm, follow,
+                                                                        strict=True))
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+    for (_, got, _), (_, want, _) in zip(together, alone, strict=True):
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOGPROB_TOLERANCE
+    assert info["speculative"]["largest_verify_batch"] >= 2
+    assert info["speculative"]["accepted"] > 0

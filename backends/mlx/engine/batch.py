@@ -30,7 +30,7 @@ moment it leaves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -107,6 +107,26 @@ def _stack(batch: Any, joining: list[Any]) -> Any:
     return out
 
 
+def _draft(run: Run) -> list[int]:
+    """A batch member's draft for this step (empty: it feeds its pending token alone)."""
+    room = run.max_tokens - run.sampled - 1
+    if run.spec is None or run.pending is None or room <= 0:
+        return []
+    return run.spec.draft(run, run.pending, room)
+
+
+def _drop_rows(leaf: BatchKVCache, drops: list[int]) -> None:
+    """Drop the last `drops[i]` positions of row i: all rows by the fewest (a trim), the rest
+    rolled to the row's left, into its padding (mlx-lm's own `finalize` of right padding)."""
+    least = min(drops)
+    if least:
+        leaf.trim(least)
+    rest = [d - least for d in drops]
+    if any(rest):
+        leaf.prepare(right_padding=rest)
+        leaf.finalize()
+
+
 def _draw(run: Run) -> mx.array | None:
     try:
         return run.draw(run.incoming) if run.incoming is not None else None
@@ -125,12 +145,17 @@ class Batch:
     def step(self, runs: list[Run]) -> None:
         """Feed each run's pending token in one forward pass; each run's logits for its next
         token land in its `incoming`. Members not in `runs` leave first (their requests end).
-        Raises what the model raises (every member is then `broken` and out of the batch)."""
+        With drafts (`verify`), each run's draft goes through the same pass. Raises what the
+        model raises (every member is then `broken` and out of the batch)."""
         for run in [r for r in self.runs if r not in runs]:
             self.leave(run)
         self._join([r for r in runs if r not in self.runs])
         assert self.cache is not None
         members = list(self.runs)
+        drafts = [_draft(r) for r in members] if self._verifies() else []
+        if any(drafts):
+            self.verify(members, drafts)
+            return
         try:
             for r in members:
                 r.broken = True
@@ -151,6 +176,55 @@ class Batch:
         for r, d in zip(members, drawn, strict=True):
             r.batched += len(members)
             r.drawn, r.broken = d, False
+
+    def _verifies(self) -> bool:
+        """Whether drafts can be verified in this batch's passes: full attention only (a
+        row goes back by a roll of its KV; recurrent and window rows cannot here)."""
+        return self.cache is not None and all(type(leaf) is BatchKVCache
+                                              for leaf in snapshot.leaves(self.cache))
+
+    def verify(self, members: list[Run], drafts: list[list[int]]) -> None:
+        """One pass of every member's pending token and draft (rows padded to the longest):
+        each accepts its drafted tokens while they equal its own draws (`Speculation.accept`),
+        yields them and its first draw that differs (`Run.ahead`); then each row drops the
+        positions past its accepted tokens (a roll of its KV into its left padding)."""
+        assert self.cache is not None
+        xs = [[cast(int, r.pending), *d] for r, d in zip(members, drafts, strict=True)]
+        width = max(len(x) for x in xs)
+        try:
+            for r in members:
+                r.broken = True
+            rows = [[*x, *([x[-1]] * (width - len(x)))] for x in xs]
+            logits = self.model(mx.array(rows), cache=self.cache)
+            # a member that does not speculate (a grammar's) draws its next token as in `step`
+            draws = [r.spec.draws(r, x, logits[i, :len(x)]) if r.spec else
+                     [r.draw(logits[i, :1], r.prompt + r.fed + x)]
+                     for i, (r, x) in enumerate(zip(members, xs, strict=True))]
+            snapshot.evaluate(self.cache, logits, *(d for row in draws for d in row))
+            kept = []
+            for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
+                if r.spec is None:
+                    r.fed.append(x[0])
+                    r.pending, r.incoming, r.drawn = None, logits[i, :1], d[0]
+                    kept.append(1)
+                    continue
+                a, r.ahead = r.spec.accept(r, x, d)
+                r.spec.states, r.spec.held = {}, a + 1   # KV only: a trim goes back
+                self.passes.drafts(len(x) - 1, a)
+                r.pending, r.incoming, r.drawn = None, None, None
+                kept.append(a + 1)
+            for r, k in zip(members, kept, strict=True):
+                r.batched += len(members) * k
+            drops = [width - k for k in kept]
+            for leaf in self.cache:
+                _drop_rows(leaf, drops)
+            snapshot.evaluate(self.cache)
+        except BaseException:
+            self._break()
+            raise
+        self.passes.verify(len(members), sum(kept))
+        for r in members:
+            r.broken = False
 
     def _join(self, runs: list[Run]) -> None:
         """Merge the runs' caches into the batch a layer at a time, each run's layer dropped

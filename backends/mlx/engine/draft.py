@@ -223,6 +223,11 @@ class DraftCosts:
         self.seconds = each if self.seconds is None else \
             self.seconds + PassCosts.WEIGHT * (each - self.seconds)
 
+    def pays(self, most: int) -> bool:
+        """Whether a draft of at most `most` tokens could pay even if all were accepted: a
+        draft model about as slow as the served one never does (it is then not asked)."""
+        return any((k + 1) / self.ratio(k + 1) > Pace.MARGIN for k in range(1, most + 1))
+
     def ratio(self, n: int) -> float:
         one = self.base.one()
         share = self.seconds / one if self.seconds is not None and one else self.PRIOR

@@ -20,22 +20,30 @@ class PassCounts:
         self.passes = {"prefill": 0, "decode": 0}
         self.tokens = {"prefill": 0, "decode": 0}
         self.largest, self.last = 0, 0      # requests in a decode pass
-        self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0}
+        self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
+                     "largest_verify_batch": 0}
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
 
-    def decode(self, requests: int) -> None:
+    def decode(self, requests: int, tokens: int | None = None) -> None:
+        """A decode pass of `requests` (`tokens` they kept: more than one each when it
+        verified their drafts)."""
         self.largest, self.last = max(self.largest, requests), requests
-        self._count("decode", requests, requests)
+        self._count("decode", requests, requests if tokens is None else tokens)
 
-    def verify(self, drafted: int, accepted: int) -> None:
-        """A decode pass that verified `drafted` tokens and accepted `accepted` of them."""
-        self.decode(1)
+    def verify(self, requests: int, tokens: int) -> None:
+        """A decode pass of `requests` that verified drafts: `tokens` kept in all
+        (`drafts` counts each request's)."""
+        self.decode(requests, tokens)
         self.spec["verify_passes"] += 1
+        self.spec["largest_verify_batch"] = max(self.spec["largest_verify_batch"], requests)
+        metrics.VERIFY_PASSES.inc()
+
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """One request's draft in a pass (alone, or a row of a batch's)."""
         self.spec["drafted"] += drafted
         self.spec["accepted"] += accepted
-        metrics.VERIFY_PASSES.inc()
         metrics.DRAFT_TOKENS.labels("drafted").inc(drafted)
         metrics.DRAFT_TOKENS.labels("accepted").inc(accepted)
 

@@ -225,7 +225,8 @@ class Run:
             t0 = time.perf_counter()
             if draft and self.spec is not None:
                 self.ahead, self.pending = self.spec.verify(self, token, draft), None
-                self.passes.verify(len(draft), len(self.ahead) - 1)
+                self.passes.verify(1, len(self.ahead))
+                self.passes.drafts(len(draft), len(self.ahead) - 1)
                 self.batched += len(self.ahead)
                 continue
             logits, _ = self._forward([token])

@@ -76,7 +76,8 @@ class Speculation:
         tokens, self.reach = self.lookup.propose(limit)
         self.source = self.pace
         k = self.pace.length(self.reach) if tokens else 0
-        if k or self.model is None:
+        costs = self.config.draft_costs
+        if k or self.model is None or costs is None or not costs.pays(limit):
             return tokens[:k]
         k = min(self.model_pace.length(Pace.MODEL), limit)
         if not k:
@@ -84,8 +85,7 @@ class Speculation:
         self.source, self.reach = self.model_pace, Pace.MODEL
         out = self.model.propose(run.prompt + run.fed + [token], k)
         self.model_drafted += len(out)
-        if self.config.draft_costs is not None:
-            self.config.draft_costs.observe(self.model.passes, self.model.seconds)
+        costs.observe(self.model.passes, self.model.seconds)
         return out
 
     def verify(self, run: Run, token: int, draft: list[int]) -> list[int]:
@@ -102,27 +102,42 @@ class Speculation:
         with tap.tapping(recorder):
             logits = run.model(mx.array(x)[None], cache=run.cache)[0]
         states = recorder.payloads(run.cache, leaves) if recorder else {}
-        history = run.prompt + run.fed
-        draws = [run.draw(logits[i:i + 1], history + x[:i + 1]) for i in range(n)]
+        draws = self.draws(run, x, logits)
         snapshot.evaluate(run.cache, logits, *draws,
                           *(recorder.arrays(states) if recorder and states else ()))
         run.broken = False
         self.config.costs.observe(n, time.perf_counter() - t0)
-        got = cast(list[int], mx.concatenate([d.reshape(-1) for d in draws]).tolist())
-        a = 0
-        while a < len(draft) and got[a] == draft[a]:
-            a += 1
-        _rewind_sampler(run.sampler, n - (a + 1))
-        self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
-                                                    self.accepted + a, self.passes + 1)
-        self.source.update(self.reach, len(draft), a)
-        run.fed.extend(x[:a + 1])
+        a, emitted = self.accept(run, x, draws)
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
         else:
             self.states, self.held = states, n
             self.go_back(run, a + 1)
-        return [*draft[:a], got[a]]
+        return emitted
+
+    @staticmethod
+    def draws(run: Run, x: list[int], logits: mx.array) -> list[mx.array]:
+        """The run's draw at each position of `x` (lazy; `logits`: [len(x), vocab]), its
+        processors seeing the tokens of `x` before it as decoded."""
+        history = run.prompt + run.fed
+        return [run.draw(logits[i:i + 1], history + x[:i + 1]) for i in range(len(x))]
+
+    def accept(self, run: Run, x: list[int], draws: list[mx.array]) -> tuple[int, list[int]]:
+        """The drafted tokens of `x` (after its first) that equal the draws (evaluated):
+        how many, and the tokens the run yields (those, then the first draw that differs or
+        the one after them); the sampler's unused draws undone, the counts and pace updated,
+        `x`'s first token and the accepted ones appended to `run.fed`."""
+        draft = x[1:]
+        got = cast(list[int], mx.concatenate([d.reshape(-1) for d in draws]).tolist())
+        a = 0
+        while a < len(draft) and got[a] == draft[a]:
+            a += 1
+        _rewind_sampler(run.sampler, len(x) - (a + 1))
+        self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
+                                                    self.accepted + a, self.passes + 1)
+        self.source.update(self.reach, len(draft), a)
+        run.fed.extend(x[:a + 1])
+        return a, [*draft[:a], got[a]]
 
     def go_back(self, run: Run, keep: int) -> bool:
         """Keep the first `keep` positions of the last verify pass in the live cache: full

@@ -123,20 +123,25 @@ class Active:
                 self.finish = "cancelled"
                 return None
             self.steps = self._begin()
-        step = next(self.steps, None)
-        if step is None:           # the generator ended (max_tokens, or should_stop)
-            return None
-        if isinstance(step, Prefilled | Paused):
-            return step
-        if step in self.eos:
-            self.finish = "stop"
-            return None
-        self.n += 1
-        self.text.add(step, self.tap.take(step) if self.tap else None)
-        if self.text.stops.hit:
-            self.finish = "stop"
-            return None
-        return None if self.stopping else Decoded(self.n)
+        while True:   # a decode step that verified a draft yields every token it accepted
+            step = next(self.steps, None)
+            if step is None:           # the generator ended (max_tokens, or should_stop)
+                return None
+            if isinstance(step, Prefilled | Paused):
+                return step
+            if step in self.eos:
+                self.finish = "stop"
+                return None
+            self.n += 1
+            self.text.add(step, self.tap.take(step) if self.tap else None)
+            if self.text.stops.hit:
+                self.finish = "stop"
+                return None
+            if self.stopping:
+                return None
+            run = self.turn.run
+            if run is None or not run.ahead:
+                return Decoded(self.n)
 
     def _result(self) -> Finished:
         job = self.job
