@@ -19,9 +19,8 @@ from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.model.tiny import ARCHS
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
-from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.settings import WorkerSettings
-from tests.worker_fixtures import loaded
+from tests.worker_fixtures import collect, loaded
 
 TOKENS = 16
 LOGPROB_TOLERANCE = 1e-4   # kernels batched over rows may round differently (gemma3: ~1e-5)
@@ -53,23 +52,6 @@ def _submit(gen: Generator, tokens: list[int], namespace: str, max_tokens: int =
                       logprobs=0, namespace=namespace)
 
 
-async def _collect(job: Job, cancel_after: int | None = None
-                   ) -> tuple[str, list[float], Finished]:
-    text: list[str] = []
-    logprobs: list[float] = []
-    async for event in job.events():
-        if isinstance(event, Delta):
-            text.append(event.text)
-            logprobs.extend(t.logprob for t in event.logprobs)
-            if cancel_after is not None and len(logprobs) >= cancel_after:
-                job.cancel()
-        elif isinstance(event, Finished):
-            return "".join(text), logprobs, event
-        else:
-            raise AssertionError(event)
-    raise AssertionError("no last event")
-
-
 def _batch(gen: Generator) -> dict[str, Any]:
     assert gen.loaded is not None
     return dict(gen.loaded.engine.cache_info()["batch"])
@@ -77,12 +59,12 @@ def _batch(gen: Generator) -> dict[str, Any]:
 
 async def _alone(gen: Generator, prompts: list[list[int]], namespace: str
                  ) -> list[tuple[str, list[float], Finished]]:
-    return [await _collect(_submit(gen, p, namespace)) for p in prompts]
+    return [await collect(_submit(gen, p, namespace)) for p in prompts]
 
 
 async def _together(gen: Generator, prompts: list[list[int]], namespace: str
                     ) -> list[tuple[str, list[float], Finished]]:
-    return list(await asyncio.gather(*(_collect(_submit(gen, p, namespace))
+    return list(await asyncio.gather(*(collect(_submit(gen, p, namespace))
                                        for p in prompts)))
 
 
@@ -138,8 +120,8 @@ async def test_a_request_cancelled_mid_batch_leaves_the_others_as_alone(
     prompts = _prompts(4, (12, 50, 90))
     alone = await _alone(gen, prompts, "cancel-alone")
     jobs = [_submit(gen, p, "cancel-together") for p in prompts]
-    got = await asyncio.gather(_collect(jobs[0]), _collect(jobs[1], cancel_after=3),
-                               _collect(jobs[2]))
+    got = await asyncio.gather(collect(jobs[0]), collect(jobs[1], cancel_after=3),
+                               collect(jobs[2]))
     assert got[1][2].finish_reason == "cancelled"
     assert 3 <= got[1][2].completion_tokens < TOKENS
     _same([got[0], got[2]], [alone[0], alone[2]])
@@ -149,8 +131,8 @@ async def test_a_request_cancelled_mid_batch_leaves_the_others_as_alone(
 async def test_seeded_sampling_in_a_batch_draws_as_alone(gen: Generator) -> None:
     prompts = _prompts(5, (20, 33, 61))
     sampling = Sampling(temperature=1.3, seed=99)
-    alone = [await _collect(_submit(gen, p, "seed-alone", sampling=sampling)) for p in prompts]
-    together = await asyncio.gather(*(_collect(_submit(gen, p, "seed-together",
+    alone = [await collect(_submit(gen, p, "seed-alone", sampling=sampling)) for p in prompts]
+    together = await asyncio.gather(*(collect(_submit(gen, p, "seed-together",
                                                        sampling=sampling)) for p in prompts))
     assert [t for t, _, _ in together] == [t for t, _, _ in alone]
     assert all(t for t, _, _ in alone)

@@ -36,14 +36,13 @@ from prefixd.backends.mlx.model.tiny import (
 )
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
-from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 from tests.engine_steps import generate, turn_for
-from tests.worker_fixtures import loaded
+from tests.worker_fixtures import collect, loaded
 
 ALPHABET = [5, 6, 7, 8]
 LOGPROB_TOLERANCE = 1e-4
@@ -228,20 +227,6 @@ def _prompts(gen: Generator, seed: int, n: int = 3) -> list[list[int]]:
     return [[rng.choice(words) for _ in range(30 + 25 * i)] for i in range(n)]
 
 
-async def _collect(job: Job, cancel_after: int | None = None
-                   ) -> tuple[str, list[float], Finished]:
-    text, logprobs = [], []
-    async for event in job.events():
-        if isinstance(event, Delta):
-            text.append(event.text)
-            logprobs.extend(t.logprob for t in event.logprobs)
-            if cancel_after is not None and len(logprobs) >= cancel_after:
-                job.cancel()
-        elif isinstance(event, Finished):
-            return "".join(text), logprobs, event
-    raise AssertionError("no last event")
-
-
 def _submit(gen: Generator, tokens: list[int], sampling: Sampling, max_tokens: int = 48,
             namespace: str = "") -> Job:
     return gen.submit(Prompt(tokens, []), sampling, max_tokens, logprobs=0,
@@ -262,8 +247,8 @@ async def test_replies_and_logprobs_with_drafts_equal_those_without(
     on, off = gens
     drafted = accepted = 0
     for i, p in enumerate(_prompts(on, 7)):
-        got = await _collect(_submit(on, p, sampling, namespace=f"a{i}"))
-        want = await _collect(_submit(off, p, sampling, namespace=f"a{i}"))
+        got = await collect(_submit(on, p, sampling, namespace=f"a{i}"))
+        want = await collect(_submit(off, p, sampling, namespace=f"a{i}"))
         assert got[0] == want[0]
         assert len(got[1]) == len(want[1]) == got[2].completion_tokens
         assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) \
@@ -280,10 +265,10 @@ async def test_a_client_leaving_mid_reply_leaves_a_state_the_next_request_trusts
     greedy = Sampling(temperature=0)
     for cancel_after in (2, 5, 9):
         p = _prompts(on, 30 + cancel_after, 1)[0]
-        gone = await _collect(_submit(on, p, greedy, namespace="gone"), cancel_after)
+        gone = await collect(_submit(on, p, greedy, namespace="gone"), cancel_after)
         assert gone[2].finish_reason == "cancelled"
-        again = await _collect(_submit(on, p, greedy, namespace="gone"))
-        cold = await _collect(_submit(off, p, greedy, namespace="gone-cold"))
+        again = await collect(_submit(on, p, greedy, namespace="gone"))
+        cold = await collect(_submit(off, p, greedy, namespace="gone-cold"))
         assert again[0] == cold[0]
     assert not on._pending
 
@@ -293,8 +278,8 @@ async def test_requests_decoding_together_batch_and_reply_as_alone(
     on, off = gens
     greedy = Sampling(temperature=0)
     prompts = _prompts(on, 11, 4)
-    alone = [await _collect(_submit(off, p, greedy, namespace="alone")) for p in prompts]
-    together = await asyncio.gather(*(_collect(_submit(on, p, greedy, namespace="together"))
+    alone = [await collect(_submit(off, p, greedy, namespace="alone")) for p in prompts]
+    together = await asyncio.gather(*(collect(_submit(on, p, greedy, namespace="together"))
                                       for p in prompts))
     assert [t for t, _, _ in together] == [t for t, _, _ in alone]
     assert on.loaded is not None
@@ -384,7 +369,7 @@ async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
     prompt = [random.Random(9).randrange(3, 1000) for _ in range(60)]
     off = _gen(served, speculative=False)
     try:
-        want = await _collect(_submit(off, prompt, greedy))
+        want = await collect(_submit(off, prompt, greedy))
     finally:
         off.close()
     for draft, used in ((served, True), (hybrid, False)):
@@ -392,7 +377,7 @@ async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
         try:
             assert g.loaded is not None
             assert g.loaded.engine.cache_info()["speculative"]["draft_model"] is used
-            got = await _collect(_submit(g, prompt, greedy))
+            got = await collect(_submit(g, prompt, greedy))
         finally:
             g.close()
         assert got[0] == want[0]
@@ -440,8 +425,8 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
     on, off = _gen(kv_words_model), _gen(kv_words_model, speculative=False)
     try:
         prompts = _prompts(on, 12, 4)
-        alone = [await _collect(_submit(off, p, sampling, namespace="a")) for p in prompts]
-        together = await asyncio.gather(*(_collect(_submit(on, p, sampling, namespace="b"))
+        alone = [await collect(_submit(off, p, sampling, namespace="a")) for p in prompts]
+        together = await asyncio.gather(*(collect(_submit(on, p, sampling, namespace="b"))
                                           for p in prompts))
         assert on.loaded is not None
         info = on.loaded.engine.cache_info()
@@ -453,8 +438,8 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
             assert len(held) > len(p)
             follow.append([*held, *p[:5]])
         greedy = Sampling(temperature=0)
-        warm = [await _collect(_submit(on, f, greedy, namespace="b")) for f in follow]
-        cold = [await _collect(_submit(off, f, greedy, namespace="cold")) for f in follow]
+        warm = [await collect(_submit(on, f, greedy, namespace="b")) for f in follow]
+        cold = [await collect(_submit(off, f, greedy, namespace="cold")) for f in follow]
     finally:
         on.close()
         off.close()

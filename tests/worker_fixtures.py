@@ -15,6 +15,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.scheduler.jobs import Finished, Job, Queued
+from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.proxy.settings import Settings
 
@@ -45,6 +47,26 @@ def generator(tiny_model_dir: Callable[[str], Path]) -> Iterator[Generator]:
 async def client(generator: Generator) -> AsyncIterator[TestClient]:
     async with TestClient(TestServer(create_app(generator, NAME, SETTINGS))) as c:
         yield c
+
+
+async def collect(job: Job, cancel_after: int | None = None
+                  ) -> tuple[str, list[float], Finished]:
+    """A generation job's text, the log-probability of each token and its end (cancelled
+    once `cancel_after` tokens came, if set); a queue position is skipped, anything else
+    fails."""
+    text: list[str] = []
+    logprobs: list[float] = []
+    async for event in job.events():
+        if isinstance(event, Delta):
+            text.append(event.text)
+            logprobs.extend(t.logprob for t in event.logprobs)
+            if cancel_after is not None and len(logprobs) >= cancel_after:
+                job.cancel()
+        elif isinstance(event, Finished):
+            return "".join(text), logprobs, event
+        elif not isinstance(event, Queued):
+            raise AssertionError(event)
+    raise AssertionError("no last event")
 
 
 def chat(messages: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:

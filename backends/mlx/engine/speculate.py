@@ -92,12 +92,12 @@ class Speculation:
         """Feed `token` and `draft` in one pass: the tokens the run yields from here (the
         accepted drafted ones, then the first draw that differs from the draft or the draw
         after it), with the cache (and `run.fed`) holding `token` and the accepted ones."""
+        t0 = time.perf_counter()   # all of it: a pass, its captures, going back
         x = [token, *draft]
         n = len(x)
         leaves = self.config.leaves
         before = snapshot.take(run.cache, leaves)[0] if leaves else {}
         recorder = tap.Tap(tuple(range(1, n)), n) if leaves else None
-        t0 = time.perf_counter()
         run.broken = True
         with tap.tapping(recorder):
             logits = run.model(mx.array(x)[None], cache=run.cache)[0]
@@ -106,13 +106,13 @@ class Speculation:
         snapshot.evaluate(run.cache, logits, *draws,
                           *(recorder.arrays(states) if recorder and states else ()))
         run.broken = False
-        self.config.costs.observe(n, time.perf_counter() - t0)
         a, emitted = self.accept(run, x, draws)
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
         else:
             self.states, self.held = states, n
             self.go_back(run, a + 1)
+        self.config.costs.observe(n, time.perf_counter() - t0)
         return emitted
 
     @staticmethod
