@@ -103,14 +103,10 @@ class Engine(Checkpointing):
         if self.unbatchable:
             log.warning("decode steps run one request at a time: %s", self.unbatchable)
         # speculative decoding (`engine/speculate.py`): a verify pass goes back exactly
-        rewind = self.inpass
-        if rewind is None and config.speculative and self._snap_idx and not lockstep.untimed:
-            rewind = probe.inpass_leaves(model, self.fresh_cache, self._snap_idx, True)
-        self.spec, self.unspeculative = spec_config(config, self._snap_idx, rewind,
-                                                    self._unsupported, not lockstep.untimed,
-                                                    draft_model)
-        if self.unspeculative and config.speculative:
-            log.warning("speculative decoding is off for this model: %s", self.unspeculative)
+        self.spec, self.unspeculative = spec_config(
+            config, self._snap_idx, self.inpass, self._unsupported, not lockstep.untimed,
+            draft_model, lambda: probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
+                                                     True))
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
                               self._snap_idx, config, lockstep)

@@ -22,6 +22,7 @@ time, sampled ones follow the same distribution, and a seeded request draws the 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
 from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.drafter import ModelDrafter
+
+log = logging.getLogger("prefixd.worker.cache")
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.config import EngineConfig
@@ -190,17 +193,26 @@ def _rewind_sampler(sampler: Callable[[mx.array], mx.array], draws: int) -> None
 
 
 def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[int, ...] | None,
-                unsupported: str | None, timed: bool, draft_model: Any = None
+                unsupported: str | None, timed: bool, draft_model: Any = None,
+                probe: Callable[[], tuple[int, ...] | None] = lambda: None
                 ) -> tuple[SpecConfig | None, str | None]:
-    """The Engine's speculative decoding, or None and why not: the live cache must go back
-    exactly to any position of a verify pass (full attention trims; every other leaf is
-    captured in the pass, which needs the in-pass tap verified for this model)."""
+    """The Engine's speculative decoding, or None and why not (logged): the live cache must
+    go back exactly to any position of a verify pass (full attention trims; every other leaf
+    is captured in the pass, which needs the in-pass tap verified for this model: `inpass`,
+    else `probe`d here when checkpoints are not taken in passes; a group never probes: it
+    would have to agree)."""
     if not config.speculative:
         return None, "off (speculative=false)"
+    if snap_idx and inpass is None and not unsupported and timed:
+        inpass = probe()
+    why = None
     if unsupported:
-        return None, f"the cache cannot be snapshotted ({unsupported})"
-    if snap_idx and inpass is None:
-        return None, "recurrent or sliding-window state cannot be captured inside a pass here"
+        why = f"the cache cannot be snapshotted ({unsupported})"
+    elif snap_idx and inpass is None:
+        why = "recurrent or sliding-window state cannot be captured inside a pass here"
+    if why:
+        log.warning("speculative decoding is off for this model: %s", why)
+        return None, why
     costs = PassCosts(timed=timed)
     return SpecConfig(config.spec_draft_max, config.spec_ngram, inpass or (), costs,
                       draft_model, DraftCosts(costs) if draft_model is not None else None), None
