@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 CHUNK = 512
-TAIL = 80   # where a draft model's tokens can differ from the request's: its own guesses
+TAIL = 80   # where its tokens can differ from the request's: its own guesses (<= 64 drafted)
 
 
 def draft_model_problem(model: Any, vocab: int, draft_vocab: int) -> str | None:
@@ -73,10 +73,11 @@ class ModelDrafter:
         return out
 
     def _common(self, context: list[int]) -> int:
+        """How many of its tokens are the request's: the request only appends, and what it
+        holds past them is its own last draft (at most `TAIL` tokens), so only the tail is
+        compared."""
         n = min(len(self.tokens), len(context))
         i = max(0, n - TAIL)
-        if self.tokens[:i] != context[:i]:
-            return 0
         while i < n and self.tokens[i] == context[i]:
             i += 1
         return i

@@ -218,13 +218,12 @@ class Run:
                 return
             # a run decoding in a batch keeps its row (its passes are full): no draft
             room = self.max_tokens - self.sampled - 1   # drafted tokens it may still yield
-            drafts = self.spec is not None and self.batch is None and room > 0
+            spec = self.spec if self.batch is None and room > 0 else None
             self.settle()
-            draft = self.spec.draft(self, token, room) if drafts and self.spec is not None \
-                else []
+            draft = spec.draft(self, token, room) if spec is not None else []
             t0 = time.perf_counter()
-            if draft and self.spec is not None:
-                self.ahead, self.pending = self.spec.verify(self, token, draft), None
+            if draft and spec is not None:
+                self.ahead, self.pending = spec.verify(self, token, draft), None
                 self.passes.verify(1, len(self.ahead))
                 self.passes.drafts(len(draft), len(self.ahead) - 1)
                 self.batched += len(self.ahead)
