@@ -201,6 +201,48 @@ def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded() -> N
     assert among
 
 
+def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded() -> None:
+    """Hybrid requests decoding in one batch (stepped as the scheduler steps them), each closed
+    after its own number of tokens, some among tokens a batched verify pass accepted: once out
+    of the batch, each cache goes back to its last yielded token (recurrent states from those
+    captured in the batch's pass), holds prompt + reply, and the next turn equals cold."""
+    model = build_model("qwen3_next")
+    restrict_output(model, ALPHABET)
+    spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
+    plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
+    rng = random.Random(4)
+    prompt = [rng.choice(ALPHABET) for _ in range(60)]
+    among = batched = 0
+    for r in range(12):
+        prompts = [[9, 3 * r + i, *prompt] for i in range(3)]
+        cuts = [2 + 3 * r + i for i in range(3)]
+        turns = [turn_for(spec) for _ in prompts]
+        steps = [generate(spec, p, sampler=_greedy, max_tokens=40, turn=t)
+                 for p, t in zip(prompts, turns, strict=True)]
+        got = [[next(s)] for s in steps]
+        live = [0, 1, 2]
+        while live:
+            runs = [turns[i].run for i in live]
+            batched += len(runs) > 1
+            spec.batch.step(runs)
+            for i in list(live):
+                run = turns[i].run
+                assert run is not None
+                got[i].append(next(steps[i]))
+                while run.ahead and len(got[i]) < cuts[i]:
+                    got[i].append(next(steps[i]))
+                if len(got[i]) >= cuts[i]:
+                    among += len(run.ahead) > 1   # accepted tokens nobody yielded
+                    steps[i].close()
+                    live.remove(i)
+        for p, reply in zip(prompts, got, strict=True):
+            follow = [*p, *reply, 5]
+            assert spec.cached_now(follow) == len(p) + len(reply), r
+            warm = list(generate(spec, follow, sampler=_greedy, max_tokens=8))
+            assert warm == list(generate(plain, follow, sampler=_greedy, max_tokens=8)), r
+    assert among and batched
+
+
 # --- the worker: sampling, log-probabilities, batches, a client leaving -------------------------
 @pytest.fixture(scope="module")
 def words_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -409,20 +451,29 @@ def test_a_group_speculates_as_one_process_decodes(words_model: Path) -> None:
     assert got["prefixd"]["speculative"]["accepted"] > 0
 
 
-@pytest.fixture(scope="module")
-def kv_words_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model("qwen3", tmp_path_factory.mktemp("kv-words"), words=6)
+# one of each cache kind a batch holds: full-attention KV, Gated-DeltaNet and Mamba states with
+# their convolutions (beside attention and alone), sliding windows (128 tokens: wrapped here).
+# Not lfm2: its tied six-word model repeats its last token, whatever its convolutions hold.
+BATCH_ARCHS = ("qwen3", "qwen3_next", "falcon_h1", "mamba2", "gemma3_text")
+
+
+@pytest.fixture(scope="module", params=BATCH_ARCHS)
+def batch_words_model(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(request.param, tmp_path_factory.mktemp("batch-words"), words=6)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.9,
                                                                           seed=3)],
                          ids=["greedy", "seeded"])
 async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pass(
-        kv_words_model: Path, sampling: Sampling) -> None:
-    """Full-attention models: the decode batch's pass carries every member's draft (rows
-    padded to the longest), each row keeps its accepted tokens (the rest rolled into its
-    padding); the replies and log-probabilities are each request's alone without drafts."""
-    on, off = _gen(kv_words_model), _gen(kv_words_model, speculative=False)
+        batch_words_model: Path, sampling: Sampling) -> None:
+    """Every cache kind: the decode batch's pass carries every member's draft (rows padded
+    to the longest), each row goes back to its last accepted token (KV and windows rolled
+    into its padding, recurrent states those captured there in the pass); the replies and
+    log-probabilities are each request's alone without drafts, and their next turns warm
+    equal cold."""
+    on, off = _gen(batch_words_model), _gen(batch_words_model, speculative=False)
     try:
         prompts = _prompts(on, 12, 4)
         alone = [await collect(_submit(off, p, sampling, namespace="a")) for p in prompts]

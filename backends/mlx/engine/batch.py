@@ -18,7 +18,9 @@ attention to its own tokens (left padding masked), so a row's logits are those o
 alone up to kernel rounding (measured: identical on the tiny qwen3, qwen3_next, qwen3_5 and
 falcon_h1; within 2e-5 in log-probability on gemma3's sliding windows). A forward pass that
 raises leaves every member's state unknown: each is marked `broken` (not cached) and the batch
-is emptied.
+is emptied. With speculative decoding, a step carries every member's draft (`verify`, rows
+padded to the longest), and each row goes back to its own last accepted token
+(`engine/rows.py`), on every cache kind.
 
 Why mlx-lm's batch caches and not our own: they are the model classes' own masks and offsets
 (per-row RoPE offsets, left padding), kept in step with every model mlx-lm adds. Why prefixd's
@@ -33,9 +35,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine import rows, tap
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.model.memory import trim_heap
 
@@ -115,18 +118,6 @@ def _draft(run: Run) -> list[int]:
     return run.spec.draft(run, run.pending, room)
 
 
-def _drop_rows(leaf: BatchKVCache, drops: list[int]) -> None:
-    """Drop the last `drops[i]` positions of row i: all rows by the fewest (a trim), the rest
-    rolled to the row's left, into its padding (mlx-lm's own `finalize` of right padding)."""
-    least = min(drops)
-    if least:
-        leaf.trim(least)
-    rest = [d - least for d in drops]
-    if any(rest):
-        leaf.prepare(right_padding=rest)
-        leaf.finalize()
-
-
 def _draw(run: Run) -> mx.array | None:
     try:
         return run.draw(run.incoming) if run.incoming is not None else None
@@ -142,7 +133,7 @@ class Batch:
         self.runs: list[Run] = []
         self.cache: list[Any] | None = None
 
-    def step(self, runs: list[Run]) -> None:
+    def step(self, runs: list[Run], drafts: bool = True) -> None:
         """Feed each run's pending token in one forward pass; each run's logits for its next
         token land in its `incoming`. Members not in `runs` leave first (their requests end).
         With drafts (`verify`), each run's draft goes through the same pass. Raises what the
@@ -152,9 +143,9 @@ class Batch:
         self._join([r for r in runs if r not in self.runs])
         assert self.cache is not None
         members = list(self.runs)
-        drafts = [_draft(r) for r in members] if self._verifies() else []
-        if any(drafts):
-            self.verify(members, drafts)
+        proposed = [_draft(r) for r in members] if drafts and self._verifies() else []
+        if any(proposed):
+            self.verify(members, proposed)
             return
         try:
             for r in members:
@@ -178,29 +169,46 @@ class Batch:
             r.drawn, r.broken = d, False
 
     def _verifies(self) -> bool:
-        """Whether drafts can be verified in this batch's passes: full attention only (a
-        row goes back by a roll of its KV; recurrent and window rows cannot here)."""
-        return self.cache is not None and all(type(leaf) is BatchKVCache
-                                              for leaf in snapshot.leaves(self.cache))
+        """Whether drafts can be verified in this batch's passes: every row of every leaf can
+        go back to any position of the pass on its own. Full-attention KV and sliding windows
+        by a roll of the row into its padding; recurrent and convolution states (no batch
+        padding) from their state at that position, captured in the pass by the in-pass tap
+        (verified for this model: the speculating members' `leaves`)."""
+        captured = next((r.spec.config.leaves for r in self.runs if r.spec is not None), ())
+        return self.cache is not None and rows.verifiable(self.cache, captured)
 
     def verify(self, members: list[Run], drafts: list[list[int]]) -> None:
         """One pass of every member's pending token and draft (rows padded to the longest):
         each accepts its drafted tokens while they equal its own draws (`Speculation.accept`),
-        yields them and its first draw that differs (`Run.ahead`); then each row drops the
-        positions past its accepted tokens (a roll of its KV into its left padding)."""
+        yields them and its first draw that differs (`Run.ahead`); then each row goes back to
+        its last accepted token (`rows.back`). Should the tap fail, the batch goes back to
+        where it was and steps its pending tokens alone."""
         assert self.cache is not None
         xs = [[cast(int, r.pending), *d] for r, d in zip(members, drafts, strict=True)]
         width = max(len(x) for x in xs)
+        states = [i for i, leaf in enumerate(snapshot.leaves(self.cache))
+                  if type(leaf) is ArraysCache]
+        before = snapshot.take(self.cache, tuple(states))[0]
+        rows.in_order(self.cache)
+        recorder = tap.Tap(tuple(range(1, width)), width) if states else None
         try:
             for r in members:
                 r.broken = True
-            rows = [[*x, *([x[-1]] * (width - len(x)))] for x in xs]
-            logits = self.model(mx.array(rows), cache=self.cache)
+            padded = [[*x, *([x[-1]] * (width - len(x)))] for x in xs]
+            with tap.tapping(recorder):
+                logits = self.model(mx.array(padded), cache=self.cache)
+            captured = recorder.payloads(self.cache, tuple(states)) if recorder else {}
+            if recorder is not None and recorder.failed:
+                rows.back(self.cache, [0] * len(members), width, {}, before)
+                for r in members:
+                    r.broken = False
+                return self.step(members, drafts=False)
             # a member that does not speculate (a grammar's) draws its next token as in `step`
             draws = [r.spec.draws(r, x, logits[i, :len(x)]) if r.spec else
                      [r.draw(logits[i, :1], r.prompt + r.fed + x)]
                      for i, (r, x) in enumerate(zip(members, xs, strict=True))]
-            snapshot.evaluate(self.cache, logits, *(d for row in draws for d in row))
+            snapshot.evaluate(self.cache, logits, *(d for row in draws for d in row),
+                              *(recorder.arrays(captured) if recorder else ()))
             kept = []
             for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
                 if r.spec is None:
@@ -209,15 +217,14 @@ class Batch:
                     kept.append(1)
                     continue
                 a, r.ahead = r.spec.accept(r, x, d)
-                r.spec.states, r.spec.held = {}, a + 1   # KV only: a trim goes back
+                r.spec.held = a + 1
+                r.spec.states = rows.states(captured, i, a + 1, r.spec.config.leaves)
                 self.passes.drafts(len(x) - 1, a)
                 r.pending, r.incoming, r.drawn = None, None, None
                 kept.append(a + 1)
             for r, k in zip(members, kept, strict=True):
                 r.batched += len(members) * k
-            drops = [width - k for k in kept]
-            for leaf in self.cache:
-                _drop_rows(leaf, drops)
+            rows.back(self.cache, kept, width, captured)
             snapshot.evaluate(self.cache)
         except BaseException:
             self._break()

@@ -216,7 +216,7 @@ class Run:
                 continue
             if not self.wants_feed():
                 return
-            # a run decoding in a batch keeps its row (its passes are full): no draft
+            # a run decoding in a batch drafts in the batch's step (`Batch.verify`), not here
             room = self.max_tokens - self.sampled - 1   # drafted tokens it may still yield
             spec = self.spec if self.batch is None and room > 0 else None
             self.settle()
