@@ -428,27 +428,42 @@ async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
 
 def test_a_group_speculates_as_one_process_decodes(words_model: Path) -> None:
     """A two-rank group verifies drafts on every rank in lockstep (the same drafts: sized by
-    acceptance alone, never by time) and replies as a one-process worker without them."""
+    acceptance alone, never by time), alone and in a decode batch of a hybrid model, and
+    replies as a one-process worker without them."""
     import json
     import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
 
     from tests.worker_process import running_worker
 
-    def post(url: str) -> dict[str, Any]:
+    def post(url: str, words: str = " the an some be on to", times: int = 12) -> dict[str, Any]:
         body = {"model": "tiny", "temperature": 0, "max_tokens": 48,
-                "messages": [{"role": "user", "content": " the an some be on to" * 12}]}
+                "messages": [{"role": "user", "content": words * times}]}
         req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json",
                                       "Authorization": "Bearer k"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return dict(json.loads(r.read()))
 
+    def cache(url: str) -> dict[str, Any]:
+        req = urllib.request.Request(url + "/v1/cache", headers={"Authorization": "Bearer k"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return dict(json.loads(r.read()))
+
+    several = [(" be on to the an some", 6 + 3 * i) for i in range(4)]
     with running_worker(words_model, "k", PREFIXD_SPECULATIVE="false") as one, \
             running_worker(words_model, "k",
                            PREFIXD_GROUP_HOSTS=json.dumps(["127.0.0.1", "127.0.0.1"])) as group:
         want, got = post(one), post(group)
+        alone = [post(one, *a)["choices"][0]["message"] for a in several]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda a: post(group, *a)["choices"][0]["message"],
+                                     several))
+        info = cache(group)
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
     assert got["prefixd"]["speculative"]["accepted"] > 0
+    assert together == alone
+    assert info["speculative"]["largest_verify_batch"] >= 2
 
 
 # one of each cache kind a batch holds: full-attention KV, Gated-DeltaNet and Mamba states with
