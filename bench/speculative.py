@@ -17,6 +17,10 @@ same-tokenizer draft model offline, so each drafted token costs a whole forward 
 draft-model rows show each server's draft machinery, not a speed-up. On a hybrid model (tiny
 qwen3_next writing six words, so its replies repeat and there is something to copy): prefixd on
 and off, and stock with `--draft-model`, whose refusal is shown.
+Together (`--together`, on by default): the edit-shaped requests sent at once to each of
+prefixd, prefixd-off and stock (agents side by side: prefixd verifies every member's draft in
+its decode batch's pass): aggregate rate = all completion tokens / wall time, each reply
+compared with the same server's reply to it alone.
 Decode rate: (completion tokens - 1) / (time after the first token);
 acceptance from the worker's `prefixd.speculative` (accepted / drafted tokens). Every reply is
 compared with prefixd-off's, token for token (the text of a greedy reply). All servers of a
@@ -277,10 +281,37 @@ def run_model(model_dir: Path, names: list[str], args: argparse.Namespace,
                 print(f"  {model_dir.name} {name} {shape}: {r['tokens']} tokens, "
                       f"{_f(r['rate'])} tok/s, drafted {r['drafted']} accepted "
                       f"{r['accepted']}", flush=True)
+        edits = {k: v for k, v in texts.items() if k != "prose"}
+        for name in [n for n in live if n in TOGETHER] if args.together and edits else []:
+            out[name]["together"] = together(servers[name].port, edits, max_tokens,
+                                             out[name])
+            print(f"  {model_dir.name} {name} together: {out[name]['together']}", flush=True)
     finally:
         for server in servers.values():
             stop_server(server)
     return out
+
+
+TOGETHER = ("prefixd", "prefixd-off", "stock")
+
+
+def together(port: int, texts: dict[str, list[dict[str, str]]], max_tokens: int,
+             alone: dict[str, Any]) -> dict[str, Any]:
+    """Every request of `texts` at once: aggregate decode rate (all completion tokens / wall
+    time from the first request out), drafts, and which replies equal this server's alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        got = dict(zip(texts, pool.map(lambda t: measure(port, t, max_tokens), texts.values()),
+                       strict=True))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in got.values())
+    return {"requests": len(got), "tokens": tokens, "wall_s": round(wall, 2),
+            "rate": tokens / wall, "drafted": sum(r["drafted"] or 0 for r in got.values()),
+            "accepted": sum(r["accepted"] or 0 for r in got.values()),
+            "same_as_alone": sum(r["text"] == alone.get(k, {}).get("text")
+                                 for k, r in got.items())}
 
 
 def _log_tail(args: argparse.Namespace, model_dir: Path, name: str) -> str:
@@ -318,6 +349,14 @@ def table(model: str, results: dict[str, Any], shapes: list[str]) -> str:
         lines.append(f"| {shape} | " + " | ".join(_f(r.get("rate")) for r in row)
                      + f" | {_f(ratio, '.2f')}x | {_f(vs_stock, '.2f')}x | {acc} | "
                        f"{on.get('tokens', '-')} | {', '.join(same) or '-'} |")
+    rows = [(n, results[n]["together"]) for n in names if "together" in results[n]]
+    if rows:
+        lines += ["", f"{model}, the {rows[0][1]['requests']} edit-shaped requests at once:", "",
+                  "| server | aggregate tok/s | tokens | wall s | accepted / drafted | "
+                  "replies = its own alone |", "|---|---|---|---|---|---|"]
+        lines += [f"| {n} | {t['rate']:.1f} | {t['tokens']} | {t['wall_s']} | "
+                  f"{t['accepted']} / {t['drafted']} | {t['same_as_alone']} / {t['requests']} |"
+                  for n, t in rows]
     for n in names:
         if "refused" in results[n] or "error" in results[n]:
             why = results[n].get("refused") or results[n].get("error")
@@ -355,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default=",".join(SERVERS))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--together", action=argparse.BooleanOptionalAction, default=True,
+                    help="also send the edit-shaped requests at once (agents side by side)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -369,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         builtin = model == "builtin"
         model_dir = builtin_f32(args) if builtin else words_model(model, args.models_dir)
         names = [n for n in args.servers.split(",")
-                 if builtin or n in ("prefixd", "prefixd-off", "stock-draft")]
+                 if builtin or n in ("prefixd", "prefixd-off", "stock", "stock-draft")]
         results[model] = run_model(model_dir, names, args, texts, args.max_tokens)
         text += table(model, results[model], shapes) + "\n"
     text = f"# bench/speculative.py ({time.monotonic() - t0:.0f} s)\n\n" + text

@@ -115,6 +115,23 @@ def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:
     assert untimed.seconds == {}
 
 
+def test_a_batch_member_drafts_by_what_its_batch_pass_costs() -> None:
+    """A pass whose cost grows with its tokens: a request alone drafts, the same request
+    in a decode batch of four (each drafting as much: four times the tokens) drafts less or
+    not at all, and where batched passes cost about what one does it drafts as alone."""
+    steep = PassCosts()
+    for n, seconds in ((1, 0.010), (2, 0.011), (4, 0.012), (8, 0.024), (12, 0.036),
+                       (16, 0.048), (20, 0.060), (24, 0.072), (36, 0.108)):
+        steep.observe(n, seconds)
+    alone, batched = Pace(8, steep), Pace(8, steep)
+    assert alone.length(20) >= 3
+    assert batched.length(20, rows=4) == 0
+    flat = PassCosts()
+    for n in (1, 2, 4, 8, 12, 16, 20, 24, 36):
+        flat.observe(n, 0.010)
+    assert Pace(8, flat).length(20, rows=4) >= 7 and Pace(8, flat).length(20) >= 7
+
+
 # --- exactness on every cache kind (the Engine, in-process) -------------------------------------
 def _greedy(lp: mx.array) -> mx.array:
     return mx.argmax(lp, axis=-1)

@@ -32,6 +32,7 @@ moment it leaves.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -110,12 +111,21 @@ def _stack(batch: Any, joining: list[Any]) -> Any:
     return out
 
 
-def _draft(run: Run) -> list[int]:
-    """A batch member's draft for this step (empty: it feeds its pending token alone)."""
+def _draft(run: Run, rows: int) -> list[int]:
+    """A batch member's draft for this step in a pass of `rows` requests (empty: it feeds its
+    pending token alone)."""
     room = run.max_tokens - run.sampled - 1
     if run.spec is None or run.pending is None or room <= 0:
         return []
-    return run.spec.draft(run, run.pending, room)
+    return run.spec.draft(run, run.pending, room, rows)
+
+
+def _timed(members: list[Run], tokens: int, t0: float) -> None:
+    """A batch pass of `tokens` tokens (rows x width) took the time since `t0`: into the
+    costs its members' drafts are sized by."""
+    spec = next((r.spec for r in members if r.spec is not None), None)
+    if spec is not None:
+        spec.config.costs.observe(tokens, time.perf_counter() - t0)
 
 
 def _draw(run: Run) -> mx.array | None:
@@ -143,10 +153,12 @@ class Batch:
         self._join([r for r in runs if r not in self.runs])
         assert self.cache is not None
         members = list(self.runs)
-        proposed = [_draft(r) for r in members] if drafts and self._verifies() else []
+        proposed = [_draft(r, len(members)) for r in members] \
+            if drafts and self._verifies() else []
         if any(proposed):
             self.verify(members, proposed)
             return
+        t0 = time.perf_counter()
         try:
             for r in members:
                 r.broken = True
@@ -164,6 +176,7 @@ class Batch:
             self._break()
             raise
         self.passes.decode(len(members))
+        _timed(members, len(members), t0)
         for r, d in zip(members, drawn, strict=True):
             r.batched += len(members)
             r.drawn, r.broken = d, False
@@ -184,6 +197,7 @@ class Batch:
         its last accepted token (`rows.back`). Should the tap fail, the batch goes back to
         where it was and steps its pending tokens alone."""
         assert self.cache is not None
+        t0 = time.perf_counter()   # all of it: the pass, its captures, going back
         xs = [[cast(int, r.pending), *d] for r, d in zip(members, drafts, strict=True)]
         width = max(len(x) for x in xs)
         states = [i for i, leaf in enumerate(snapshot.leaves(self.cache))
@@ -230,6 +244,7 @@ class Batch:
             self._break()
             raise
         self.passes.verify(len(members), sum(kept))
+        _timed(members, len(members) * width, t0)
         for r in members:
             r.broken = False
 

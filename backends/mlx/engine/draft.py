@@ -79,8 +79,9 @@ class PromptLookup:
 class PassCosts:
     """What a decode pass of `n` tokens costs, relative to one of 1 token: measured (an
     exponential average of the passes' own times, per length) on top of a prior shape (a
-    CPU's: every extra token ~15% of a one-token pass). `timed` False: the prior only (a
-    group's ranks decide alike)."""
+    CPU's: every extra token ~15% of a one-token pass). A decode batch's pass counts all its
+    rows' tokens (rows x width: the work a pass does grows with both). `timed` False: the
+    prior only (a group's ranks decide alike)."""
 
     timed: bool = True
     seconds: dict[int, float] = field(default_factory=dict)
@@ -169,9 +170,10 @@ class Pace:
             self.rates[low] = Rate(3 * prior, 3 * (1 - prior))
         return self.rates[low]
 
-    def length(self, reach: int) -> int:
+    def length(self, reach: int, rows: int = 1) -> int:
         """The draft length to verify at this step for a match of `reach` tokens (0: decode
-        one token)."""
+        one token), in a pass of `rows` requests (a decode batch's: each drafting as much
+        makes it rows x (k + 1) tokens against rows)."""
         rate = self._rate(reach)
         if self.max_draft <= 0:
             return 0
@@ -180,8 +182,9 @@ class Pace:
             return 0
         a = min(rate.alpha, 0.99)
         best, best_k = self.MARGIN, 0
+        base = self.costs.ratio(rows)
         for k in range(1, self.max_draft + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.costs.ratio(k + 1)
+            gain = (1 - a ** (k + 1)) / (1 - a) * base / self.costs.ratio(rows * (k + 1))
             if gain > best:
                 best, best_k = gain, k
         if best_k:

@@ -72,17 +72,18 @@ class Speculation:
         self.held = 0   # positions of the last verify pass in the live cache
         self.reach = 0  # how far back the last draft's match reached
 
-    def draft(self, run: Run, token: int, room: int) -> list[int]:
-        """The draft to verify after `token` (at most `room` tokens; empty: decode one): a
-        copy from the context where there is one that pays, else the draft model's."""
+    def draft(self, run: Run, token: int, room: int, rows: int = 1) -> list[int]:
+        """The draft to verify after `token` (at most `room` tokens; empty: decode one) in a
+        pass of `rows` requests: a copy from the context where there is one that pays, else
+        the draft model's."""
         limit = min(room, self.config.max_draft)
         tokens, self.reach = self.lookup.propose(limit)
         self.source = self.pace
-        k = self.pace.length(self.reach) if tokens else 0
+        k = self.pace.length(self.reach, rows) if tokens else 0
         costs = self.config.draft_costs
         if k or self.model is None or costs is None or not costs.pays(limit):
             return tokens[:k]
-        k = min(self.model_pace.length(Pace.MODEL), limit)
+        k = min(self.model_pace.length(Pace.MODEL, rows), limit)
         if not k:
             return []
         self.source, self.reach = self.model_pace, Pace.MODEL
