@@ -192,16 +192,23 @@ def test_the_next_turn_after_a_speculative_reply_restores_all_of_it_and_equals_c
         assert warm == cold, (arch, max_tokens)
 
 
-def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded() -> None:
-    """The caller closes the reply (a stop string, EOS) right after a token a verify pass
-    accepted, with more accepted after it: they leave the cache, which holds the prompt and
-    the tokens yielded, and the next turn from there equals cold."""
+def _hybrid_engines() -> tuple[Engine, Engine, list[int]]:
+    """A tiny qwen3_next writing the alphabet: Engines with and without speculation, and a
+    60-token prompt."""
     model = build_model("qwen3_next")
     restrict_output(model, ALPHABET)
     spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
     plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
     rng = random.Random(4)
     prompt = [rng.choice(ALPHABET) for _ in range(60)]
+    return spec, plain, prompt
+
+
+def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded() -> None:
+    """The caller closes the reply (a stop string, EOS) right after a token a verify pass
+    accepted, with more accepted after it: they leave the cache, which holds the prompt and
+    the tokens yielded, and the next turn from there equals cold."""
+    spec, plain, prompt = _hybrid_engines()
     among = 0
     for cut in range(2, 30):
         other = [9, cut, *prompt]     # a prompt of its own each time
@@ -223,12 +230,7 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
     after its own number of tokens, some among tokens a batched verify pass accepted: once out
     of the batch, each cache goes back to its last yielded token (recurrent states from those
     captured in the batch's pass), holds prompt + reply, and the next turn equals cold."""
-    model = build_model("qwen3_next")
-    restrict_output(model, ALPHABET)
-    spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
-    plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
-    rng = random.Random(4)
-    prompt = [rng.choice(ALPHABET) for _ in range(60)]
+    spec, plain, prompt = _hybrid_engines()
     among = batched = 0
     for r in range(12):
         prompts = [[9, 3 * r + i, *prompt] for i in range(3)]
