@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine import gapped
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.draft import Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.engine import Engine
@@ -194,10 +195,13 @@ def test_the_next_turn_after_a_speculative_reply_restores_all_of_it_and_equals_c
 
 def _hybrid_engines() -> tuple[Engine, Engine, list[int]]:
     """A tiny qwen3_next writing the alphabet: Engines with and without speculation, and a
-    60-token prompt."""
+    60-token prompt. Drafts sized by the prior costs (as a group's are), never by time: what
+    gets drafted here is the same on any machine."""
     model = build_model("qwen3_next")
     restrict_output(model, ALPHABET)
     spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
+    assert spec.spec is not None
+    spec.spec.costs.timed = False
     plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
     rng = random.Random(4)
     prompt = [rng.choice(ALPHABET) for _ in range(60)]
@@ -497,16 +501,19 @@ def batch_words_model(request: pytest.FixtureRequest,
     return save_tiny_model(request.param, tmp_path_factory.mktemp("batch-words"), words=6)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.9,
-                                                                          seed=3)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling,max_gap", [
+    (Sampling(temperature=0), gapped.MAX_GAP), (Sampling(temperature=0.9, seed=3), gapped.MAX_GAP),
+    (Sampling(temperature=0), 2)], ids=["greedy", "seeded", "greedy-squeezed"])
 async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pass(
-        batch_words_model: Path, sampling: Sampling) -> None:
+        batch_words_model: Path, sampling: Sampling, max_gap: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every cache kind: the decode batch's pass carries every member's draft (rows padded
-    to the longest), each row goes back to its last accepted token (KV and windows rolled
-    into its padding, recurrent states those captured there in the pass); the replies and
-    log-probabilities are each request's alone without drafts, and their next turns warm
-    equal cold."""
+    to the longest), each row goes back to its last accepted token (full-attention KV masked
+    where it is, windows rolled into the row's padding, recurrent states those captured there
+    in the pass); the replies and log-probabilities are each request's alone without drafts,
+    and their next turns warm equal cold. Squeezed: the masked positions squeezed out of the
+    batch every few passes, mid-batch."""
+    monkeypatch.setattr(gapped, "MAX_GAP", max_gap)
     on, off = _gen(batch_words_model), _gen(batch_words_model, speculative=False)
     try:
         prompts = _prompts(on, 12, 4)

@@ -40,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import rows, tap
+from prefixd.backends.mlx.engine.gapped import GappedKVCache
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.model.memory import trim_heap
 
@@ -76,7 +77,7 @@ def release() -> None:
 
 
 def _stackable(batch: Any, joining: list[Any]) -> bool:
-    return (batch is None or (type(batch) is BatchKVCache and batch.keys is not None)) and \
+    return (batch is None or (isinstance(batch, BatchKVCache) and batch.keys is not None)) and \
         all(type(c) is KVCache and c.keys is not None for c in joining)
 
 
@@ -85,6 +86,8 @@ def _stack(batch: Any, joining: list[Any]) -> Any:
     the longest and with `GROWTH` spare positions: one new buffer (mlx-lm's `merge` then
     `extend` pad copies of both first, and the first decode step grows it again), so joining
     holds at most the old batch, the joiners and the new batch at once."""
+    if isinstance(batch, GappedKVCache):
+        batch.compact()
     lengths = [c.offset for c in joining]
     old = 0 if batch is None else batch._idx
     idx = max(old, *lengths)
@@ -104,7 +107,7 @@ def _stack(batch: Any, joining: list[Any]) -> Any:
     for j, (c, n) in enumerate(zip(joining, lengths, strict=True)):
         keys[at + j:at + j + 1, :, idx - n:idx] = c.keys[..., :n, :]
         values[at + j:at + j + 1, :, idx - n:idx] = c.values[..., :n, :]
-    out: Any = BatchKVCache([0] * rows)
+    out: Any = GappedKVCache([0] * rows)
     out.keys, out.values, out._idx = keys, values, idx
     out.left_padding = mx.concatenate([*pads, mx.array([idx - n for n in lengths])])
     out.offset = mx.concatenate([*offsets, mx.array(lengths)])

@@ -3,8 +3,9 @@ their drafts (`Batch.verify`): what a batched verify pass needs of every cache k
 
 Owns: which batch caches can go back per row (`verifiable`), putting rotated windows in
 temporal order before a multi-token pass (`in_order`), and going back (`back`): full-attention
-KV (`BatchKVCache`) trimmed by the fewest dropped, the rest of each row rolled into its left
-padding (mlx-lm's own right-padding `finalize`); sliding windows (`BatchRotatingKVCache`)
+KV trimmed by the fewest dropped, the rest of each row masked where it is (`GappedKVCache`,
+`engine/gapped.py`: the batch's own) or rolled into its left padding (a plain `BatchKVCache`:
+mlx-lm's own right-padding `finalize`); sliding windows (`BatchRotatingKVCache`)
 rolled the same way, never trimmed (the next step's window is cut from the buffer's end);
 recurrent and convolution states (`ArraysCache`: Gated-DeltaNet, Mamba, LFM2) replaced row by
 row by the state the in-pass tap captured at that row's position (`engine/tap.py`). And one
@@ -20,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine.gapped import GappedKVCache
 
 
 def verifiable(cache: list[Any], captured: tuple[int, ...]) -> bool:
@@ -31,7 +33,7 @@ def verifiable(cache: list[Any], captured: tuple[int, ...]) -> bool:
         if kind is ArraysCache:
             if i not in captured or leaf.left_padding is not None or leaf.lengths is not None:
                 return False
-        elif kind not in (BatchKVCache, BatchRotatingKVCache):
+        elif not isinstance(leaf, BatchKVCache | BatchRotatingKVCache):
             return False
     return True
 
@@ -53,7 +55,9 @@ def back(cache: list[Any], kept: list[int], width: int, captured: dict[int, snap
     drops = [width - k for k in kept]
     for i, leaf in enumerate(snapshot.leaves(cache)):
         kind = type(leaf)
-        if kind is BatchKVCache:
+        if kind is GappedKVCache:
+            leaf.drop(drops)     # masked where they are (`engine/gapped.py`)
+        elif kind is BatchKVCache:
             drop(leaf, drops)
         elif kind is BatchRotatingKVCache:
             if any(drops):   # no trim: the next step's window is cut from the buffer's end
