@@ -26,7 +26,7 @@ from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine import gapped
 from prefixd.backends.mlx.engine.config import EngineConfig
-from prefixd.backends.mlx.engine.draft import Pace, PassCosts, PromptLookup
+from prefixd.backends.mlx.engine.draft import BatchPace, Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.model.tiny import (
     ARCHS,
@@ -131,6 +131,32 @@ def test_a_batch_member_drafts_by_what_its_batch_pass_costs() -> None:
     for n in (1, 2, 4, 8, 12, 16, 20, 24, 36):
         flat.observe(n, 0.010)
     assert Pace(8, flat).length(20, rows=4) >= 7 and Pace(8, flat).length(20) >= 7
+
+
+def test_a_batch_stops_drafting_while_its_verify_passes_emit_less_per_second() -> None:
+    """Verify passes that emit fewer tokens per second than plain steps of the same batch
+    size (every cost counted) stop the batch drafting for ever longer waits, then it tries
+    again; verify passes that emit more keep it drafting; unmeasured passes change nothing."""
+    pace = BatchPace()
+    pace.observe(4, False, 4, 0.080)           # plain steps: 50 tokens/s
+    pace.observe(4, True, 7, 0.200)            # verify: 35 tokens/s
+    waits = 0
+    while not pace.drafts():
+        waits += 1
+    assert waits == 1
+    pace.observe(4, True, 6, 0.200)            # still slower: twice as long
+    waits = 0
+    while not pace.drafts():
+        waits += 1
+    assert waits == 2
+    pace.observe(4, True, 16, 0.200)           # 80 tokens/s: it drafts every step
+    assert all(pace.drafts() for _ in range(10))
+    pace.observe(2, True, 1, 0.200)            # another batch size: no plain rate yet
+    assert pace.drafts()
+    untimed = BatchPace()
+    untimed.observe(4, False, 4, 0.0)
+    untimed.observe(4, True, 1, 0.0)
+    assert untimed.drafts() and not untimed.plain
 
 
 # --- exactness on every cache kind (the Engine, in-process) -------------------------------------
@@ -273,8 +299,13 @@ def words_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _gen(path: Path, **extra: Any) -> Generator:
-    return loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False,
-                                           prefill_slice_ms=0, **extra)), str(path))
+    """A worker's generator on `path`; drafts sized by the prior costs (as a group's are),
+    never by time: what gets drafted, and in which batches, is the same on any machine."""
+    gen = loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False,
+                                          prefill_slice_ms=0, **extra)), str(path))
+    if gen.loaded is not None and gen.loaded.engine.spec is not None:
+        gen.loaded.engine.spec.costs.timed = False
+    return gen
 
 
 @pytest.fixture(scope="module")

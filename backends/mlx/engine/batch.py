@@ -40,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import rows, tap
+from prefixd.backends.mlx.engine.draft import BatchPace
 from prefixd.backends.mlx.engine.gapped import GappedKVCache
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.model.memory import trim_heap
@@ -123,12 +124,16 @@ def _draft(run: Run, rows: int) -> list[int]:
     return run.spec.draft(run, run.pending, room, rows)
 
 
-def _timed(members: list[Run], tokens: int, t0: float) -> None:
+def _timed(members: list[Run], tokens: int, t0: float) -> float:
     """A batch pass of `tokens` tokens (rows x width) took the time since `t0`: into the
-    costs its members' drafts are sized by."""
+    costs its members' drafts are sized by. The seconds (0: none of them speculates, or their
+    costs are untimed: a group's, whose decisions may not depend on time)."""
     spec = next((r.spec for r in members if r.spec is not None), None)
-    if spec is not None:
-        spec.config.costs.observe(tokens, time.perf_counter() - t0)
+    if spec is None or not spec.config.costs.timed:
+        return 0.0
+    seconds = time.perf_counter() - t0
+    spec.config.costs.observe(tokens, seconds)
+    return seconds
 
 
 def _draw(run: Run) -> mx.array | None:
@@ -145,6 +150,7 @@ class Batch:
         self.model, self.passes = model, passes
         self.runs: list[Run] = []
         self.cache: list[Any] | None = None
+        self.pace = BatchPace()   # whether its members draft at all (each: its own pace)
 
     def step(self, runs: list[Run], drafts: bool = True) -> None:
         """Feed each run's pending token in one forward pass; each run's logits for its next
@@ -157,7 +163,7 @@ class Batch:
         assert self.cache is not None
         members = list(self.runs)
         proposed = [_draft(r, len(members)) for r in members] \
-            if drafts and self._verifies() else []
+            if drafts and self._verifies() and self.pace.drafts() else []
         if any(proposed):
             self.verify(members, proposed)
             return
@@ -179,7 +185,7 @@ class Batch:
             self._break()
             raise
         self.passes.decode(len(members))
-        _timed(members, len(members), t0)
+        self.pace.observe(len(members), False, len(members), _timed(members, len(members), t0))
         for r, d in zip(members, drawn, strict=True):
             r.batched += len(members)
             r.drawn, r.broken = d, False
@@ -247,7 +253,7 @@ class Batch:
             self._break()
             raise
         self.passes.verify(len(members), sum(kept))
-        _timed(members, len(members) * width, t0)
+        self.pace.observe(len(members), True, sum(kept), _timed(members, len(members) * width, t0))
         for r in members:
             r.broken = False
 

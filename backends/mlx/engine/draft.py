@@ -235,3 +235,41 @@ class DraftCosts:
         one = self.base.one()
         share = self.seconds / one if self.seconds is not None and one else self.PRIOR
         return self.base.ratio(n) + (n - 1) * share
+
+
+@dataclass
+class BatchPace:
+    """Whether a decode batch's members draft at all: the tokens per second its verify passes
+    emit against its plain steps', per batch size (exponential averages of the passes' own
+    times, every cost in them: the pass, the draws at every position, each row going back).
+    Verify passes that emit less per second than plain steps stop the batch drafting for a
+    while (doubling to `MAX_WAIT` steps), then it tries again. Unmeasured passes (a group's, or
+    with untimed costs: 0 s) change nothing: members then draft by their own pace alone."""
+
+    plain: dict[int, float] = field(default_factory=dict)
+    verify: dict[int, float] = field(default_factory=dict)
+    wait: int = 0
+    backoff: int = 1
+    WEIGHT = 0.3
+    MAX_WAIT = 64
+
+    def drafts(self) -> bool:
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def observe(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rates = self.verify if verified else self.plain
+        rate, old = tokens / seconds, rates.get(rows)
+        rates[rows] = rate if old is None else old + self.WEIGHT * (rate - old)
+        plain, verify = self.plain.get(rows), self.verify.get(rows)
+        if not verified or plain is None or verify is None:
+            return
+        if verify < plain:
+            self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.MAX_WAIT)
+            del self.verify[rows]      # measured afresh when it tries again
+        else:
+            self.backoff = 1
