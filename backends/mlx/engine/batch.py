@@ -226,7 +226,7 @@ class Batch:
                 for r in members:
                     r.broken = False
                 return self.step(members, drafts=False)
-            # a member that does not speculate (a grammar's) draws its next token as in `step`
+            # a member that does not speculate draws its next token as in `step`
             draws = [r.spec.draws(r, x, logits[i, :len(x)]) if r.spec else
                      [r.draw(logits[i, :1], r.prompt + r.fed + x)]
                      for i, (r, x) in enumerate(zip(members, xs, strict=True))]

@@ -137,6 +137,8 @@ class Speculation:
         while a < len(draft) and got[a] == draft[a]:
             a += 1
         _rewind_sampler(run.sampler, len(x) - (a + 1))
+        for proc in run.processors:      # a grammar's matcher (the others keep no state)
+            _rewind_sampler(proc, len(x) - (a + 1))
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
         self.source.update(self.reach, len(draft), a)
@@ -185,9 +187,10 @@ class Speculation:
         return out if self.model is None else {**out, "model_drafted": self.model_drafted}
 
 
-def _rewind_sampler(sampler: Callable[[mx.array], mx.array], draws: int) -> None:
-    """Undo the sampler's last `draws` draws (a seeded sampler's key, a log-probability
-    tap's record): the drawn tokens after the first rejected one were never emitted."""
+def _rewind_sampler(sampler: Callable[..., mx.array], draws: int) -> None:
+    """Undo the sampler's (or a processor's) last `draws` draws (a seeded sampler's key, a
+    log-probability tap's record, a grammar's matcher): the drawn tokens after the first
+    rejected one were never emitted."""
     rewind = getattr(sampler, "rewind", None)
     if draws > 0 and rewind is not None:
         rewind(draws)

@@ -75,24 +75,40 @@ class CallRepeats:
 
 class GrammarMask:
     """The logits processor of one constrained reply. `repeats`: ends the reply (EOS only)
-    once a call repeats an earlier one (`oai.extract_tool_calls` drops the repeat)."""
+    once a call repeats an earlier one (`oai.extract_tool_calls` drops the repeat).
+
+    Each call consumes the token before it (the one drawn at the previous call), then masks.
+    Under speculative decoding (`engine/speculate.py`) the calls run over a draft: a drafted
+    token the grammar does not allow is not consumed (the draws from there on are discarded
+    anyway: the draw before it, under the mask, differs from it), and `rewind` undoes the
+    calls of the positions the verify pass did not keep (the matcher rolled back)."""
+
+    LOG = 64     # calls `rewind` can undo (more than a verify pass has positions)
 
     def __init__(self, matcher: Any, vocab: int, eos: list[int],
                  repeats: CallRepeats | None = None) -> None:
         self.matcher, self.eos, self.repeats = matcher, eos, repeats
         self.words = np.zeros((vocab + 31) // 32, dtype=np.int32)
         self.started = False
+        self.dead = False          # a drafted token it does not allow was met in this pass
+        self.log: list[bool] = []  # per call since the first: whether it consumed its token
 
     def __call__(self, history: Any, logits: Any) -> Any:
         import mlx.core as mx
 
         m = self.matcher
         repeated = False
-        if self.started and not m.is_error():
+        if self.started:
             token = int(history[-1].item())
-            m.consume_token(token)
-            repeated = self.repeats is not None and self.repeats.repeated(token,
-                                                                          m.is_accepting())
+            consumed = not (self.dead or m.is_error()) and m.validate_tokens([token]) == 1
+            self.dead = self.dead or not (consumed or m.is_error())
+            self.log = [*self.log[-self.LOG + 1:], consumed]
+            if self.dead:
+                return logits
+            if consumed:
+                m.consume_token(token)
+                repeated = self.repeats is not None and self.repeats.repeated(token,
+                                                                              m.is_accepting())
         self.started = True
         if m.is_error() or repeated:  # an error cannot happen with our own masks: end the reply
             if m.is_error():          # rather than drift
@@ -108,6 +124,19 @@ class GrammarMask:
         k = min(n, bits.size)
         allowed[:k] = bits[:k]
         return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+    def rewind(self, calls: int) -> None:
+        """Undo the last `calls` calls: the tokens they consumed given back to the matcher
+        (and to the repeat check)."""
+        if calls <= 0:
+            return
+        undone, self.log = self.log[-calls:], self.log[:-calls]
+        consumed = sum(undone)
+        if consumed:
+            self.matcher.rollback(consumed)
+            if self.repeats is not None:
+                del self.repeats.ids[-consumed:]
+        self.dead = False
 
 
 def grammar_mask(c: Constraint, tokenizers: GrammarTokenizers, tokenizer: Any, fmt: ToolFormat,

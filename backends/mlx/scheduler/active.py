@@ -110,8 +110,7 @@ class Active:
         return engine.steps(job.prompt.tokens, sampler=self.tap or sampler,
                             logits_processors=processors or None, max_tokens=job.max_tokens,
                             boundaries=job.prompt.boundaries, should_stop=self._stopping,
-                            namespace=job.namespace, turn=self.turn,
-                            speculate=s.constraint is None)
+                            namespace=job.namespace, turn=self.turn)
 
     def _stopping(self) -> bool:
         return self.stopping
