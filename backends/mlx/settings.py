@@ -120,7 +120,9 @@ class WorkerSettings(BaseSettings):
                               "pass; exact (greedy replies equal decoding without it, sampled "
                               "ones follow the same distribution, seeded ones draw the same "
                               "tokens), on every cache type including recurrent and sliding-"
-                              "window layers. Each request drafts only while its drafts pay "
+                              "window layers, alone, in decode batches and under structured "
+                              "output. Each request drafts only while its drafts pay, and a "
+                              "decode batch only while its verify passes beat its plain steps "
                               "(docs/CHECKPOINTS.md, Speculative decoding).")
     spec_draft_max: int = Field(8, ge=1, le=64, description="Worker: the longest draft "
                                 "verified in one pass (each request sizes its drafts from "
