@@ -11,6 +11,7 @@ lookup drafts often, with drafts both accepted and rejected (every rewind path r
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -613,3 +614,6 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOGPROB_TOLERANCE
     assert info["speculative"]["largest_verify_batch"] >= 2
     assert info["speculative"]["accepted"] > 0
+    # the longest draft: 16 where every layer trims, 8 where states are captured per position
+    arch = json.loads((batch_words_model / "config.json").read_text())["model_type"]
+    assert info["speculative"]["draft_max"] == (16 if arch == "qwen3" else 8)

@@ -124,9 +124,11 @@ class WorkerSettings(BaseSettings):
                               "output. Each request drafts only while its drafts pay, and a "
                               "decode batch only while its verify passes beat its plain steps "
                               "(docs/CHECKPOINTS.md, Speculative decoding).")
-    spec_draft_max: int = Field(8, ge=1, le=64, description="Worker: the longest draft "
-                                "verified in one pass (each request sizes its drafts from "
-                                "their acceptance, up to this).")
+    spec_draft_max: int | None = Field(
+        None, ge=1, le=64, description="Worker: the longest draft verified in one pass (each "
+        "request sizes its drafts from their acceptance, up to this). Unset: 16 on models whose "
+        "layers all trim (full attention), 8 where recurrent or sliding-window state is "
+        "captured at each position of a verify pass (held until the next pass: memory).")
     spec_draft_model: str | None = Field(
         None, description="Worker: a smaller model with the served model's tokenizer (a path "
         "or a name, as default_model) that drafts where the context has nothing to copy; "

@@ -21,7 +21,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     kv_bits: int | None = None
     speculative: bool = True                    # draft by prompt lookup, verify exactly
-    spec_draft_max: int = 8
+    spec_draft_max: int | None = None          # None: by cache kind (`spec_config`)
     spec_ngram: int = 2
 
     @classmethod

@@ -309,7 +309,7 @@ class Engine(Checkpointing):
             "misses": self.tiers.misses(),
             "batch": {**self.passes.info(), "disabled_reason": self.unbatchable},
             "speculative": {**self.passes.spec_info(), "disabled_reason": self.unspeculative,
-                            "draft_max": self.config.spec_draft_max,
+                            "draft_max": self.spec.max_draft if self.spec else None,
                             "draft_model": self.spec is not None
                             and self.spec.draft_model is not None},
         }

@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.run import Run
 
 
+# The longest draft by default: where every layer trims (full attention) a longer draft costs
+# only the pass (measured on the built-in model: a JSON copy 3.6x -> 5.5x faster than without
+# speculation at 16 against 8); where recurrent or window state is captured at each position
+# of a verify pass, each position's state is held until the next pass.
+TRIMMED_DRAFT_MAX = 16
+CAPTURED_DRAFT_MAX = 8
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """The Engine's speculative decoding: the longest draft, the shortest match drafted from, the
@@ -218,5 +226,6 @@ def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[i
         log.warning("speculative decoding is off for this model: %s", why)
         return None, why
     costs = PassCosts(timed=timed)
-    return SpecConfig(config.spec_draft_max, config.spec_ngram, inpass or (), costs,
+    longest = config.spec_draft_max or (CAPTURED_DRAFT_MAX if inpass else TRIMMED_DRAFT_MAX)
+    return SpecConfig(longest, config.spec_ngram, inpass or (), costs,
                       draft_model, DraftCosts(costs) if draft_model is not None else None), None
