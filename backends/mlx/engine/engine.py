@@ -209,8 +209,7 @@ class Engine(Checkpointing):
               logits_processors: list | None = None, max_tokens: int,
               boundaries: Sequence[int] = (),
               should_stop: Callable[[], bool] = lambda: False,
-              namespace: str = "", turn: Turn, speculate: bool = True
-              ) -> Generator[Step, None, None]:
+              namespace: str = "", turn: Turn) -> Generator[Step, None, None]:
         """Restore, prefill (checkpointing), decode: one forward pass per step (`run.Step`:
         `Prefilled` after each prefill pass but the last, `Paused` inside one, then the token
         of each decode step, up to `max_tokens`). Each pass's size is `turn.pacing`'s when it
@@ -221,8 +220,8 @@ class Engine(Checkpointing):
         gets this request's stats from its start (cached and recomputed tokens once the
         prefill ended; the commit time at the end) and its store entry. `namespace`: the
         request's cache partition (per-key isolation): it restores from and is stored in that
-        partition only. `speculate`: it may decode by drafts verified in one pass (when the
-        engine speculates, `engine/speculate.py`)."""
+        partition only. When the engine speculates it may decode by drafts verified in one
+        pass (`engine/speculate.py`)."""
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
@@ -234,7 +233,7 @@ class Engine(Checkpointing):
         run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
                   self.passes, lambda pos: self._publish(prompt[:pos], run.cache, namespace))
         turn.run = run
-        if speculate and self.spec is not None:
+        if self.spec is not None:
             run.spec = Speculation(self.spec, prompt, max_tokens)
         del cache   # the run's own from here: a decode batch takes it over (no second copy)
 

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 
 # The longest draft by default: where every layer trims (full attention) a longer draft costs
-# only the pass (measured on the built-in model: a JSON copy 3.6x -> 5.5x faster than without
-# speculation at 16 against 8); where recurrent or window state is captured at each position
-# of a verify pass, each position's state is held until the next pass.
+# only the pass (measured on the built-in model: a JSON copy 3.6x faster than without
+# speculation at 8, 4.3x at 16; docs/BENCHMARKS.md); where recurrent or window state is
+# captured at each position of a verify pass, each position's state is held until the next.
 TRIMMED_DRAFT_MAX = 16
 CAPTURED_DRAFT_MAX = 8
 
@@ -144,9 +144,9 @@ class Speculation:
         a = 0
         while a < len(draft) and got[a] == draft[a]:
             a += 1
-        _rewind_sampler(run.sampler, len(x) - (a + 1))
+        _rewind(run.sampler, len(x) - (a + 1))
         for proc in run.processors:      # a grammar's matcher (the others keep no state)
-            _rewind_sampler(proc, len(x) - (a + 1))
+            _rewind(proc, len(x) - (a + 1))
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
         self.source.update(self.reach, len(draft), a)
@@ -195,11 +195,11 @@ class Speculation:
         return out if self.model is None else {**out, "model_drafted": self.model_drafted}
 
 
-def _rewind_sampler(sampler: Callable[..., mx.array], draws: int) -> None:
-    """Undo the sampler's (or a processor's) last `draws` draws (a seeded sampler's key, a
+def _rewind(fn: Callable[..., mx.array], draws: int) -> None:
+    """Undo a sampler's (or a logits processor's) last `draws` draws (a seeded sampler's key, a
     log-probability tap's record, a grammar's matcher): the drawn tokens after the first
     rejected one were never emitted."""
-    rewind = getattr(sampler, "rewind", None)
+    rewind = getattr(fn, "rewind", None)
     if draws > 0 and rewind is not None:
         rewind(draws)
 
