@@ -34,7 +34,6 @@ class GappedKVCache(BatchKVCache):
     def __init__(self, left_padding: list[int]) -> None:
         super().__init__(left_padding)
         self.gaps: mx.array | None = None
-        self.gap_counts: list[int] = [0] * len(left_padding)
 
     def drop(self, drops: list[int]) -> None:
         """Row i no longer holds its last `drops[i]` positions: all rows trimmed by the
@@ -50,10 +49,9 @@ class GappedKVCache(BatchKVCache):
             gaps[:, :self.gaps.shape[1]] = np.array(self.gaps[:, :self._idx])
         for row, r in enumerate(rest):
             gaps[row, self._idx - r:self._idx] = r > 0
-            self.gap_counts[row] += r
         self.gaps = mx.array(gaps)
         self.offset = self.offset - mx.array(rest)
-        if max(self.gap_counts) > MAX_GAP:
+        if gaps.sum(axis=1).max() > MAX_GAP:
             self.compact()
 
     def trim(self, n: int) -> int:
@@ -76,7 +74,7 @@ class GappedKVCache(BatchKVCache):
         """Squeeze the gaps out: each row's kept positions right-aligned at `_idx` (its left
         padding grown by its gaps), in one gather of every row."""
         if self.gaps is None or self.keys is None:
-            self.gaps, self.gap_counts = None, [0] * len(self.gap_counts)
+            self.gaps = None
             return
         n = self._idx
         pads = np.array(self.left_padding.tolist())
@@ -92,19 +90,17 @@ class GappedKVCache(BatchKVCache):
         self.keys = mx.take_along_axis(self.keys[..., :n, :], at, axis=2)
         self.values = mx.take_along_axis(self.values[..., :n, :], at, axis=2)
         self.left_padding = mx.array(pads)
-        self.gaps, self.gap_counts = None, [0] * len(self.gap_counts)
+        self.gaps = None
 
     def filter(self, batch_indices: Any) -> None:
         self.compact()
         super().filter(batch_indices)
-        self.gap_counts = [0] * int(self.offset.shape[0])
 
     def extend(self, other: Any) -> None:
         self.compact()
         if isinstance(other, GappedKVCache):
             other.compact()
         super().extend(other)
-        self.gap_counts = [0] * int(self.offset.shape[0])
 
     def extract(self, idx: int) -> KVCache:
         self.compact()
