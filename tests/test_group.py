@@ -113,6 +113,46 @@ def test_a_group_batches_decode_steps_and_answers_as_one_process(
         after["decode_passes"] - before["decode_passes"]        # fewer passes than tokens
 
 
+def _chunk(line: bytes, what: str) -> Any:
+    """A streamed chunk's delta text (`content`) or finish reason (`finish`), if any."""
+    if not line.startswith(b"data: {"):
+        return None
+    choice = json.loads(line[6:])["choices"][0]
+    return choice["delta"].get("content") if what == "content" else choice["finish_reason"]
+
+
+def test_a_late_request_restores_a_prompt_a_running_one_stores_in_a_group(
+        pair: tuple[str, str, str]) -> None:
+    """A request arriving while another, past their shared system prompt, decodes: the running
+    one stores the prompt's state from its live cache (the journal's `publish`, replayed by the
+    follower), and the late one restores it on every rank. Replies are one process's."""
+    one, group, _ = pair
+    system = {"role": "system", "content": "You keep answers short. " * 120}
+
+    def body(name: str, tokens: int, stream: bool = False) -> dict[str, Any]:
+        return {"model": "tiny", "max_tokens": tokens, "temperature": 0, "stream": stream,
+                "messages": [system, {"role": "user", "content": f"{name}: " + "why? " * 6}]}
+
+    def reply(url: str, name: str) -> str:
+        return _post(url, body(name, 8))["choices"][0]["message"]["content"]
+
+    req = urllib.request.Request(group + "/v1/chat/completions",
+                                 json.dumps(body("First", 400, True)).encode(), {
+                                     "Content-Type": "application/json",
+                                     "Authorization": f"Bearer {KEY}"})
+    leader, followers = _worker_pids(group.rsplit(":", 1)[1])
+    with urllib.request.urlopen(req, timeout=120) as running:
+        while not _chunk(running.readline(), "content"):   # its reply under way
+            pass
+        late = _post(group, body("Second", 8))
+        ends = [f for line in iter(running.readline, b"") if (f := _chunk(line, "finish"))]
+    assert ends == ["length"]                     # the running one went on to its end
+    assert _worker_pids(group.rsplit(":", 1)[1]) == (leader, followers)   # no restart
+    assert late["usage"]["prompt_tokens_details"]["cached_tokens"] > 256
+    assert late["choices"][0]["message"]["content"] == reply(one, "Second")
+    assert reply(group, "Third") == reply(one, "Third")     # the group goes on as one
+
+
 def test_a_group_refuses_to_move_prefix_states(pair: tuple[str, str, str]) -> None:
     _, group, _ = pair
     req = urllib.request.Request(group + "/v1/cache/export", json.dumps(

@@ -67,6 +67,9 @@ class Observed:
     def pass_rate(self) -> float | None:
         return None
 
+    def publish(self, at: int) -> int | None:
+        return self.active.publish(at)
+
     def step(self, decision: Decision) -> Step:
         step = self.active.step(decision)
         kind = {Prefilled: "prefill", Paused: "pause", Decoded: "token"}.get(type(step), "end")
@@ -296,6 +299,9 @@ class FakeTask:
         self.left = max(0, self.left - 256)   # a pass of prefill_slice tokens
         return Prefilled(256)
 
+    def publish(self, at: int) -> int | None:
+        return 0    # a recurrent model with no checkpoint below `at`: nothing stored
+
 
 def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:
     schedule = Schedule(4, 256, 512, 1 << 30, 1)
@@ -344,9 +350,11 @@ def test_a_turn_whose_conversation_the_cache_holds_ranks_with_short_prompts() ->
 
 def test_a_prefix_already_computed_by_a_running_job_is_waited_for_as_long_as_computing_it(
         ) -> None:
-    """A sub-agent arriving after another computed their shared prompt (it is decoding; its
-    state is stored when it ends) waits for that end rather than compute the prompt again,
-    but no longer than computing it would take at the worker's prefill rate."""
+    """A sub-agent arriving after another computed their shared prompt (it is decoding) has
+    that one store it from its live state; where it cannot (a recurrent model with no
+    checkpoint below it: its state is stored when it ends), it waits for that end rather than
+    compute the prompt again, but no longer than computing it would take at the worker's
+    prefill rate."""
     shared = [7] * 2000
     first, late = _job([*shared, 1]), _job([*shared, 2, 3])
     schedule = Schedule(4, 256, 512, 1 << 30, 1, prefill_rate=lambda: 1000.0)
@@ -355,13 +363,35 @@ def test_a_prefix_already_computed_by_a_running_job_is_waited_for_as_long_as_com
     a.task = FakeTask(0)                        # decoding: past the shared prompt
     schedule.add(late)
     (b,) = schedule.admit()
-    assert schedule.pick() is a and schedule.share(a) == 0   # b waits; nothing to publish
+    assert schedule.pick() is a and schedule.share(a) == 0   # b waits; no pass to cut
+    assert schedule.due == [(a, 2000)]          # a stores it from its live state first
+    schedule.stored(a, 2000, 0)                 # ... but could not (FakeTask.publish)
+    assert schedule.pick() is a and schedule.due == []   # tried once
     schedule.ran(a, 1.5)                        # 1.5 s of a's passes: under 2,000 / 1,000 s
     assert schedule.pick() is a
     assert b in schedule.held
     schedule.ran(a, 0.6)                        # 2.1 s: computing it would have been sooner
     schedule.pick()
     assert b not in schedule.held               # free to run (in its turn)
+
+
+def test_a_prefix_a_running_job_stored_from_its_live_state_is_restored_not_waited_for(
+        ) -> None:
+    shared = [7] * 2000
+    first, late = _job([*shared, 1]), _job([*shared, 2, 3])
+    held = [0]
+    schedule = Schedule(4, 256, 512, 1 << 30, 1, prefill_rate=lambda: 1000.0,
+                        cached=lambda job: held[0] if job is late else 0)
+    schedule.add(first)
+    (a,) = schedule.admit()
+    a.task = FakeTask(0)
+    schedule.add(late)
+    (b,) = schedule.admit()
+    assert schedule.pick() is a and schedule.due == [(a, 2000)]
+    held[0] = 2000                              # what a's publish stored
+    schedule.stored(a, 2000, 2000)
+    assert schedule.pick() is b and b not in schedule.held and schedule.due == []
+    assert b.remaining() == 2                   # its own tail only
 
 
 def test_aging_by_time_lets_cheap_decode_steps_run_before_an_expensive_slice() -> None:

@@ -42,15 +42,19 @@ def _prompts(seed: int, n: int = 4) -> list[list[int]]:
     return [[*system, *(rng.randrange(1, 1000) for _ in range(TAIL))] for _ in range(n)]
 
 
-def _submit(gen: Generator, tokens: list[int], namespace: str) -> Job:
-    return gen.submit(Prompt(tokens, []), Sampling(temperature=0), 6, namespace=namespace)
+def _submit(gen: Generator, tokens: list[int], namespace: str, max_tokens: int = 6,
+            bounds: list[int] | None = None) -> Job:
+    return gen.submit(Prompt(tokens, bounds or []), Sampling(temperature=0), max_tokens,
+                      namespace=namespace)
 
 
-async def _collect(job: Job) -> tuple[str, Finished]:
+async def _collect(job: Job, first: asyncio.Event | None = None) -> tuple[str, Finished]:
     text = []
     async for event in job.events():
         if isinstance(event, Delta):
             text.append(event.text)
+            if first is not None:
+                first.set()
         elif isinstance(event, Finished):
             return "".join(text), event
     raise AssertionError("no last event")
@@ -79,3 +83,34 @@ async def test_a_short_shared_prefix_is_not_waited_for(gen: Generator) -> None:
     prompts = [[*head, *(rng.randrange(1, 1000) for _ in range(400))] for _ in range(3)]
     got = await asyncio.gather(*(_collect(_submit(gen, p, "short-head")) for p in prompts))
     assert [end.cached_tokens for _, end in got] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("company", [0, 1], ids=["decoding_alone", "decoding_in_a_batch"])
+async def test_a_sub_agent_arriving_after_the_shared_prompt_was_computed_restores_it(
+        gen: Generator, company: int) -> None:
+    """A sub-agent that arrives while another, past their shared system prompt, decodes (alone,
+    or as a row of a decode batch) does not compute the prompt again, nor wait for the other's
+    end: the running one stores the prompt's state from its live cache at once (where its
+    recurrent layers cannot go back, from its checkpoint at the system prompt's end, a message
+    boundary), and the late one restores it. Every reply equals a cold run's."""
+    first, late = _prompts(11 + company, n=2)
+    # beside the first: a short prompt sharing nothing, sent once the first decodes (it
+    # prefills in one pass and joins the first's decode steps)
+    others = [_prompts(13, n=1)[0][-48:]] if company else []
+    ns, lengths = f"late-{company}", [240, *([240] * company)]
+    running = []
+    for p, n in zip([first, *others], lengths, strict=True):
+        started = asyncio.Event()
+        running.append(asyncio.ensure_future(_collect(_submit(gen, p, ns, n, [SHARED]),
+                                                      started)))
+        await started.wait()       # its reply under way: past its prompt
+    assert not any(r.done() for r in running)
+    late_text, late_end = await _collect(_submit(gen, late, ns, 6, [SHARED]))
+    assert not all(r.done() for r in running)    # restored from a request still running
+    assert late_end.cached_tokens >= SHARED
+    got = [*(await asyncio.gather(*running)), (late_text, late_end)]
+    cold = [await _collect(_submit(gen, p, f"late-cold-{company}-{i}", n, [SHARED]))
+            for i, (p, n) in enumerate(zip([first, *others, late], [*lengths, 6],
+                                           strict=True))]
+    assert [t for t, _ in got] == [t for t, _ in cold]
+    assert all(end.cached_tokens == 0 for _, end in cold)

@@ -294,6 +294,18 @@ class Batch:
             r.broken, r.batch, r.drawn = True, None, None
         self.runs, self.cache = [], None
 
+    def row(self, run: Run) -> list[Any]:
+        """A copy of `run`'s cache as the batch holds it (it stays a member)."""
+        assert self.cache is not None
+        i = self.runs.index(run)
+        try:
+            mine = [layer.extract(i) for layer in self.cache]
+            snapshot.evaluate(mine)
+        except BaseException:
+            self._break()
+            raise
+        return mine
+
     def leave(self, run: Run) -> None:
         """`run` takes its own cache back out of the batch (its row dropped), a layer at a
         time (the old layer freed before the next is copied)."""

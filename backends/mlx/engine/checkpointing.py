@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prefixd.backends.mlx.cache import snapshot
@@ -39,6 +39,8 @@ class Checkpointing:
     _snap_idx: tuple[int, ...]
     _checkpoints: bool
     _trim_below: int
+    _unsupported: str | None
+    adopt: Callable[[list[int], list[Any], str], int]   # the Engine's
 
     def _plan(self, n: int, start: int, boundaries: Sequence[int]) -> tuple[dict[int, bool], int]:
         """`placement.prefill_plan`. All-KV models take no checkpoints (the entry's KV trims
@@ -107,6 +109,53 @@ class Checkpointing:
             log.exception("storing this request's prompt cache failed; the reply is unaffected")
             self.counts.fallback("commit_error")
             self.store.discard(entry)
+
+    def _publish(self, tokens: list[int], cache: list[Any], namespace: str) -> None:
+        """A prefix other requests wait for (the scheduler's `share`), stored the moment it is
+        computed, from a copy of the live cache (which goes on): they restore it instead of
+        computing it beside this one. Never raises (a failure: they compute it themselves)."""
+        if self._unsupported:
+            return
+        try:
+            copy = snapshot.rebuild(cache, [snapshot.copy_leaf(leaf)
+                                            for leaf in snapshot.leaves(cache)])
+            snapshot.trim_padding(copy)
+            self.adopt(tokens, copy, namespace)
+        except Exception:
+            log.exception("storing a shared prefix of %d tokens failed", len(tokens))
+            self.lockstep.local_failure()
+
+    def publish_live(self, run: Run | None, entry: Entry | None, at: int,
+                     namespace: str) -> int:
+        """A prefix of a running request's prompt that other requests wait for, stored from its
+        live state after its prefill went past it (`_publish` stores one the moment a pass ends
+        there): at `at` where every layer trims back, else at the request's own checkpoint
+        nearest below `at` (its recurrent and window layers from that checkpoint, the rest
+        trimmed from the live cache). Decoding in a batch, its row is copied out (it stays).
+        The tokens stored (0: none). Never raises."""
+        if self._unsupported or run is None or entry is None or run.broken or run.pos < at:
+            return 0
+        try:
+            live = run.cache if run.batch is None else run.batch.row(run)
+            pos, snap = at, None
+            if not self.lockstep.all(snapshot.trimmable(live)):
+                below = [p for p in entry.checkpoints if p <= at]
+                pos = max(below, default=0)
+                if not pos:
+                    return 0
+                snap = entry.checkpoints[pos].payload
+            held = self.store.peek([*run.prompt[:pos], -1], namespace)
+            if held is not None and held.pos >= pos:   # the store holds it already
+                return 0
+            cache = snapshot.restore(live, snap, pos)
+            del live
+            snapshot.trim_padding(cache)
+            return self.adopt(run.prompt[:pos], cache, namespace)
+        except Exception:
+            log.exception("storing a shared prefix of %d tokens from a running request failed",
+                          at)
+            self.lockstep.local_failure()
+            return 0
 
     def _end_snapshot(self, entry: Entry) -> tuple[Any, int, bool] | None:
         if not self._checkpoints:

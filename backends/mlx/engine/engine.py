@@ -276,21 +276,6 @@ class Engine(Checkpointing):
             if run.spec is not None:
                 stats.speculative = run.spec.info()
 
-    def _publish(self, tokens: list[int], cache: list[Any], namespace: str) -> None:
-        """A prefix other requests wait for (the scheduler's `share`), stored the moment it is
-        computed, from a copy of the live cache (which goes on): they restore it instead of
-        computing it beside this one. Never raises (a failure: they compute it themselves)."""
-        if self._unsupported:
-            return
-        try:
-            copy = snapshot.rebuild(cache, [snapshot.copy_leaf(leaf)
-                                            for leaf in snapshot.leaves(cache)])
-            snapshot.trim_padding(copy)
-            self.adopt(tokens, copy, namespace)
-        except Exception:
-            log.exception("storing a shared prefix of %d tokens failed", len(tokens))
-            self.lockstep.local_failure()
-
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""
         info = self.store.info()

@@ -72,6 +72,16 @@ class Active:
                                "stop": decision.stop, "share": decision.share})
         return self.advance()
 
+    def publish(self, at: int) -> int | None:
+        """Store its prompt's state at `at` (its prefill is past it) from its live state, for
+        jobs waiting for that prefix (journaled first: a group's followers store it too); the
+        tokens stored (`Engine.publish_live`), None while a pass of it is half done."""
+        run = self.turn.run
+        if run is None or run.broken:
+            return None
+        self.lockstep.journal({"op": "publish", "job": self.job.id, "at": at})
+        return self.loaded.engine.publish_live(run, self.turn.entry, at, self.job.namespace)
+
     def feeding(self) -> Run | None:
         """Its run, when its next step feeds the token it sampled last (a decode step that
         can share a pass: `step_batch`)."""

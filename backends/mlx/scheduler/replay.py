@@ -104,6 +104,8 @@ def replay(loaded: Loaded, lockstep: Follower) -> None:
                                                [bool(x) for x in entry["stop"]]), strict=True):
                 if isinstance(step, Finished | Failed):
                     del jobs[i]
+        elif op == "publish":           # a prefix others wait for, from a job's live state
+            jobs[int(entry["job"])].publish(int(entry["at"]))
         elif op == "write":             # the entries the leader hands its disk writer
             engine.write([int(i) for i in entry["entries"]])
         elif op == "persist":           # at shutdown: what this rank's disk tier lacks

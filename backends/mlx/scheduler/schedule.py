@@ -90,6 +90,12 @@ class Task(Protocol):
         """One forward pass, or its part up to a pause (never raises)."""
         ...
 
+    def publish(self, at: int) -> int | None:
+        """Store its prompt's state at `at` from its live state, its prefill being past it
+        (or at the nearest position below it the worker can rebuild): the tokens stored,
+        None while a pass of it is half done (never raises)."""
+        ...
+
 
 @dataclass(eq=False)
 class Slot:
@@ -130,6 +136,10 @@ class Schedule:
         self._picks = 0
         self._shared: dict[tuple[int, int], int] = {}   # common prefix of two jobs' prompts
         self.held: dict[Slot, tuple[Slot, int]] = {}    # as of the last pick
+        # (a started job, a prefix of its prompt it is past that jobs not started wait for):
+        # to store from its live state before the next pass (`publish`), as of the last pick
+        self.due: list[tuple[Slot, int]] = []
+        self._tried: set[tuple[int, int]] = set()    # (job id, position) stored or tried
 
     def _estimate(self, job: Job) -> int:
         if job not in self._estimates:
@@ -183,6 +193,7 @@ class Schedule:
         for s in self.active:     # what the cache holds of each job not started, as of now
             if s.task is None:
                 s.cached = self._estimate(s.job)
+        self.due = []
         self.held = {s: h for s in self.active if (h := self._holder(s)) is not None}
         slot, aged = self._choose([s for s in self.active if s not in self.held])
         slot.aged = aged
@@ -208,6 +219,15 @@ class Schedule:
             slot.cached = max(slot.cached, at)
             self.changed()
 
+    def stored(self, slot: Slot, at: int, tokens: int | None) -> None:
+        """`slot` (started, past `at`) stored `tokens` of its prompt for the jobs waiting for
+        its first `at` (`due`): tried once (None: it could not yet, a pass of it half done)."""
+        if tokens is None:
+            return
+        self._tried.add((id(slot.job), at))
+        if tokens:
+            self.changed()
+
     def share(self, slot: Slot) -> int:
         """Where `slot`'s prefill publishes its state next for the jobs waiting for it (the
         nearest such position ahead; 0: none)."""
@@ -218,9 +238,11 @@ class Schedule:
         """A job not started yet waits for a started one that shares a long prefix of its
         prompt (at least `SHARE_MIN` tokens past what the cache holds of it), and restores it
         instead of computing it beside it: (that job, the position it publishes it at, when
-        its prefill has not reached it yet, `share`; else 0: its state is stored when it ends,
-        and the job waits for that at most as long as computing the prefix would take, at the
-        worker's prefill rate, or that job's before one is measured)."""
+        its prefill has not reached it yet, `share`; else 0: that job stores it from its live
+        state before the next pass (`due`), and should it not hold it (a recurrent model with
+        no checkpoint near it), the state is stored when that job ends, and the job waits for
+        that at most as long as computing the prefix would take, at the worker's prefill rate,
+        or that job's before one is measured)."""
         if slot.task is not None or slot.job.cancelled:
             return None
         for other in self.active:
@@ -233,6 +255,8 @@ class Schedule:
                 continue
             if len(theirs) - other.remaining() < at:
                 return other, at
+            if (id(other.job), at) not in self._tried and (other, at) not in self.due:
+                self.due.append((other, at))
             rate = self.rate() or other.task.pass_rate()   # the worker's, or that job's
             if rate and slot.kept < (at - self._estimate(slot.job)) / rate:
                 return other, 0
@@ -334,6 +358,7 @@ class Schedule:
         self.active.remove(slot)
         self.changed()      # its state is stored now
         self._shared = {k: v for k, v in self._shared.items() if id(slot.job) not in k}
+        self._tried = {k for k in self._tried if k[0] != id(slot.job)}
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
@@ -376,6 +401,11 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         if not schedule.active:
             continue
         slot = schedule.pick()
+        if schedule.due:    # jobs wait for a prefix a started job is past: stored from it now
+            for holder, at in schedule.due:
+                assert holder.task is not None
+                schedule.stored(holder, at, holder.task.publish(at))
+            slot = schedule.pick()
         if slot.task is None:     # with max_active 1 nobody can be admitted mid-pass
             slot.task = start(slot.job, functools.partial(preempt, slot)
                               if schedule.max_active > 1 else None)
