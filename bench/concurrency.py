@@ -7,7 +7,9 @@ Parts (each on both servers, the servers started fresh per part and model, prefi
   of all requests / wall time of the burst) and each request's time per output token after its
   first; every reply compared with the same prompt's reply alone on the same server.
 - burst: four requests sharing a ~1,500-token system prompt (distinct questions) sent in the
-  same instant: their cached tokens and slowest first token; then their second turns together.
+  same instant: their cached tokens and slowest first token; then their second turns together;
+  then a late sub-agent: sent once another with a new system prompt decodes (4x the tokens),
+  its cached tokens and first token (and the same request's first token on a cold prompt).
 - hol: 20 long prompts (~1,000 tokens) sent together, then 10 short ones right behind them:
   the shorts' TTFT against the same short alone.
 
@@ -30,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +50,13 @@ def body(messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
-def ask(port: int, b: dict[str, Any], out: dict[str, Any], t0: float) -> None:
-    """One streamed request; its results in `out` (never raises: an error is a result)."""
+def ask(port: int, b: dict[str, Any], out: dict[str, Any], t0: float,
+        first: Callable[[], None] | None = None) -> None:
+    """One streamed request; its results in `out` (never raises: an error is a result).
+    `first` is called at its first token."""
     sent = time.perf_counter()
     try:
-        text, usage, ttft, total = stream_chat(port, b, timeout=900)
+        text, usage, ttft, total = stream_chat(port, b, timeout=900, first=first)
     except Exception as e:
         out.update(error=f"{type(e).__name__}: {e}", end=time.perf_counter() - t0)
         return
@@ -116,7 +121,40 @@ def part_burst(port: int, args: argparse.Namespace, seed: str) -> dict[str, Any]
     two, _ = together(port, [body(m, args.max_tokens) for m in seconds])
     return {"first": [{k: o.get(k) for k in ("cached", "ttft", "total", "error")} for o in one],
             "second": [{k: o.get(k) for k in ("cached", "ttft", "total", "error")}
-                       for o in two]}
+                       for o in two],
+            "late": late_agent(port, args, rng)}
+
+
+def late_agent(port: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    """A sub-agent sent once another with the same (new) system prompt decodes a longer reply:
+    its cached tokens and first token, the same sub-agent's first token alone on a cold
+    prompt for scale, and whether it had its answer before the other ended."""
+    system = "You are a reviewing sub-agent. " + words(rng, args.shared)
+    running, late = ({"role": "system", "content": system},
+                     {"role": "user", "content": "Review: " + words(rng, 30)}), \
+        [{"role": "system", "content": system},
+         {"role": "user", "content": "Check: " + words(rng, 30)}]
+    outs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    decoding = threading.Event()
+    t0 = time.perf_counter()
+
+    def after_first_token() -> None:
+        if decoding.wait(900):
+            ask(port, body(late, args.max_tokens), outs[1], t0)
+
+    sent = threading.Thread(target=after_first_token, daemon=True)
+    sent.start()
+    ask(port, body(list(running), args.max_tokens * 4), outs[0], t0, decoding.set)
+    sent.join(960)
+    cold: dict[str, Any] = {}
+    ask(port, body([{**late[0], "content": "Fresh. " + system}, late[1]], args.max_tokens),
+        cold, time.perf_counter())
+    return {"cached": outs[1].get("cached"), "ttft": outs[1].get("ttft"),
+            "cold_ttft": cold.get("ttft"),
+            "before_end": outs[1].get("end", float("inf")) < outs[0].get("end", 0.0),
+            "ends": [o.get("end") for o in outs], "sent": outs[1].get("start"),
+            "tokens": [o.get("completion") for o in outs],
+            "error": outs[0].get("error") or outs[1].get("error")}
 
 
 def part_hol(port: int, args: argparse.Namespace, seed: str) -> dict[str, Any]:
@@ -201,6 +239,14 @@ def tables(results: dict[str, Any]) -> str:
                              f"{[o['cached'] for o in f2]} | "
                              f"{_f(max(o['ttft'] or 0 for o in f2), '.2f')} | "
                              f"{r['peak_rss'] / 2**20:.0f} |")
+            lines += ["", f"### {model}: a sub-agent sent while another with its system prompt "
+                      "decodes", "", "| server | cached | first token s | alone, cold prompt s "
+                      "| answered before the other ended | error |", "|---|---|---|---|---|---|"]
+            for kind, r in parts["burst"].items():
+                late = r.get("late") or {}
+                lines.append(f"| {kind} | {late.get('cached')} | {_f(late.get('ttft'), '.2f')} "
+                             f"| {_f(late.get('cold_ttft'), '.2f')} | {late.get('before_end')} "
+                             f"| {late.get('error') or ''} |")
             lines.append("")
         if "hol" in parts:
             lines += [f"### {model}: 10 short requests behind 20 long ones", "",

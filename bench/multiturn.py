@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,10 +194,11 @@ def stop_server(server: Server) -> None:
         shutil.rmtree(server.cache_dir, ignore_errors=True)
 
 
-def stream_chat(port: int, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S
+def stream_chat(port: int, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S,
+                first: Callable[[], None] | None = None
                 ) -> tuple[str, dict[str, Any], float, float]:
     """POST a streaming chat request; (reply text, usage (with a prefixd worker's `prefixd`
-    breakdown), time to first token, total time)."""
+    breakdown), time to first token, total time). `first` is called at its first token."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -217,7 +219,10 @@ def stream_chat(port: int, body: dict[str, Any], timeout: float = REQUEST_TIMEOU
         for choice in event.get("choices", []):
             delta = choice.get("delta") or {}
             if delta.get("content") or delta.get("tool_calls"):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                    if first is not None:
+                        first()
                 text.append(delta.get("content") or "")
     total = time.perf_counter() - t0
     conn.close()

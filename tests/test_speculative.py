@@ -35,8 +35,10 @@ from prefixd.backends.mlx.model.tiny import (
     ARCHS,
     EXTRA_ARCHS,
     build_model,
+    model_from_config,
     restrict_output,
     save_tiny_model,
+    tiny_config,
 )
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
@@ -222,11 +224,15 @@ def test_the_next_turn_after_a_speculative_reply_restores_all_of_it_and_equals_c
         assert warm == cold, (arch, max_tokens)
 
 
-def _hybrid_engines() -> tuple[Engine, Engine, list[int]]:
-    """A tiny qwen3_next writing the alphabet: Engines with and without speculation, and a
-    60-token prompt. Drafts sized by the prior costs (as a group's are), never by time: what
-    gets drafted here is the same on any machine."""
-    model = build_model("qwen3_next")
+def _hybrid_engines(arch: str = "qwen3_next") -> tuple[Engine, Engine, list[int]]:
+    """A tiny model writing the alphabet (qwen3_next; gemma3_text with a window of 48, which
+    the prompt and reply wrap): Engines with and without speculation, and a 60-token prompt.
+    Drafts sized by the prior costs (as a group's are), never by time: what gets drafted
+    here is the same on any machine."""
+    if arch == "gemma3_text":
+        model = model_from_config({**tiny_config(arch), "sliding_window": 48})
+    else:
+        model = build_model(arch)
     restrict_output(model, ALPHABET)
     spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
     assert spec.spec is not None
@@ -237,11 +243,15 @@ def _hybrid_engines() -> tuple[Engine, Engine, list[int]]:
     return spec, plain, prompt
 
 
-def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded() -> None:
+CLOSING_ARCHS = ["qwen3_next", "gemma3_text"]
+
+
+@pytest.mark.parametrize("arch", CLOSING_ARCHS)
+def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded(arch: str) -> None:
     """The caller closes the reply (a stop string, EOS) right after a token a verify pass
     accepted, with more accepted after it: they leave the cache, which holds the prompt and
     the tokens yielded, and the next turn from there equals cold."""
-    spec, plain, prompt = _hybrid_engines()
+    spec, plain, prompt = _hybrid_engines(arch)
     among = 0
     for cut in range(2, 30):
         other = [9, cut, *prompt]     # a prompt of its own each time
@@ -258,12 +268,16 @@ def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded() -> N
     assert among
 
 
-def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded() -> None:
-    """Hybrid requests decoding in one batch (stepped as the scheduler steps them), each closed
-    after its own number of tokens, some among tokens a batched verify pass accepted: once out
-    of the batch, each cache goes back to its last yielded token (recurrent states from those
-    captured in the batch's pass), holds prompt + reply, and the next turn equals cold."""
-    spec, plain, prompt = _hybrid_engines()
+@pytest.mark.parametrize("arch", CLOSING_ARCHS)
+def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded(
+        arch: str) -> None:
+    """Requests decoding in one batch (stepped as the scheduler steps them), each closed after
+    its own number of tokens, some among tokens a batched verify pass accepted: once out of
+    the batch, each cache goes back to its last yielded token (recurrent states from those
+    captured in the batch's pass; a wrapped window, which the batch does not capture, cut back
+    from the positions the pass left it), holds prompt + reply, and the next turn equals
+    cold."""
+    spec, plain, prompt = _hybrid_engines(arch)
     among = batched = 0
     for r in range(12):
         prompts = [[9, 3 * r + i, *prompt] for i in range(3)]

@@ -184,6 +184,25 @@ def _trim_to(c: Any, i: int, pos: int) -> None:
         c.keys, c.values = _cut(c.keys, pos), _cut(c.values, pos)
 
 
+def window_goes_back(leaf: Any, n: int) -> bool:
+    """Whether a sliding window (`RotatingKVCache`) can go back by its last `n` positions by
+    a cut (`window_back`): it still holds the `max_size - 1` before them (all of them, short
+    of a window) in temporal order, as a multi-token pass leaves it (`max_size - 1` plus the
+    pass's positions); not after one-token steps rotated it."""
+    if type(leaf) is not RotatingKVCache or leaf.keys is None or leaf.keep:
+        return False
+    size = leaf.keys.shape[2]
+    return leaf._idx == size and n <= size and size - n >= min(leaf.max_size - 1,
+                                                               leaf.offset - n)
+
+
+def window_back(leaf: Any, n: int) -> None:
+    """`leaf` (`window_goes_back`) trimmed by `n` and cut to its end, in place: it holds what
+    one-token steps would have left it to attend to."""
+    leaf.trim(n)
+    leaf.keys, leaf.values = _cut(leaf.keys, leaf._idx), _cut(leaf.values, leaf._idx)
+
+
 def compact(leaf: Any, pos: int) -> None:
     """Drop a full-attention leaf's buffer capacity past `pos` (its positions), in place."""
     if type(leaf) in (KVCache, QuantizedKVCache) and leaf.keys is not None:

@@ -85,14 +85,13 @@ def drop(leaf: BatchKVCache, drops: list[int]) -> None:
 
 def states(captured: dict[int, snapshot.Snapshot], row: int, keep: int,
            leaves: tuple[int, ...]) -> dict[int, snapshot.Snapshot]:
-    """Row `row`'s captured states at positions 1..keep of the pass, as a run's own cache would
-    hold them (what `Speculation.go_back` restores once the run has left the batch); {} when
-    `leaves` (those it captures alone) are not all among them (windows: it cannot go back)."""
+    """Row `row`'s captured recurrent and convolution states at positions 1..keep of the pass,
+    as a run's own cache would hold them (what `Speculation.go_back` restores once the run
+    has left the batch). Windows are not captured in a batch: `go_back` cuts them back from
+    the positions the pass left them."""
     out: dict[int, snapshot.Snapshot] = {}
     for k in range(1, keep):
         snap = captured.get(k, {})
-        if any(i not in snap for i in leaves):
-            return {}
         out[k] = {i: ArraysCache.from_state(([c[row:row + 1] for c in snap[i].cache],
-                                             None, None)) for i in leaves}
+                                             None, None)) for i in leaves if i in snap}
     return out

@@ -156,16 +156,26 @@ class Speculation:
     def go_back(self, run: Run, keep: int) -> bool:
         """Keep the first `keep` positions of the last verify pass in the live cache: full
         attention trimmed, the other leaves replaced by their state there (captured in the
-        pass). False when it cannot (no states kept from that pass: the cache is as it was)."""
+        pass), or, for a wrapped window the pass left whole (a batch's row: a batch does not
+        capture windows), cut back from the positions it holds (`snapshot.window_goes_back`).
+        False when it cannot (the cache is as it was)."""
         drop = self.held - keep
         if drop <= 0:
             return True
-        if keep < 1 or (keep not in self.states and self.config.leaves):
+        if keep < 1:
+            return False
+        leaves = snapshot.leaves(run.cache)
+        captured = self.states.get(keep, {})
+        cut = [i for i in self.config.leaves if i not in captured]
+        if not all(snapshot.window_goes_back(leaves[i], drop) for i in cut):
             return False
         new = []
-        for i, leaf in enumerate(snapshot.leaves(run.cache)):
-            if i in self.config.leaves:
-                new.append(snapshot.copy_leaf(self.states[keep][i]))
+        for i, leaf in enumerate(leaves):
+            if i in captured:
+                new.append(snapshot.copy_leaf(captured[i]))
+            elif i in cut:
+                snapshot.window_back(leaf, drop)
+                new.append(leaf)
             else:
                 leaf.trim(drop)
                 new.append(leaf)
