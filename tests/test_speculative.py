@@ -574,9 +574,10 @@ def test_a_group_speculates_as_one_process_decodes(words_model: Path) -> None:
 
 
 # one of each cache kind a batch holds: full-attention KV, Gated-DeltaNet and Mamba states with
-# their convolutions (beside attention and alone), sliding windows (128 tokens: wrapped here).
-# Not lfm2: its tied six-word model repeats its last token, whatever its convolutions hold.
-BATCH_ARCHS = ("qwen3", "qwen3_next", "falcon_h1", "mamba2", "gemma3_text")
+# their convolutions (beside attention and alone; three of them, q, k and v: olmo_hybrid),
+# sliding windows (128 tokens: wrapped here). Not lfm2: its tied six-word model repeats its
+# last token, whatever its convolutions hold.
+BATCH_ARCHS = ("qwen3", "qwen3_next", "falcon_h1", "mamba2", "gemma3_text", "olmo_hybrid")
 
 
 @pytest.fixture(scope="module", params=BATCH_ARCHS)

@@ -105,18 +105,23 @@ class Tap:
         for i in indices:
             leaf = all_leaves[i]
             if type(leaf) is ArraysCache:
-                # [conv, state] (a recurrence after a short convolution), or [conv] alone
-                # (LFM2's short-convolution layers)
+                # [conv..., state]: a recurrence after its short convolutions, one (Gated
+                # DeltaNet, Mamba) or one each for q, k and v (Kimi Linear, OLMo hybrid);
+                # or [conv] alone (LFM2's short-convolution layers)
                 with_state = len(leaf.cache) > 1
-                if convs >= len(self.convs) or (with_state and recurrent >= len(self.states)):
+                n = len(leaf.cache) - with_state
+                if convs + n > len(self.convs) or \
+                        (with_state and recurrent >= len(self.states)):
                     self.failed = "fewer tapped recurrences than recurrent caches"
                     return {}
-                x, k = self.convs[convs]
                 for j, r in enumerate(self.offsets):
-                    conv = mx.contiguous(x[:, r:r + k - 1, :])  # a copy: x is pass-sized
-                    arrays = [conv, self.states[recurrent][j]] if with_state else [conv]
+                    # copies: each x is pass-sized
+                    arrays = [mx.contiguous(x[:, r:r + k - 1, :])
+                              for x, k in self.convs[convs:convs + n]]
+                    if with_state:
+                        arrays.append(self.states[recurrent][j])
                     out[r][i] = ArraysCache.from_state((arrays, None, None))
-                convs += 1
+                convs += n
                 recurrent += with_state
             elif type(leaf) is RotatingKVCache:
                 if not self._window(leaf, i, out):

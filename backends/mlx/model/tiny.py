@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 ARCHS: tuple[str, ...] = ("qwen3", "gemma3_text", "qwen3_next", "qwen3_5", "falcon_h1")
 # More cache kinds, built in-process by the tests that cover every kind (speculative decoding):
-# plain KV (llama, gemma2: tied embeddings), Mamba2 alone, LFM2's short convolutions.
-EXTRA_ARCHS: tuple[str, ...] = ("llama", "gemma2", "mamba2", "lfm2")
+# plain KV (llama, gemma2: tied embeddings), Mamba2 alone, LFM2's short convolutions, OLMo
+# hybrid's Gated DeltaNet after three convolutions (q, k, v: Kimi Linear's layout too).
+EXTRA_ARCHS: tuple[str, ...] = ("llama", "gemma2", "mamba2", "lfm2", "olmo_hybrid")
 
 TINY_VOCAB = 1024
 # Scale of the allowed lm_head rows: large enough that a word token's best logit beats the zero
@@ -125,6 +126,11 @@ def _extra_fields(arch: str) -> dict[str, Any]:
                 "conv_L_cache": 3, "block_dim": 64, "block_multiple_of": 16,
                 "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
                 "block_ff_dim": 128, "full_attn_idxs": [1, 3]}
+    if arch == "olmo_hybrid":
+        return {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                "linear_conv_kernel_dim": 4, "linear_allow_neg_eigval": True,
+                "attention_bias": False}
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
 
 
