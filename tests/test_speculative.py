@@ -29,7 +29,13 @@ from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine import gapped
 from prefixd.backends.mlx.engine.config import EngineConfig
-from prefixd.backends.mlx.engine.draft import BatchPace, Pace, PassCosts, PromptLookup
+from prefixd.backends.mlx.engine.draft import (
+    BatchPace,
+    Pace,
+    PassCosts,
+    PromptLookup,
+    fair_width,
+)
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.model.tiny import (
     ARCHS,
@@ -138,6 +144,33 @@ def test_a_batch_member_drafts_by_what_its_batch_pass_costs() -> None:
     assert Pace(8, flat).length(20, rows=4) >= 7 and Pace(8, flat).length(20) >= 7
 
 
+def test_a_batch_member_prices_its_draft_by_what_the_whole_pass_emits() -> None:
+    """The other members of a batch get one token from a pass however wide a member's draft
+    makes it: a draft that would pay for its own request (0.35 expected extra tokens against a
+    pass 25% dearer) does not pay for a batch of two, whose other token costs 25% more too."""
+    costs = PassCosts()
+    for n, seconds in ((1, 0.010), (2, 0.010), (4, 0.0125), (6, 0.02), (8, 0.03)):
+        costs.observe(n, seconds)
+    assert Pace(8, costs).length(2) >= 1           # alone: 1 + 0.35 tokens for 1.0x
+    assert Pace(8, costs).length(2, rows=2) == 0   # a batch: 2 + 0.35 tokens for 1.25x
+
+
+def test_a_member_drafting_nothing_steps_at_most_fair_times_slower() -> None:
+    """A batch where some member drafts nothing verifies the others' drafts in a pass at most
+    FAIR times as costly as a plain step of the batch (measured costs); where a pass costs
+    about the same however wide (a GPU), the drafts go whole."""
+    steep = PassCosts()
+    for n in range(1, 40):
+        steep.observe(n, 0.010 * (1 + 0.1 * (n - 1)))   # +10% a token
+    # two rows: a plain step is 2 tokens (1.1x); 1.5 x 1.1 = 1.65x allows 7 tokens: width 3
+    assert fair_width(steep, 2, 17) == 3
+    assert fair_width(steep, 4, 17) == 2        # 4 rows: 12 tokens (2.1x) > 1.5 x 1.3x
+    flat = PassCosts()
+    for n in range(1, 80):
+        flat.observe(n, 0.010)
+    assert fair_width(flat, 4, 17) == 17
+
+
 def test_a_batch_stops_drafting_while_its_verify_passes_emit_less_per_second() -> None:
     """Verify passes that emit fewer tokens per second than plain steps of the same batch
     size (every cost counted) stop the batch drafting for ever longer waits, then it tries
@@ -227,8 +260,8 @@ def test_the_next_turn_after_a_speculative_reply_restores_all_of_it_and_equals_c
 def _hybrid_engines(arch: str = "qwen3_next") -> tuple[Engine, Engine, list[int]]:
     """A tiny model writing the alphabet (qwen3_next; gemma3_text with a window of 48, which
     the prompt and reply wrap): Engines with and without speculation, and a 60-token prompt.
-    Drafts sized by the prior costs (as a group's are), never by time: what gets drafted
-    here is the same on any machine."""
+    Drafts sized by fixed costs, never by time: what gets drafted here is the same on any
+    machine."""
     if arch == "gemma3_text":
         model = model_from_config({**tiny_config(arch), "sliding_window": 48})
     else:
@@ -236,7 +269,8 @@ def _hybrid_engines(arch: str = "qwen3_next") -> tuple[Engine, Engine, list[int]
     restrict_output(model, ALPHABET)
     spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
     assert spec.spec is not None
-    spec.spec.costs.timed = False
+    spec.spec.costs.timed = False     # and passes cost the same however wide (a GPU's shape):
+    spec.spec.costs.seconds = {n: 0.01 for n in range(1, 256)}   # batches draft long
     plain = Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
     rng = random.Random(4)
     prompt = [rng.choice(ALPHABET) for _ in range(60)]

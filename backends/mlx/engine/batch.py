@@ -40,7 +40,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import rows, tap
-from prefixd.backends.mlx.engine.draft import BatchPace
+from prefixd.backends.mlx.engine.draft import BatchPace, fair_width
 from prefixd.backends.mlx.engine.gapped import GappedKVCache
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.model.memory import trim_heap
@@ -164,6 +164,12 @@ class Batch:
         members = list(self.runs)
         proposed = [_draft(r, len(members)) for r in members] \
             if drafts and self._verifies() and self.pace.drafts() else []
+        if any(proposed) and not all(proposed):   # those not drafting: slowed at most FAIR
+            spec = next(r.spec for r, d in zip(members, proposed, strict=True) if d)
+            assert spec is not None
+            most = fair_width(spec.config.costs, len(members),
+                              1 + max(len(d) for d in proposed)) - 1
+            proposed = [d[:most] for d in proposed]
         if any(proposed):
             self.verify(members, proposed)
             return

@@ -172,8 +172,10 @@ class Pace:
 
     def length(self, reach: int, rows: int = 1) -> int:
         """The draft length to verify at this step for a match of `reach` tokens (0: decode
-        one token), in a pass of `rows` requests (a decode batch's: each drafting as much
-        makes it rows x (k + 1) tokens against rows)."""
+        one token), in a pass of `rows` requests (a decode batch's: a draft of k makes it a
+        pass of rows x (k + 1) tokens against rows, and the other members, one token each,
+        pay for it too: the length is the one that maximizes the tokens the whole pass emits
+        over its cost)."""
         rate = self._rate(reach)
         if self.max_draft <= 0:
             return 0
@@ -184,7 +186,8 @@ class Pace:
         best, best_k = self.MARGIN, 0
         base = self.costs.ratio(rows)
         for k in range(1, self.max_draft + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) * base / self.costs.ratio(rows * (k + 1))
+            emitted = (rows - 1 + (1 - a ** (k + 1)) / (1 - a)) / rows
+            gain = emitted * base / self.costs.ratio(rows * (k + 1))
             if gain > best:
                 best, best_k = gain, k
         if best_k:
@@ -207,6 +210,24 @@ class Pace:
             rate.back_off()
         else:
             rate.backoff = 1
+
+
+# How much slower a decode batch member that drafts nothing may step because another's draft
+# widens the pass (against a plain step of the batch): the issue-35 bound on a request's time
+# per token in company.
+FAIR = 1.5
+
+
+def fair_width(costs: PassCosts | DraftCosts, rows: int, widest: int) -> int:
+    """The widest verify pass (positions per row, at most `widest`) of a decode batch of
+    `rows` in which some member drafts nothing: its step then costs at most `FAIR` times a
+    plain step of the batch, so a member writing prose beside one copying a file keeps at
+    least 1 / FAIR of its decode rate (1: no drafts in this pass)."""
+    base = costs.ratio(rows)
+    width = 1
+    while width < widest and costs.ratio(rows * (width + 1)) <= FAIR * base:
+        width += 1
+    return width
 
 
 @dataclass
