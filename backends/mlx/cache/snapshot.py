@@ -63,13 +63,14 @@ def leaves(cache: Cache) -> list[Any]:
 
 def rebuild(template: Cache, new_leaves: list[Any]) -> Cache:
     """A cache shaped like `template` (same `CacheList` nesting) holding `new_leaves`."""
-    it = iter(new_leaves)
+    return _build(template, iter(new_leaves))
 
-    def build(items: list[Any]) -> list[Any]:
-        return [CacheList(*build(list(c.caches))) if type(c) is CacheList else next(it)
-                for c in items]
 
-    return build(template)
+def _build(items: list[Any], it: Any) -> list[Any]:
+    # Not a closure calling itself: that is a reference cycle, and the leaves it reaches would
+    # wait for Python's cycle collector (device memory held after a request ends).
+    return [CacheList(*_build(list(c.caches), it)) if type(c) is CacheList else next(it)
+            for c in items]
 
 
 def unsupported(cache: Cache) -> str | None:

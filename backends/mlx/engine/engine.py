@@ -275,6 +275,7 @@ class Engine(Checkpointing):
             stats.commit_s = time.perf_counter() - t0
             if run.spec is not None:
                 stats.speculative = run.spec.info()
+            run.release()
 
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""

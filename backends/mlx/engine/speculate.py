@@ -200,6 +200,12 @@ class Speculation:
         run.broken = False
         self.states, self.held = {}, 0
 
+    def release(self) -> None:
+        """Its captured states and its draft model's cache let go (`Run.release`)."""
+        self.states = {}
+        if self.model is not None:
+            self.model.cache, self.model.tokens = [], []
+
     def info(self) -> dict[str, Any]:
         out = {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
         return out if self.model is None else {**out, "model_drafted": self.model_drafted}
