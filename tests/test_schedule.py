@@ -17,15 +17,23 @@ import pytest
 
 from prefixd.backends.mlx.chat.prompt import Prompt, Renderer
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.engine.loading import Loaded
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
 from prefixd.backends.mlx.group.lockstep import Lockstep
+from prefixd.backends.mlx.model.tiny import model_from_config, tiny_config
 from prefixd.backends.mlx.scheduler.active import Active
 from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.output import Delta
-from prefixd.backends.mlx.scheduler.schedule import AGE_LIMIT, MIN_SLICE, Schedule, drive
+from prefixd.backends.mlx.scheduler.schedule import (
+    AGE_LIMIT,
+    MIN_SLICE,
+    Schedule,
+    drive,
+    request_bytes,
+)
 from prefixd.backends.mlx.scheduler.steps import (
     Decision,
     Decoded,
@@ -552,3 +560,26 @@ def tokenizer(tiny_model_dir: Callable[[str], Any]) -> Any:
 def model(request: pytest.FixtureRequest) -> Any:
     from prefixd.backends.mlx.model.tiny import build_model
     return CountingModel(build_model(request.param, seed=3))
+
+
+def test_admission_counts_what_a_request_holds_besides_its_kv() -> None:
+    """A hybrid's request holds fixed-size states whatever its length: counted per job."""
+    schedule = Schedule(8, 256, 512, 1000, 1, per_request=300)
+    for _ in range(5):
+        schedule.add(_job([1] * 10))             # (10 + 4) x 1 + 300 = 314 bytes each
+    assert len(schedule.admit()) == 3              # 4 x 314 > 1,000
+
+
+def test_a_requests_fixed_bytes_are_its_states_and_its_logits() -> None:
+    """qwen3_next's tiny config: 3 Gated-DeltaNet layers, each a convolution state of
+    (kernel - 1) x (2 x 2 x 16 + 4 x 16) float32 and a recurrent state of 4 x 16 x 16
+    float32; held twice where a verify pass keeps the state before it to go back; plus a
+    verify pass's logits and draws. Full attention holds no fixed state."""
+    hybrid = Engine(model_from_config(tiny_config("qwen3_next")), EngineConfig())
+    states = 3 * (3 * (2 * 2 * 16 + 4 * 16) * 4 + 4 * 16 * 16 * 4)
+    leaves = hybrid.reference_leaves()
+    assert hybrid.logits_bytes == 1024 * 4
+    assert request_bytes(leaves, 4096, 9, False) == states + 2 * 9 * 4096
+    assert request_bytes(leaves, 4096, 9, True) == 2 * states + 2 * 9 * 4096
+    plain = Engine(model_from_config(tiny_config("qwen3")), EngineConfig())
+    assert request_bytes(plain.reference_leaves(), 4096, 1, False) == 2 * 4096

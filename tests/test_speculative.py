@@ -28,6 +28,7 @@ from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine import gapped
+from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.draft import (
     BatchPace,
@@ -259,15 +260,17 @@ def test_the_next_turn_after_a_speculative_reply_restores_all_of_it_and_equals_c
 
 def _hybrid_engines(arch: str = "qwen3_next") -> tuple[Engine, Engine, list[int]]:
     """A tiny model writing the alphabet (qwen3_next; gemma3_text with a window of 48, which
-    the prompt and reply wrap): Engines with and without speculation, and a 60-token prompt.
-    Drafts sized by fixed costs, never by time: what gets drafted here is the same on any
-    machine."""
+    the prompt and reply wrap; "-replay": recurrent states computed again where needed, never
+    kept per position): Engines with and without speculation, and a 60-token prompt. Drafts
+    sized by fixed costs, never by time: what gets drafted here is the same on any machine."""
+    arch, _, replay = arch.partition("-")
     if arch == "gemma3_text":
         model = model_from_config({**tiny_config(arch), "sliding_window": 48})
     else:
         model = build_model(arch)
     restrict_output(model, ALPHABET)
-    spec = Engine(model, EngineConfig(cache_bytes=1 << 28))
+    spec = Engine(model, EngineConfig(cache_bytes=1 << 28,
+                                      spec_capture_bytes=0 if replay else 1 << 30))
     assert spec.spec is not None
     spec.spec.costs.timed = False     # and passes cost the same however wide (a GPU's shape):
     spec.spec.costs.seconds = {n: 0.01 for n in range(1, 256)}   # batches draft long
@@ -277,7 +280,7 @@ def _hybrid_engines(arch: str = "qwen3_next") -> tuple[Engine, Engine, list[int]
     return spec, plain, prompt
 
 
-CLOSING_ARCHS = ["qwen3_next", "gemma3_text"]
+CLOSING_ARCHS = ["qwen3_next", "gemma3_text", "qwen3_next-replay", "falcon_h1-replay"]
 
 
 @pytest.mark.parametrize("arch", CLOSING_ARCHS)
@@ -286,20 +289,22 @@ def test_a_reply_closed_among_accepted_tokens_keeps_only_what_was_yielded(arch: 
     accepted, with more accepted after it: they leave the cache, which holds the prompt and
     the tokens yielded, and the next turn from there equals cold."""
     spec, plain, prompt = _hybrid_engines(arch)
-    among = 0
+    among = replayed = 0
     for cut in range(2, 30):
         other = [9, cut, *prompt]     # a prompt of its own each time
         turn = turn_for(spec)
         steps = generate(spec, other, sampler=_greedy, max_tokens=40, turn=turn)
         got = [next(steps) for _ in range(cut)]
-        assert turn.run is not None
+        assert turn.run is not None and turn.run.spec is not None
         among += len(turn.run.ahead) > 1     # accepted tokens not yielded yet
+        replayed += _replayed(turn.run.spec.captured)
         steps.close()
         follow = [*other, *got, 5]
         assert spec.cached_now(follow) == len(other) + cut
         warm = list(generate(spec, follow, sampler=_greedy, max_tokens=8))
         assert warm == list(generate(plain, follow, sampler=_greedy, max_tokens=8))
     assert among
+    assert bool(replayed) == arch.endswith("-replay")
 
 
 @pytest.mark.parametrize("arch", CLOSING_ARCHS)
@@ -312,7 +317,7 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
     from the positions the pass left it), holds prompt + reply, and the next turn equals
     cold."""
     spec, plain, prompt = _hybrid_engines(arch)
-    among = batched = 0
+    among = batched = replayed = 0
     for r in range(12):
         prompts = [[9, 3 * r + i, *prompt] for i in range(3)]
         cuts = [2 + 3 * r + i for i in range(3)]
@@ -333,6 +338,7 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
                     got[i].append(next(steps[i]))
                 if len(got[i]) >= cuts[i]:
                     among += len(run.ahead) > 1   # accepted tokens nobody yielded
+                    replayed += _replayed(run.spec.captured if run.spec else None)
                     steps[i].close()
                     live.remove(i)
         for p, reply in zip(prompts, got, strict=True):
@@ -341,6 +347,12 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
             warm = list(generate(spec, follow, sampler=_greedy, max_tokens=8))
             assert warm == list(generate(plain, follow, sampler=_greedy, max_tokens=8)), r
     assert among and batched
+    assert bool(replayed) == arch.endswith("-replay")
+
+
+def _replayed(captured: Captured | RowOf | None) -> bool:
+    """Whether a run's last verify pass computes its states again (held nothing per draft)."""
+    return bool(captured is not None and captured.replayed)
 
 
 # --- the worker: sampling, log-probabilities, batches, a client leaving -------------------------
@@ -620,20 +632,24 @@ def batch_words_model(request: pytest.FixtureRequest,
     return save_tiny_model(request.param, tmp_path_factory.mktemp("batch-words"), words=6)
 
 
-@pytest.mark.parametrize("sampling,max_gap", [
-    (Sampling(temperature=0), gapped.MAX_GAP), (Sampling(temperature=0.9, seed=3), gapped.MAX_GAP),
-    (Sampling(temperature=0), 2)], ids=["greedy", "seeded", "greedy-squeezed"])
+@pytest.mark.parametrize("sampling,max_gap,capture", [
+    (Sampling(temperature=0), gapped.MAX_GAP, None),
+    (Sampling(temperature=0.9, seed=3), gapped.MAX_GAP, None),
+    (Sampling(temperature=0), 2, None), (Sampling(temperature=0), gapped.MAX_GAP, 0)],
+    ids=["greedy", "seeded", "greedy-squeezed", "greedy-replayed"])
 async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pass(
-        batch_words_model: Path, sampling: Sampling, max_gap: int,
+        batch_words_model: Path, sampling: Sampling, max_gap: int, capture: int | None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every cache kind: the decode batch's pass carries every member's draft (rows padded
     to the longest), each row goes back to its last accepted token (full-attention KV masked
     where it is, windows rolled into the row's padding, recurrent states those captured there
     in the pass); the replies and log-probabilities are each request's alone without drafts,
     and their next turns warm equal cold. Squeezed: the masked positions squeezed out of the
-    batch every few passes, mid-batch."""
+    batch every few passes, mid-batch. Replayed: recurrent states computed again for each row
+    where it needs them, none kept per drafted position."""
     monkeypatch.setattr(gapped, "MAX_GAP", max_gap)
-    on, off = _gen(batch_words_model), _gen(batch_words_model, speculative=False)
+    on = _gen(batch_words_model, **({} if capture is None else {"spec_capture_bytes": capture}))
+    off = _gen(batch_words_model, speculative=False)
     try:
         prompts = _prompts(on, 12, 4)
         alone = [await collect(_submit(off, p, sampling, namespace="a")) for p in prompts]

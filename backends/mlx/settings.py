@@ -128,12 +128,21 @@ class WorkerSettings(BaseSettings):
         None, ge=1, le=64, description="Worker: the longest draft verified in one pass (each "
         "request sizes its drafts from their acceptance, up to this). Unset: 16 on models whose "
         "layers all trim (full attention), 8 where recurrent or sliding-window state is "
-        "captured at each position of a verify pass (held until the next pass: memory).")
+        "captured at each position of a verify pass (held until the next pass, or computed "
+        "again: spec_capture_bytes).")
     spec_draft_model: str | None = Field(
         None, description="Worker: a smaller model with the served model's tokenizer (a path "
         "or a name, as default_model) that drafts where the context has nothing to copy; "
         "full-attention models only (its cache goes back by trimming); not in a group. "
         "Unset: prompt lookup alone.")
+    spec_capture_bytes: int = Field(
+        64 * 2**20, ge=0, description="Worker: the most bytes of recurrent state (Gated-"
+        "DeltaNet, Mamba) a verify pass keeps, for all its requests, one per drafted position "
+        "(to go back exactly to the last accepted token; held until each request's next pass). "
+        "Above it, the state at the accepted position is computed again from the pass's own "
+        "inputs (the same calls: exact), for the requests that need it: a large hybrid's "
+        "speculation holds about one extra state per request instead of one per drafted "
+        "token, for a little time per verify pass. 0: always compute again.")
     spec_ngram: int = Field(2, ge=1, le=16, description="Worker: the fewest tokens a "
                             "match in the context must have to draft from (the reply's last "
                             "tokens looked up; of their earlier occurrences, the one whose "

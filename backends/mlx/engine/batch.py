@@ -40,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import rows, tap
+from prefixd.backends.mlx.engine.captured import RowOf
 from prefixd.backends.mlx.engine.draft import BatchPace, fair_width
 from prefixd.backends.mlx.engine.gapped import GappedKVCache
 from prefixd.backends.mlx.engine.passes import PassCounts
@@ -219,16 +220,18 @@ class Batch:
                   if type(leaf) is ArraysCache]
         before = snapshot.take(self.cache, tuple(states))[0]
         rows.in_order(self.cache)
-        recorder = tap.Tap(tuple(range(1, width)), width) if states else None
+        config = next(r.spec.config for r in members if r.spec is not None)
+        recorder = tap.Tap(tuple(range(1, width)), width, config.replays(self.cache, width)) \
+            if states else None
         try:
             for r in members:
                 r.broken = True
             padded = [[*x, *([x[-1]] * (width - len(x)))] for x in xs]
             with tap.tapping(recorder):
                 logits = self.model(mx.array(padded), cache=self.cache)
-            captured = recorder.payloads(self.cache, tuple(states)) if recorder else {}
+            captured = recorder.capture(self.cache, tuple(states)) if recorder else None
             if recorder is not None and recorder.failed:
-                rows.back(self.cache, [0] * len(members), width, {}, before)
+                rows.back(self.cache, [0] * len(members), width, None, before)
                 for r in members:
                     r.broken = False
                 return self.step(members, drafts=False)
@@ -237,7 +240,7 @@ class Batch:
                      [r.draw(logits[i, :1], r.prompt + r.fed + x)]
                      for i, (r, x) in enumerate(zip(members, xs, strict=True))]
             snapshot.evaluate(self.cache, logits, *(d for row in draws for d in row),
-                              *(recorder.arrays(captured) if recorder else ()))
+                              *(captured.arrays() if captured else ()))
             kept = []
             for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
                 if r.spec is None:
@@ -247,7 +250,7 @@ class Batch:
                     continue
                 a, r.ahead = r.spec.accept(r, x, d)
                 r.spec.held = a + 1
-                r.spec.states = rows.states(captured, i, a + 1, r.spec.config.leaves)
+                r.spec.captured = RowOf(captured, i) if captured else None
                 self.passes.drafts(len(x) - 1, a)
                 r.pending, r.incoming, r.drawn = None, None, None
                 kept.append(a + 1)

@@ -23,6 +23,7 @@ class EngineConfig:
     speculative: bool = True                    # draft by prompt lookup, verify exactly
     spec_draft_max: int | None = None          # None: by cache kind (`spec_config`)
     spec_ngram: int = 2
+    spec_capture_bytes: int = 64 * 2**20
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings, **override: Any) -> EngineConfig:

@@ -61,6 +61,7 @@ class Engine(Checkpointing):
         # only between workers of the same one (`engine/bundle.py`)
         self.model_id = model_id or (disk.model_id if disk else None)
         self._reference: list[Any] | None = None
+        self.logits_bytes = 0   # one position's logits (`reference_leaves`)
         self.store = CheckpointStore(config.cache_bytes)
         self.counts = CacheCounts()
         self._kv = probe.kv_quantization(model, config.kv_bits)
@@ -180,9 +181,10 @@ class Engine(Checkpointing):
         dtypes an imported state must have (`engine/bundle.py`)."""
         if self._reference is None:
             cache = self.fresh_cache()
-            self.model(mx.array([[0]]), cache=cache)
+            logits = self.model(mx.array([[0]]), cache=cache)
             snapshot.evaluate(cache)
             self._reference = snapshot.leaves(cache)
+            self.logits_bytes = logits.nbytes   # one position's
         return self._reference
 
     def adopt(self, tokens: list[int], cache: list[Any], namespace: str = "") -> int:

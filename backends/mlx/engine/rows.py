@@ -8,9 +8,8 @@ KV trimmed by the fewest dropped, the rest of each row masked where it is (`Gapp
 mlx-lm's own right-padding `finalize`); sliding windows (`BatchRotatingKVCache`)
 rolled the same way, never trimmed (the next step's window is cut from the buffer's end);
 recurrent and convolution states (`ArraysCache`: Gated-DeltaNet, Mamba, LFM2) replaced row by
-row by the state the in-pass tap captured at that row's position (`engine/tap.py`). And one
-row's captured states as a run's own cache holds them (`states`), for a reply that ends among
-its accepted tokens after it left the batch (`Speculation.go_back`).
+row by the state the in-pass tap captured at that row's position (`engine/captured.py`: kept
+from the pass, or computed again for that row alone).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine.captured import Captured
 from prefixd.backends.mlx.engine.gapped import GappedKVCache
 
 
@@ -47,12 +47,15 @@ def in_order(cache: list[Any]) -> None:
             leaf._temporal_order()
 
 
-def back(cache: list[Any], kept: list[int], width: int, captured: dict[int, snapshot.Snapshot],
+def back(cache: list[Any], kept: list[int], width: int, captured: Captured | None,
          before: snapshot.Snapshot | None = None) -> None:
     """Row i keeps the first `kept[i]` positions of the last pass (`width` long): its KV
     and window rows past them rolled into its padding, its recurrent and convolution
     states those captured after them (`before` the pass for 0)."""
     drops = [width - k for k in kept]
+    # each row's captured leaves at its position (a replayed state computed for that row)
+    at = {row: captured.get(k, row) for row, k in enumerate(kept)
+          if 0 < k < width and captured is not None}
     for i, leaf in enumerate(snapshot.leaves(cache)):
         kind = type(leaf)
         if kind is GappedKVCache:
@@ -64,10 +67,10 @@ def back(cache: list[Any], kept: list[int], width: int, captured: dict[int, snap
                 leaf._lengths = leaf.offset - mx.array(drops)
                 leaf.finalize()
         else:
-            srcs = [leaf if k == width else captured[k][i] if k else (before or {})[i]
-                    for k in kept]
-            leaf.cache = [mx.concatenate([src.cache[e][row:row + 1]
-                                          for row, src in enumerate(srcs)])
+            srcs = [at[row][i].cache if row in at else
+                    [e[row:row + 1] for e in (leaf if k == width else (before or {})[i]).cache]
+                    for row, k in enumerate(kept)]
+            leaf.cache = [mx.concatenate([src[e] for src in srcs])
                           for e in range(len(leaf.cache))]
 
 
@@ -81,17 +84,3 @@ def drop(leaf: BatchKVCache, drops: list[int]) -> None:
     if any(rest):
         leaf.prepare(right_padding=rest)
         leaf.finalize()
-
-
-def states(captured: dict[int, snapshot.Snapshot], row: int, keep: int,
-           leaves: tuple[int, ...]) -> dict[int, snapshot.Snapshot]:
-    """Row `row`'s captured recurrent and convolution states at positions 1..keep of the pass,
-    as a run's own cache would hold them (what `Speculation.go_back` restores once the run
-    has left the batch). Windows are not captured in a batch: `go_back` cuts them back from
-    the positions the pass left them."""
-    out: dict[int, snapshot.Snapshot] = {}
-    for k in range(1, keep):
-        snap = captured.get(k, {})
-        out[k] = {i: ArraysCache.from_state(([c[row:row + 1] for c in snap[i].cache],
-                                             None, None)) for i in leaves if i in snap}
-    return out

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
+from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.drafter import ModelDrafter
 
@@ -61,12 +63,23 @@ class SpecConfig:
     costs: PassCosts
     draft_model: Any = None     # drafts where the context has nothing to copy (`drafter.py`)
     draft_costs: DraftCosts | None = None
+    capture_bytes: int = 64 * 2**20   # a verify pass's kept states at most (`replays`)
+
+    def replays(self, cache: list[Any], width: int) -> bool:
+        """Whether a verify pass `width` tokens wide over `cache` (every row) computes the
+        captured recurrent states again where asked for instead of keeping one per position
+        (`engine/captured.py`): where those kept would pass `capture_bytes`."""
+        kept = sum(leaf.cache[-1].nbytes for i, leaf in enumerate(snapshot.leaves(cache))
+                   if i in self.leaves and type(leaf) is ArraysCache and len(leaf.cache) > 1
+                   and leaf.cache[-1] is not None)
+        return kept * (width - 1) > self.capture_bytes
 
 
 class Speculation:
     """One run's drafting state: its lookup over prompt and reply, its pace, what it drafted
-    and accepted, and the states at each position of its last verify pass (kept until the
-    tokens it accepted are all yielded: a reply that ends among them goes back to its end)."""
+    and accepted, and the states at each position of its last verify pass (`captured`, until
+    the tokens it accepted are all yielded: a reply that ends among them goes back to its
+    end)."""
 
     def __init__(self, config: SpecConfig, prompt: list[int], max_tokens: int) -> None:
         self.config = config
@@ -76,7 +89,7 @@ class Speculation:
         self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs)
         self.source = self.pace   # whose draft was verified last
         self.drafted = self.accepted = self.passes = self.model_drafted = 0
-        self.states: dict[int, snapshot.Snapshot] = {}
+        self.captured: Captured | RowOf | None = None
         self.held = 0   # positions of the last verify pass in the live cache
         self.reach = 0  # how far back the last draft's match reached
 
@@ -109,20 +122,20 @@ class Speculation:
         n = len(x)
         leaves = self.config.leaves
         before = snapshot.take(run.cache, leaves)[0] if leaves else {}
-        recorder = tap.Tap(tuple(range(1, n)), n) if leaves else None
+        recorder = tap.Tap(tuple(range(1, n)), n, self.config.replays(run.cache, n)) \
+            if leaves else None
         run.broken = True
         with tap.tapping(recorder):
             logits = run.model(mx.array(x)[None], cache=run.cache)[0]
-        states = recorder.payloads(run.cache, leaves) if recorder else {}
+        captured = recorder.capture(run.cache, leaves) if recorder else None
         draws = self.draws(run, x, logits)
-        snapshot.evaluate(run.cache, logits, *draws,
-                          *(recorder.arrays(states) if recorder and states else ()))
+        snapshot.evaluate(run.cache, logits, *draws, *(captured.arrays() if captured else ()))
         run.broken = False
         a, emitted = self.accept(run, x, draws)
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
         else:
-            self.states, self.held = states, n
+            self.captured, self.held = captured, n
             self.go_back(run, a + 1)
         self.config.costs.observe(n, time.perf_counter() - t0)
         return emitted
@@ -165,7 +178,7 @@ class Speculation:
         if keep < 1:
             return False
         leaves = snapshot.leaves(run.cache)
-        captured = self.states.get(keep, {})
+        captured = self.captured.get(keep) if self.captured is not None else {}
         cut = [i for i in self.config.leaves if i not in captured]
         if not all(snapshot.window_goes_back(leaves[i], drop) for i in cut):
             return False
@@ -198,11 +211,11 @@ class Speculation:
         run.model(mx.array(kept)[None], cache=run.cache)
         snapshot.evaluate(run.cache)
         run.broken = False
-        self.states, self.held = {}, 0
+        self.captured, self.held = None, 0
 
     def release(self) -> None:
         """Its captured states and its draft model's cache let go (`Run.release`)."""
-        self.states = {}
+        self.captured = None
         if self.model is not None:
             self.model.cache, self.model.tokens = [], []
 
@@ -243,5 +256,6 @@ def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[i
         return None, why
     costs = PassCosts(timed=timed)
     longest = config.spec_draft_max or (CAPTURED_DRAFT_MAX if inpass else TRIMMED_DRAFT_MAX)
-    return SpecConfig(longest, config.spec_ngram, inpass or (), costs,
-                      draft_model, DraftCosts(costs) if draft_model is not None else None), None
+    return SpecConfig(longest, config.spec_ngram, inpass or (), costs, draft_model,
+                      DraftCosts(costs) if draft_model is not None else None,
+                      config.spec_capture_bytes), None

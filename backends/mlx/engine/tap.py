@@ -31,9 +31,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine.captured import Captured, Replay
 
 log = logging.getLogger("prefixd.worker.cache")
 _local = threading.local()
@@ -60,12 +60,15 @@ SPECS = {
 @dataclass
 class Tap:
     """What one tapped pass of `length` tokens records: per recurrent layer (in call order) its
-    states after each offset, per convolution its padded input. `failed` says why the pass's
-    checkpoints cannot be built (then none are)."""
+    states after each offset (or, with `replay`, what computes them again: `captured.Replay`),
+    per convolution its padded input. `failed` says why the pass's checkpoints cannot be built
+    (then none are)."""
 
     offsets: tuple[int, ...]   # ascending, 0 < offset < length
     length: int
+    replay: bool = False       # hold what recomputes the states, not the states (`Replay`)
     states: list[list[mx.array]] = field(default_factory=list)
+    replays: list[Replay] = field(default_factory=list)
     convs: list[tuple[mx.array, int]] = field(default_factory=list)
     failed: str | None = None
 
@@ -82,88 +85,42 @@ class Tap:
             a[spec.state] = state
             return orig(*a, **kwargs)
         bounds = [0, *self.offsets, self.length]
-        outs, states = [], []
+        outs, states, segments = [], [], []
+        before = state
         for lo, hi in pairwise(bounds):
             seg = list(a)
             for i in spec.time_args:
                 seg[i] = a[i][:, lo:hi]
+            segments.append(seg)
+            seg = list(seg)
             seg[spec.state] = state
             y, state = orig(*seg, **kwargs)
             outs.append(y)
             states.append(state)
-        self.states.append(states[:-1])
+        if self.replay:   # the states in between are let go as the pass computes them
+            self.replays.append(Replay(orig, spec.time_args, spec.state, segments[:-1],
+                                       dict(kwargs), before))
+        else:
+            self.states.append(states[:-1])
         return mx.concatenate(outs, axis=1), state
+
+    def capture(self, cache: list[Any], indices: tuple[int, ...]) -> Captured | None:
+        """The leaves `indices` of `cache` as a cut at each offset would have left them, or
+        None with `failed` set."""
+        if self.failed:
+            return None
+        captured, self.failed = Captured.build(self, cache, indices)
+        return captured
 
     def payloads(self, cache: list[Any], indices: tuple[int, ...]) -> dict[int, snapshot.Snapshot]:
         """offset -> checkpoint payload (the leaves `indices` of `cache` as a cut there would
         have left them), or {} with `failed` set."""
-        if self.failed:
-            return {}
-        all_leaves = snapshot.leaves(cache)
-        out: dict[int, snapshot.Snapshot] = {r: {} for r in self.offsets}
-        recurrent = convs = 0
-        for i in indices:
-            leaf = all_leaves[i]
-            if type(leaf) is ArraysCache:
-                # [conv..., state]: a recurrence after its short convolutions, one (Gated
-                # DeltaNet, Mamba) or one each for q, k and v (Kimi Linear, OLMo hybrid);
-                # or [conv] alone (LFM2's short-convolution layers)
-                with_state = len(leaf.cache) > 1
-                n = len(leaf.cache) - with_state
-                if convs + n > len(self.convs) or \
-                        (with_state and recurrent >= len(self.states)):
-                    self.failed = "fewer tapped recurrences than recurrent caches"
-                    return {}
-                for j, r in enumerate(self.offsets):
-                    # copies: each x is pass-sized
-                    arrays = [mx.contiguous(x[:, r:r + k - 1, :])
-                              for x, k in self.convs[convs:convs + n]]
-                    if with_state:
-                        arrays.append(self.states[recurrent][j])
-                    out[r][i] = ArraysCache.from_state((arrays, None, None))
-                convs += n
-                recurrent += with_state
-            elif type(leaf) is RotatingKVCache:
-                if not self._window(leaf, i, out):
-                    return {}
-            else:
-                self.failed = f"no in-pass capture for {type(leaf).__name__}"
-                return {}
-        if recurrent != len(self.states) or convs != len(self.convs):
-            self.failed = (f"{len(self.states)} recurrences and {len(self.convs)} convolutions "
-                           f"tapped for {recurrent} recurrent and {convs} convolution caches")
-            return {}
-        return out
-
-    def _window(self, leaf: RotatingKVCache, i: int, out: dict[int, snapshot.Snapshot]) -> bool:
-        keys, values, offset, keep, max_size, idx = leaf.state
-        kept = keys.shape[2] - self.length   # rows before the pass
-        if idx != keys.shape[2] or kept < 0:
-            self.failed = "sliding window not in temporal order after the pass"
-            return False
-        for r in self.offsets:
-            out[r][i] = RotatingKVCache.from_state(
-                (*_last_window(keys, values, kept + r, keep, max_size),
-                 offset - self.length + r, keep, max_size, min(kept + r, max_size)))
-        return True
+        captured = self.capture(cache, indices)
+        return {r: captured.get(r) for r in self.offsets} if captured else {}
 
     def arrays(self, payloads: dict[int, snapshot.Snapshot]) -> list[Any]:
         """Everything to evaluate with the pass (one sync)."""
         return [leaf.state for snap in payloads.values() for leaf in snap.values()]
-
-
-def _last_window(keys: mx.array, values: mx.array, n: int, keep: int,
-                 max_size: int) -> tuple[mx.array, mx.array]:
-    """The window a cut after the first `n` rows of a pass's buffer leaves, as the cache keeps
-    it once it trims: those rows if they fit, else the `keep` first and the last rows, `max_size`
-    in all (the window the next token sees is the last `max_size - 1` and itself)."""
-    if n <= max_size:
-        return keys[..., :n, :], values[..., :n, :]
-    if not keep:  # a view of the pass's buffer, as the live cache's own rows are
-        return keys[..., n - max_size:n, :], values[..., n - max_size:n, :]
-    tail = slice(n - max_size + keep, n)
-    return (mx.concatenate([keys[..., :keep, :], keys[..., tail, :]], axis=2),
-            mx.concatenate([values[..., :keep, :], values[..., tail, :]], axis=2))
 
 
 def active() -> Tap | None:

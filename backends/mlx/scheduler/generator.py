@@ -39,7 +39,13 @@ from prefixd.backends.mlx.scheduler import writes
 from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.scheduler.replay import job_record
-from prefixd.backends.mlx.scheduler.schedule import Schedule, Task, drive, kv_bytes_per_token
+from prefixd.backends.mlx.scheduler.schedule import (
+    Schedule,
+    Task,
+    drive,
+    kv_bytes_per_token,
+    request_bytes,
+)
 from prefixd.backends.mlx.scheduler.status import Status
 from prefixd.backends.mlx.scheduler.steps import Step
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -178,12 +184,15 @@ class Generator:
         left."""
         assert self.loaded is not None
         engine, s = self.loaded.engine, self.settings
+        leaves, width = engine.reference_leaves(), engine.spec.max_draft + 1 if engine.spec else 1
         plan = Schedule(s.max_active, s.prefill_slice, s.prefill_chunk,
                         int(s.active_kv_share * engine.config.cache_bytes),
-                        kv_bytes_per_token(engine.reference_leaves()), s.prefill_slice_ms,
+                        kv_bytes_per_token(leaves), s.prefill_slice_ms,
                         engine.tiers.prefill_rate,
                         lambda job: engine.cached_now(job.prompt.tokens, job.namespace),
-                        engine.spec.max_draft + 1 if engine.spec else 0)
+                        width if engine.spec else 0,
+                        request_bytes(leaves, engine.logits_bytes, width,
+                                      bool(engine.spec and engine.spec.leaves)))
         batched = s.batch_decode and not engine.unbatchable
         drive(plan, self._take, self._start, self._end, self._arrived,
               self._batch if batched else None)

@@ -121,8 +121,10 @@ class Schedule:
     def __init__(self, max_active: int, prefill_slice: int, prefill_chunk: int,
                  active_kv_bytes: int, kv_bytes_per_token: int, slice_ms: float = 0.0,
                  prefill_rate: Callable[[], float | None] = lambda: None,
-                 cached: Callable[[Job], int] = lambda job: 0, draft_tokens: int = 0) -> None:
+                 cached: Callable[[Job], int] = lambda job: 0, draft_tokens: int = 0,
+                 per_request: int = 0) -> None:
         self.draft_tokens = draft_tokens   # positions a verify pass adds for a moment
+        self.per_request = per_request     # what a job holds besides KV (`request_bytes`)
         self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
         self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
             kv_bytes_per_token
@@ -159,7 +161,8 @@ class Schedule:
         return gone
 
     def _cost(self, job: Job) -> int:
-        return (len(job.prompt.tokens) + job.max_tokens + self.draft_tokens) * self.per_token
+        return (len(job.prompt.tokens) + job.max_tokens + self.draft_tokens) * self.per_token \
+            + self.per_request
 
     def _fits(self, job: Job, active: Sequence[Slot]) -> bool:
         """Room for `job` beside `active`: by count (`max_active`), and by memory: their live
@@ -433,8 +436,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
 
 def kv_bytes_per_token(leaves: Sequence[Any]) -> int:
     """Rough live-cache bytes per token of a model, from its cache leaves after a pass: the
-    keys and values of its attention layers (recurrent states are fixed-size; a sliding window
-    is counted as if unbounded: an overestimate)."""
+    keys and values of its attention layers (recurrent states are fixed-size:
+    `request_bytes`; a sliding window is counted as if unbounded: an overestimate)."""
     total = 0
     for c in leaves:
         for arrays in (getattr(c, "keys", None), getattr(c, "values", None)):
@@ -442,3 +445,14 @@ def kv_bytes_per_token(leaves: Sequence[Any]) -> int:
                 if a is not None and getattr(a, "ndim", 0) == 4 and a.shape[2]:
                     total += a.nbytes // a.shape[2]
     return total
+
+
+def request_bytes(leaves: Sequence[Any], logits_bytes: int, width: int, goes_back: bool) -> int:
+    """Rough bytes one request holds under way besides its KV, from a model's cache leaves
+    after a one-token pass (`leaves`) and one position's logits: its fixed-size states
+    (recurrent and convolution: `ArraysCache`), twice where a verify pass keeps the state
+    before it to go back (`goes_back`: `engine/captured.py`), and its rows of a pass's
+    logits and draws (`width` positions: a verify pass's)."""
+    states = sum(a.nbytes for c in leaves if isinstance(getattr(c, "cache", None), list)
+                 for a in c.cache if a is not None)
+    return states * (2 if goes_back else 1) + 2 * width * logits_bytes
