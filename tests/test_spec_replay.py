@@ -27,7 +27,7 @@ from prefixd.backends.mlx.model.tiny import (
 from tests.engine_steps import generate, turn_for
 
 ALPHABET = [5, 6, 7, 8]
-REPLAY_ARCHS = ["qwen3_next", "mamba2", "olmo_hybrid", "falcon_h1"]
+REPLAY_ARCHS = ["qwen3_next", "mamba2", "olmo_hybrid", "falcon_h1", "jamba"]
 
 
 def _greedy(lp: mx.array) -> mx.array:

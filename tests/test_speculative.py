@@ -623,7 +623,8 @@ def test_a_group_speculates_as_one_process_decodes(words_model: Path) -> None:
 # their convolutions (beside attention and alone; three of them, q, k and v: olmo_hybrid),
 # sliding windows (128 tokens: wrapped here). Not lfm2: its tied six-word model repeats its
 # last token, whatever its convolutions hold.
-BATCH_ARCHS = ("qwen3", "qwen3_next", "falcon_h1", "mamba2", "gemma3_text", "olmo_hybrid")
+BATCH_ARCHS = ("qwen3", "qwen3_next", "falcon_h1", "mamba2", "gemma3_text", "olmo_hybrid",
+               "jamba")
 
 
 @pytest.fixture(scope="module", params=BATCH_ARCHS)

@@ -2,7 +2,8 @@
 the pass computes anyway, so a checkpoint there costs no extra forward pass.
 
 Owns: the hooks on mlx-lm's recurrences (`gated_delta_update`: Qwen3-Next, Qwen3.5, Kimi
-Linear, ...; `ssm_update`: Mamba2, Falcon-H1, Nemotron-H, ...) and on `nn.Conv1d`, which do
+Linear, ...; `ssm_update`: Mamba2, Falcon-H1, Nemotron-H, ...; Jamba's `ssm_step`) and on
+`nn.Conv1d`, which do
 nothing unless a `Tap` is active on the calling thread; how a tapped pass turns what they
 recorded, and a sliding window's post-pass buffer, into a checkpoint payload at each offset
 (`Tap.payloads`); and `verify`, the start-up check, per model, that a tapped pass gives the
@@ -54,6 +55,12 @@ SPECS = {
     "gated_delta_update": _Spec(time_args=(0, 1, 2, 3, 4), state=7, masks=(8,)),
     "ssm_update": _Spec(time_args=(0, 2, 3, 5), state=7, masks=(9, 10),
                         mask_names=("mask", "lengths")),
+}
+# (module, class, method) -> spec, `self` the first argument (mlx-lm 0.32: Jamba's Mamba
+# layers run their selective scan, projections included, in one method over the time axis)
+METHOD_SPECS = {
+    ("mlx_lm.models.jamba", "JambaMambaMixer", "ssm_step"): _Spec(time_args=(1,), state=3,
+                                                                  masks=()),
 }
 
 
@@ -181,6 +188,11 @@ def install() -> None:
                 current = getattr(mod, fn, None)
                 if callable(current) and not hasattr(current, "__prefixd_original__"):
                     setattr(mod, fn, _hook_recurrence(current, spec))
+        for (module, cls_name, method), spec in METHOD_SPECS.items():
+            cls = getattr(sys.modules.get(module), cls_name, None)
+            current = getattr(cls, method, None)
+            if callable(current) and not hasattr(current, "__prefixd_original__"):
+                setattr(cls, method, _hook_recurrence(current, spec))
 
 
 def verify(model: Any, fresh: Callable[[], list[Any]], indices: tuple[int, ...],

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 ARCHS: tuple[str, ...] = ("qwen3", "gemma3_text", "qwen3_next", "qwen3_5", "falcon_h1")
 # More cache kinds, built in-process by the tests that cover every kind (speculative decoding):
 # plain KV (llama, gemma2: tied embeddings), Mamba2 alone, LFM2's short convolutions, OLMo
-# hybrid's Gated DeltaNet after three convolutions (q, k, v: Kimi Linear's layout too).
-EXTRA_ARCHS: tuple[str, ...] = ("llama", "gemma2", "mamba2", "lfm2", "olmo_hybrid")
+# hybrid's Gated DeltaNet after three convolutions (q, k, v: Kimi Linear's layout too), Jamba's
+# Mamba (1) selective scan beside attention and experts.
+EXTRA_ARCHS: tuple[str, ...] = ("llama", "gemma2", "mamba2", "lfm2", "olmo_hybrid", "jamba")
 
 TINY_VOCAB = 1024
 # Scale of the allowed lm_head rows: large enough that a word token's best logit beats the zero
@@ -131,6 +132,11 @@ def _extra_fields(arch: str) -> dict[str, Any]:
                 "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                 "linear_conv_kernel_dim": 4, "linear_allow_neg_eigval": True,
                 "attention_bias": False}
+    if arch == "jamba":
+        return {"num_hidden_layers": 4, "attn_layer_offset": 1, "attn_layer_period": 2,
+                "expert_layer_offset": 1, "expert_layer_period": 2, "mamba_d_conv": 4,
+                "mamba_d_state": 16, "mamba_expand": 2, "num_experts": 4,
+                "num_experts_per_tok": 2}
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
 
 
