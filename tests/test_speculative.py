@@ -37,6 +37,7 @@ from prefixd.backends.mlx.engine.draft import (
     PromptLookup,
     fair_width,
 )
+from prefixd.backends.mlx.engine.drafter import ModelDrafter
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.model.tiny import (
     ARCHS,
@@ -532,14 +533,16 @@ async def test_through_the_daemon_drafts_show_in_the_header_and_on_the_status_pa
 
 
 def test_a_draft_model_drafts_where_the_context_has_nothing_to_copy() -> None:
-    """A draft model (same vocabulary, full attention) proposes where the lookup finds no
-    match (as long as its measured cost pays: here it costs as much as the served model):
-    with the served model's own weights its drafts are accepted; with another model's (a
-    hybrid served model, a llama drafting) most are rejected; the replies are always the
-    served model's."""
+    """A draft model (same vocabulary; any cache kind: a hybrid's goes back from its state
+    where its last draft began) proposes where the lookup finds no match (as long as its
+    measured cost pays: here it costs as much as the served model): with the served model's
+    own weights its drafts are accepted; with another model's most are rejected; the replies
+    are always the served model's."""
     rng = random.Random(5)
     prompt = [rng.randrange(3, 1000) for _ in range(80)]
-    for target, draft, seed in (("qwen3", "qwen3", 0), ("qwen3_next", "llama", 3)):
+    for target, draft, seed in (("qwen3", "qwen3", 0), ("qwen3_next", "llama", 3),
+                                ("qwen3_next", "qwen3_next", 0), ("qwen3", "falcon_h1", 1),
+                                ("falcon_h1", "gemma3_text", 2)):
         model, drafter = build_model(target), build_model(draft, seed=seed)
         want = list(generate(Engine(model, EngineConfig(cache_bytes=1 << 28,
                                                         speculative=False)),
@@ -556,10 +559,28 @@ def test_a_draft_model_drafts_where_the_context_has_nothing_to_copy() -> None:
         assert engine.cache_info()["speculative"]["draft_model"] is True
 
 
+def _other_vocabulary(out: Path) -> Path:
+    """A tiny model folder whose tokenizer has 512 tokens (the others': TINY_VOCAB)."""
+    from mlx.utils import tree_flatten
+
+    from prefixd.backends.mlx.model import tinytok
+    out.mkdir(parents=True)
+    config = tiny_config("qwen3", 512)
+    model = model_from_config(config)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config))
+    tinytok.save_tokenizer(tinytok.train_tokenizer(512), out)
+    return out
+
+
 async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
         tmp_path: Path) -> None:
+    """A draft model of any cache kind drafts (a hybrid for a full-attention model here); one
+    whose tokenizer is not the served model's is refused, and the worker serves without it."""
     served = save_tiny_model("qwen3", tmp_path / "served", words=6)
     hybrid = save_tiny_model("qwen3_next", tmp_path / "hybrid", words=6)
+    other = _other_vocabulary(tmp_path / "other")
     greedy = Sampling(temperature=0)
     prompt = [random.Random(9).randrange(3, 1000) for _ in range(60)]
     off = _gen(served, speculative=False)
@@ -567,7 +588,7 @@ async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
         want = await collect(_submit(off, prompt, greedy))
     finally:
         off.close()
-    for draft, used in ((served, True), (hybrid, False)):
+    for draft, used in ((served, True), (hybrid, True), (other, False)):
         g = _gen(served, spec_draft_model=str(draft))
         try:
             assert g.loaded is not None
@@ -683,3 +704,27 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
     # the longest draft: 16 where every layer trims, 8 where states are captured per position
     arch = json.loads((batch_words_model / "config.json").read_text())["model_type"]
     assert info["speculative"]["draft_max"] == (16 if arch == "qwen3" else 8)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "gemma3_text"])
+def test_a_draft_model_of_any_cache_kind_goes_back_to_where_its_last_draft_began(
+        arch: str) -> None:
+    """After the request accepted part of its draft and wrote another token, a draft model
+    whose layers do not all trim (recurrent states; gemma3's windows, 48 wide: wrapped) drafts
+    what a fresh copy of it drafts from the same tokens."""
+    if arch == "gemma3_text":
+        model = model_from_config({**tiny_config(arch), "sliding_window": 48})
+    else:
+        model = build_model(arch)
+    restrict_output(model, ALPHABET)
+    rng = random.Random(6)
+    context = [rng.choice(ALPHABET) for _ in range(40)]
+    drafter = ModelDrafter(model)
+    went_back = 0
+    for step in range(14):
+        draft = drafter.propose(context, 6)
+        assert draft == ModelDrafter(model).propose(context, 6), (arch, step)
+        a = step % 6             # accepted, then a token of the request's own
+        went_back += a < 5
+        context = [*context, *draft[:a], next(t for t in ALPHABET if t != draft[a])]
+    assert went_back and drafter.mark is not None

@@ -132,9 +132,9 @@ class WorkerSettings(BaseSettings):
         "again: spec_capture_bytes).")
     spec_draft_model: str | None = Field(
         None, description="Worker: a smaller model with the served model's tokenizer (a path "
-        "or a name, as default_model) that drafts where the context has nothing to copy; "
-        "full-attention models only (its cache goes back by trimming); not in a group. "
-        "Unset: prompt lookup alone.")
+        "or a name, as default_model) that drafts where the context has nothing to copy; any "
+        "cache kind (a hybrid's goes back from its state where its last draft began: a small "
+        "Qwen3.5 for a large one); not in a group. Unset: prompt lookup alone.")
     spec_capture_bytes: int = Field(
         64 * 2**20, ge=0, description="Worker: the most bytes of recurrent state (Gated-"
         "DeltaNet, Mamba) a verify pass keeps, for all its requests, one per drafted position "

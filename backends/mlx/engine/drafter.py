@@ -1,12 +1,15 @@
 """A draft model's drafts for speculative decoding (`speculate.py`): a smaller model with the
 served model's tokenizer writes the next tokens greedily, for the verify pass to check.
 
-Owns: one request's draft-model cache (full attention only: it goes back by trimming) and the
-tokens it holds. Before each draft it catches up with the request's tokens (the prompt on its
-first draft, in passes of `CHUNK`; later the tokens accepted since), keeping what it holds of
-them; its own guesses past them are trimmed. Loaded once per worker (`engine/loading.py`,
-`spec_draft_model`); it never touches the served model's cache, so the output is the served
-model's whatever it drafts.
+Owns: one request's draft-model cache and the tokens it holds. Before each draft it catches up
+with the request's tokens (the prompt on its first draft, in passes of `CHUNK`; later the
+tokens accepted since), keeping what it holds of them; its own guesses past them go. A draft
+model whose layers all trim (full attention) trims them; one with recurrent or sliding-window
+layers (a small Qwen3.5 drafting for a large one: hybrids all through) goes back to where its
+last draft began, from the state it kept there (one snapshot of those layers), and feeds the
+accepted tokens again with the new one, in one pass. Loaded once per worker
+(`engine/loading.py`, `spec_draft_model`); it never touches the served model's cache, so the
+output is the served model's whatever it drafts.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from prefixd.backends.mlx.cache import snapshot
+
 CHUNK = 512
 TAIL = 80   # where its tokens can differ from the request's: its own guesses (<= 64 drafted)
 
@@ -25,10 +30,8 @@ def draft_model_problem(model: Any, vocab: int, draft_vocab: int) -> str | None:
     """Why `model` cannot draft for a served model of `vocab` tokens, else None."""
     if vocab != draft_vocab:
         return f"its tokenizer has {draft_vocab} tokens, the served model's {vocab}"
-    kinds = {type(c).__name__ for c in make_prompt_cache(model) if not c.is_trimmable()}
-    if kinds:
-        return f"its cache cannot go back by trimming ({', '.join(sorted(kinds))})"
-    return None
+    why = snapshot.unsupported(make_prompt_cache(model))
+    return f"its cache cannot go back ({why})" if why else None
 
 
 class ModelDrafter:
@@ -38,27 +41,25 @@ class ModelDrafter:
         self.model = model
         self.cache = make_prompt_cache(model)
         self.tokens: list[int] = []
+        # leaves that go back from a snapshot, not a trim, and the snapshot: (position, leaves)
+        self.leaves = snapshot.snapshot_indices(self.cache)
+        self.mark: tuple[int, snapshot.Snapshot] | None = None
         self.passes, self.seconds = 0, 0.0   # of its last draft
 
     def propose(self, context: list[int], k: int) -> list[int]:
         """`k` tokens the draft model writes greedily after `context` (the request's tokens,
         the one about to be fed last)."""
         t0 = time.perf_counter()
-        keep = self._common(context)
-        if len(self.tokens) > keep:
-            for c in self.cache:
-                c.trim(len(self.tokens) - keep)
-            del self.tokens[keep:]
-        missing = context[keep:] or context[-1:]
-        if not context[keep:]:       # it holds all of it: feed the last one again
-            for c in self.cache:
-                c.trim(1)
-            del self.tokens[-1:]
+        self._back(context)
+        missing = context[len(self.tokens):]
         passes = 0
         for i in range(0, len(missing), CHUNK):
             logits = self.model(mx.array(missing[i:i + CHUNK])[None], cache=self.cache)
             passes += 1
         self.tokens.extend(missing)
+        if self.leaves:   # where this draft begins: what the next one goes back to
+            snapshot.evaluate(self.cache)
+            self.mark = (len(self.tokens), snapshot.take(self.cache, self.leaves)[0])
         out: list[int] = []
         while True:
             token = mx.argmax(logits[:, -1, :], axis=-1)
@@ -71,6 +72,37 @@ class ModelDrafter:
             passes += 1
         self.passes, self.seconds = passes, time.perf_counter() - t0
         return out
+
+    def _back(self, context: list[int]) -> None:
+        """Keep of its cache what the request's `context` shares, leaving at least one token
+        of it to feed (its logits draft): trimmed where every layer trims, else back to its
+        mark (or, if the context left it, to nothing)."""
+        keep = min(self._common(context), len(context) - 1)
+        if keep >= len(self.tokens):
+            return
+        if not self.leaves:
+            for c in self.cache:
+                c.trim(len(self.tokens) - keep)
+            del self.tokens[keep:]
+            return
+        at, snap = self.mark or (0, {})
+        if not snap or keep < at:
+            self.reset()
+            return
+        drop = len(self.tokens) - at
+        new = []
+        for i, leaf in enumerate(snapshot.leaves(self.cache)):
+            if i in snap:
+                new.append(snapshot.copy_leaf(snap[i]))
+            else:
+                leaf.trim(drop)
+                new.append(leaf)
+        self.cache = snapshot.rebuild(self.cache, new)
+        del self.tokens[at:]
+
+    def reset(self) -> None:
+        """Hold nothing (let go of its cache: `Speculation.release`, or starting again)."""
+        self.cache, self.tokens, self.mark = make_prompt_cache(self.model), [], None
 
     def _common(self, context: list[int]) -> int:
         """How many of its tokens are the request's: the request only appends, and what it

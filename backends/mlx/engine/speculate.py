@@ -217,7 +217,7 @@ class Speculation:
         """Its captured states and its draft model's cache let go (`Run.release`)."""
         self.captured = None
         if self.model is not None:
-            self.model.cache, self.model.tokens = [], []
+            self.model.reset()
 
     def info(self) -> dict[str, Any]:
         out = {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
