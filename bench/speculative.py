@@ -16,7 +16,8 @@ model), stock, and stock-draft (`--draft-model` the same model). The served mode
 same-tokenizer draft model offline, so each drafted token costs a whole forward pass: the
 draft-model rows show each server's draft machinery, not a speed-up. On a hybrid model (tiny
 qwen3_next writing six words, so its replies repeat and there is something to copy): prefixd on
-and off, and stock with `--draft-model`, whose refusal is shown.
+and off, prefixd-draft (the hybrid drafting for itself: its draft cache goes back from a
+snapshot), and stock with `--draft-model`, whose refusal is shown.
 Together (`--together`, on by default): the edit-shaped requests sent at once to each of
 prefixd, prefixd-off and stock (agents side by side: prefixd verifies every member's draft in
 its decode batch's pass): aggregate rate = all completion tokens / wall time, each reply
@@ -233,7 +234,7 @@ def measure(port: int, text: list[dict[str, str]], max_tokens: int) -> dict[str,
     return {"text": reply, "tokens": n, "ttft": ttft, "decode_s": total - ttft,
             "rate": (n - 1) / (total - ttft) if n > 1 and total > ttft else None,
             "drafted": spec.get("drafted"), "accepted": spec.get("accepted"),
-            "passes": spec.get("passes")}
+            "passes": spec.get("passes"), "model_drafted": spec.get("model_drafted")}
 
 
 SERVERS: dict[str, tuple[str, dict[str, str], bool]] = {
@@ -361,6 +362,11 @@ def table(model: str, results: dict[str, Any], shapes: list[str]) -> str:
         if "refused" in results[n] or "error" in results[n]:
             why = results[n].get("refused") or results[n].get("error")
             lines.append(f"\n{n}: **{why}** {results[n].get('log', '')}")
+    by_model = [r.get("model_drafted") for r in results.get("prefixd-draft", {}).values()
+                if isinstance(r, dict)]
+    if by_model:    # a draft model only drafts where its measured cost pays
+        lines.append(f"\nprefixd-draft: its draft model drafted {sum(n or 0 for n in by_model)} "
+                     "tokens in all (the rest of its drafts are prompt lookup's)")
     return "\n".join(lines) + "\n"
 
 
@@ -410,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         builtin = model == "builtin"
         model_dir = builtin_f32(args) if builtin else words_model(model, args.models_dir)
         names = [n for n in args.servers.split(",")
-                 if builtin or n in ("prefixd", "prefixd-off", "stock", "stock-draft")]
+                 if builtin or n in ("prefixd", "prefixd-off", "prefixd-draft", "stock",
+                                     "stock-draft")]
         results[model] = run_model(model_dir, names, args, texts, args.max_tokens)
         text += table(model, results[model], shapes) + "\n"
     text = f"# bench/speculative.py ({time.monotonic() - t0:.0f} s)\n\n" + text
