@@ -97,8 +97,11 @@ DRAFT_TOKENS = Counter("prefixd_worker_draft_tokens_total",
                        "Speculative decoding: tokens drafted (prompt lookup) and verified, and "
                        "of those the tokens accepted.", ["outcome"], registry=REGISTRY)
 VERIFY_PASSES = Counter("prefixd_worker_verify_passes_total",
-                        "Speculative decoding: forward passes that verified a draft.",
-                        registry=REGISTRY)
+                        "Speculative decoding: forward passes that verified a draft, by how "
+                        "they capture the states to go back: none (every layer trims), kept "
+                        "(recurrent and window states at each drafted position), recomputed "
+                        "(where needed: spec_capture_bytes).",
+                        ["states"], registry=REGISTRY)
 BATCH_WAIT = Histogram("prefixd_worker_batch_slot_wait_seconds",
                        "Time a request waited for a slot among the requests under way (admission "
                        "by the live caches' memory) before its prefill started.",

@@ -701,8 +701,11 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOGPROB_TOLERANCE
     assert info["speculative"]["largest_verify_batch"] >= 2
     assert info["speculative"]["accepted"] > 0
-    # the longest draft: 16 where every layer trims, 8 where states are captured per position
+    # recurrent states computed again where needed, not kept per position: only when asked
     arch = json.loads((batch_words_model / "config.json").read_text())["model_type"]
+    recurrent = arch not in ("qwen3", "gemma3_text")
+    assert (info["speculative"]["recomputed_passes"] > 0) == (capture == 0 and recurrent)
+    # the longest draft: 16 where every layer trims, 8 where states are captured per position
     assert info["speculative"]["draft_max"] == (16 if arch == "qwen3" else 8)
 
 

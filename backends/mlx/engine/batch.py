@@ -261,7 +261,8 @@ class Batch:
         except BaseException:
             self._break()
             raise
-        self.passes.verify(len(members), sum(kept))
+        self.passes.verify(len(members), sum(kept), "none" if recorder is None else
+                           "recomputed" if recorder.replay else "kept")
         self.pace.observe(len(members), True, sum(kept), _timed(members, len(members) * width, t0))
         for r in members:
             r.broken = False

@@ -21,7 +21,7 @@ class PassCounts:
         self.tokens = {"prefill": 0, "decode": 0}
         self.largest, self.last = 0, 0      # requests in a decode pass
         self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
-                     "largest_verify_batch": 0}
+                     "largest_verify_batch": 0, "recomputed_passes": 0}
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -32,13 +32,16 @@ class PassCounts:
         self.largest, self.last = max(self.largest, requests), requests
         self._count("decode", requests, requests if tokens is None else tokens)
 
-    def verify(self, requests: int, tokens: int) -> None:
+    def verify(self, requests: int, tokens: int, states: str = "none") -> None:
         """A decode pass of `requests` that verified drafts: `tokens` kept in all
-        (`drafts` counts each request's)."""
+        (`drafts` counts each request's); `states`: how it captured the recurrent and
+        window states to go back ("kept" at each position, "recomputed" where needed:
+        `engine/captured.py`, "none": every layer trims)."""
         self.decode(requests, tokens)
         self.spec["verify_passes"] += 1
+        self.spec["recomputed_passes"] += states == "recomputed"
         self.spec["largest_verify_batch"] = max(self.spec["largest_verify_batch"], requests)
-        metrics.VERIFY_PASSES.inc()
+        metrics.VERIFY_PASSES.labels(states).inc()
 
     def drafts(self, drafted: int, accepted: int) -> None:
         """One request's draft in a pass (alone, or a row of a batch's)."""

@@ -224,7 +224,7 @@ class Run:
             t0 = time.perf_counter()
             if draft and spec is not None:
                 self.ahead, self.pending = spec.verify(self, token, draft), None
-                self.passes.verify(1, len(self.ahead))
+                self.passes.verify(1, len(self.ahead), spec.went_back_by())
                 self.passes.drafts(len(draft), len(self.ahead) - 1)
                 self.batched += len(self.ahead)
                 continue

@@ -213,6 +213,12 @@ class Speculation:
         run.broken = False
         self.captured, self.held = None, 0
 
+    def went_back_by(self) -> str:
+        """How its last verify pass captured the states to go back (`PassCounts.verify`)."""
+        if not self.config.leaves:
+            return "none"
+        return "recomputed" if self.captured is not None and self.captured.replayed else "kept"
+
     def release(self) -> None:
         """Its captured states and its draft model's cache let go (`Run.release`)."""
         self.captured = None
