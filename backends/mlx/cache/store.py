@@ -115,6 +115,14 @@ class CheckpointStore:
                 best = m
         return best
 
+    def shared(self, prompt: Sequence[int], namespace: str = "") -> int:
+        """The most tokens of `prompt` (at most `len(prompt) - 1`) on the token path of a
+        stored entry of its partition, restorable there or not (`lookup`'s `pos` is what a
+        restore reuses: less where the entry is past them and cannot go back to them)."""
+        return max((min(common_prefix(e.tokens, prompt), len(prompt) - 1)
+                    for e in self.entries if not e.in_progress and e.namespace == namespace),
+                   default=0)
+
     @staticmethod
     def _usable(e: Entry, lcp: int, limit: int) -> Match | None:
         if limit <= 0:

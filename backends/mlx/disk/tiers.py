@@ -32,7 +32,8 @@ from prefixd.backends.mlx.disk.records import Record
 from prefixd.backends.mlx.disk.writer import Job
 
 MISS_REASONS = ("evicted", "disk_evicted", "not_on_disk", "write_pending", "not_stored",
-                "load_slower_than_prefill", "format_mismatch", "corrupt", "restore_error")
+                "load_slower_than_prefill", "format_mismatch", "corrupt", "restore_error",
+                "not_restorable")
 LEDGER_TOKENS = 4_000_000        # token ids the ledger keeps (16 MB), oldest forgotten first
 HELD = float("inf")              # an entry a running request restored from: not due
 

@@ -140,7 +140,8 @@ class Engine(Checkpointing):
         t1 = time.perf_counter()
         stats.lookup_s = t1 - t0
         loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
-                                    self.fresh_cache, count, namespace)
+                                    self.fresh_cache, count, namespace,
+                                    self.store.shared(prompt, namespace))
         if loaded is not None:
             stats.restore_s = time.perf_counter() - t1
             return loaded.cache, loaded.pos

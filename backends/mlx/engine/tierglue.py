@@ -128,13 +128,18 @@ class TierGlue:
     # --- restore ----------------------------------------------------------------------------
     def restore(self, prompt: list[int], ram_pos: int, stats: PromptStats,
                 fresh: Callable[[], list[Any]], count: bool = True,
-                namespace: str = "") -> Restore | None:
+                namespace: str = "", shared: int = 0) -> Restore | None:
         """A live cache from disk when the disk tier holds a longer prefix worth loading, else
         None (the RAM match, if any, is used). Sets the request's tier, known tokens and miss;
-        counts them in the tier metrics unless `count` is False (an export, not a request)."""
+        counts them in the tier metrics unless `count` is False (an export, not a request).
+        `shared`: prompt tokens a RAM entry holds on its path; past what any tier restores,
+        they are a miss too (`not_restorable`: that entry's state is past them, its
+        recurrent or window layers cannot go back, and no checkpoint lies between)."""
         tally = self._count if count else lambda stats, restored: None
         d = self.tiers.decide(prompt, ram_pos, namespace)
         stats.known_tokens, stats.miss = d.known, d.reason
+        if shared > d.known:
+            stats.known_tokens, stats.miss = shared, "not_restorable"
         stats.tier = "ram" if ram_pos else None
         # the leader's choice (in one process: this one's); each rank of a group loads its
         # own record of that prefix (its layers); unless every rank did, none uses it and the

@@ -1,0 +1,92 @@
+"""Every miss named: a next turn that shares more with a stored conversation than the worker
+can restore says so (`not_restorable`). The case that made it visible: a reply ended by a stop
+string is stored with the tokens of the stop string fed; the next turn repeats the text before
+it. Full attention trims back to it; recurrent layers and a wrapped sliding window cannot, and
+the turn restores the prompt only. Before, its `miss` was empty (known_tokens = what it
+restored): a silent miss."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from prefixd.backends.mlx.cache.store import CheckpointStore
+from prefixd.backends.mlx.chat.prompt import Prompt
+from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.model.tiny import save_tiny_model
+from prefixd.backends.mlx.scheduler.generator import Generator
+from prefixd.backends.mlx.settings import WorkerSettings
+from tests.worker_fixtures import collect, loaded
+
+POOL = ["the", "an", "some", "be", "on", "to", "quick", "brown", "fox", "jumps", "over", "lazy",
+        "dog"]
+
+
+def test_shared_counts_the_tokens_an_entry_holds_restorable_or_not() -> None:
+    store = CheckpointStore(1 << 20)
+    entry = store.begin([1, 2, 3, 4, 5, 6], namespace="a")
+    store.finish(entry, [1, 2, 3, 4, 5, 6], None, 0, False, lambda e: None)
+    assert store.shared([1, 2, 3, 4, 9, 9]) == 0               # another partition's
+    assert store.shared([1, 2, 3, 4, 9, 9], "a") == 4
+    assert store.shared([1, 2, 3, 4, 5, 6, 7], "a") == 6       # at most len(prompt) - 1
+    assert store.shared([1, 2, 3], "a") == 2
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_next", "gemma3_text"])
+def worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[str, Generator]:
+    path = save_tiny_model(request.param, tmp_path_factory.mktemp("words"), words=6)
+    gen = loaded(Generator(WorkerSettings(_env_file=None, disk_cache_bytes=0,
+                                          use_system_blas=False)), str(path))
+    yield request.param, gen
+    gen.close()
+
+
+async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]]
+                          ) -> tuple[list[int], str]:
+    """A prompt and its reply cut by a stop string (three words of its greedy reply, first
+    seen at least 8 words in)."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        prompt = encode(" ".join(rng.choice(POOL) for _ in range(80)))
+        text, _, _ = await collect(gen.submit(Prompt(prompt, []), Sampling(temperature=0), 40,
+                                              namespace=f"probe{seed}"))
+        words = text.split()
+        for i in range(8, len(words) - 2):
+            stop = " " + " ".join(words[i:i + 3])
+            if text.find(stop) == len(" " + " ".join(words[:i])):
+                cut, _, end = await collect(gen.submit(
+                    Prompt(prompt, []), Sampling(temperature=0, stop=(stop,)), 40,
+                    namespace="turns"))
+                assert end.finish_reason == "stop" and cut == text[:text.find(stop)]
+                return prompt, cut
+    raise AssertionError("no reply to cut")
+
+
+async def test_a_next_turn_after_a_stop_string_names_what_it_could_not_restore(
+        worker: tuple[str, Generator]) -> None:
+    arch, gen = worker
+    assert gen.loaded is not None
+    encode = gen.loaded.tokenizer.encode
+    prompt, reply = await _stop_mid_reply(gen, encode)
+    follow = [*prompt, *encode(reply), *encode(" and then more words here")]
+    shared = len(prompt) + len(encode(reply))
+    _, _, end = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 4,
+                                         namespace="turns"))
+    assert end.prefixd is not None
+    cache = end.prefixd["cache"]
+    if arch == "qwen3":        # full attention trims back to the text before the stop
+        assert end.cached_tokens == shared
+        assert cache["miss"] is None
+    else:
+        assert end.cached_tokens < shared
+        assert cache["known_tokens"] == shared
+        assert cache["miss"] == "not_restorable"
+
+
+def test_the_reason_is_documented() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "CHECKPOINTS.md").read_text()
+    assert "`not_restorable`" in docs
