@@ -125,6 +125,19 @@ def take(cache: Cache, indices: tuple[int, ...]) -> tuple[Snapshot, int]:
     return snap, payload_bytes(snap)
 
 
+def rewound(cache: Cache, snap: Snapshot, drop: int) -> Cache:
+    """`cache` taken back `drop` positions to where `snap` was taken of it: the snapshotted
+    leaves replaced by copies of theirs, the others (trimmable) trimmed."""
+    new = []
+    for i, leaf in enumerate(leaves(cache)):
+        if i in snap:
+            new.append(copy_leaf(snap[i]))
+        else:
+            leaf.trim(drop)
+            new.append(leaf)
+    return rebuild(cache, new)
+
+
 def payload_bytes(snap: Snapshot) -> int:
     return sum(leaf.nbytes for leaf in snap.values())
 

@@ -89,15 +89,7 @@ class ModelDrafter:
         if not snap or keep < at:
             self.reset()
             return
-        drop = len(self.tokens) - at
-        new = []
-        for i, leaf in enumerate(snapshot.leaves(self.cache)):
-            if i in snap:
-                new.append(snapshot.copy_leaf(snap[i]))
-            else:
-                leaf.trim(drop)
-                new.append(leaf)
-        self.cache = snapshot.rebuild(self.cache, new)
+        self.cache = snapshot.rewound(self.cache, snap, len(self.tokens) - at)
         del self.tokens[at:]
 
     def reset(self) -> None:

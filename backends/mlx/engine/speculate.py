@@ -199,14 +199,7 @@ class Speculation:
     def _refeed(self, run: Run, before: snapshot.Snapshot, kept: list[int], n: int) -> None:
         """The tap failed: the snapshotted leaves back to their state before the pass, the
         KV trimmed to it, and the kept tokens fed again."""
-        new = []
-        for i, leaf in enumerate(snapshot.leaves(run.cache)):
-            if i in before:
-                new.append(snapshot.copy_leaf(before[i]))
-            else:
-                leaf.trim(n)
-                new.append(leaf)
-        run.cache = snapshot.rebuild(run.cache, new)
+        run.cache = snapshot.rewound(run.cache, before, n)
         run.broken = True
         run.model(mx.array(kept)[None], cache=run.cache)
         snapshot.evaluate(run.cache)
