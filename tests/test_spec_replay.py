@@ -117,3 +117,28 @@ def test_a_large_states_verify_holds_about_one_state_not_one_per_draft() -> None
     assert n
     assert held_kept - held_plain >= 4 * state
     assert held_replay - held_plain <= 2.5 * state
+
+
+def test_a_verify_pass_whose_tap_fails_feeds_the_accepted_tokens_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recurrence the hook no longer sees at run time: the verify pass captures nothing, the
+    recurrent leaves go back to their state before it, and the accepted tokens are fed again;
+    the reply and the next turn stay those of decoding without drafts."""
+    import mlx_lm.models.qwen3_next as qn
+
+    model = build_model("qwen3_next")
+    restrict_output(model, ALPHABET)
+    spec, plain = _engines(model, 1 << 40)
+    prompt = [random.Random(13).choice(ALPHABET) for _ in range(30)]
+    turn = turn_for(spec)
+    steps = generate(spec, prompt, sampler=_greedy, max_tokens=50, turn=turn)
+    got = [next(steps)]
+    monkeypatch.setattr(qn, "gated_delta_update", qn.gated_delta_update.__prefixd_original__)
+    got += list(steps)
+    assert got == list(generate(plain, prompt, sampler=_greedy, max_tokens=50))
+    assert turn.stats is not None and turn.stats.speculative is not None
+    assert turn.stats.speculative["drafted"] > turn.stats.speculative["accepted"] > 0
+    follow = [*prompt, *got, 5, 6]
+    assert spec.cached_now(follow) == len(prompt) + len(got)
+    warm = list(generate(spec, follow, sampler=_greedy, max_tokens=10))
+    assert warm == list(generate(plain, follow, sampler=_greedy, max_tokens=10))
