@@ -80,6 +80,20 @@ def test_a_group_reuses_and_answers_as_one_process(pair: tuple[str, str, str]) -
     assert all(r["memory"] for r in info["ranks"])          # each host's memory, counted
 
 
+def test_replies_cut_by_a_stop_string_are_stored_as_in_one_process(
+        pair: tuple[str, str, str]) -> None:
+    """A stop string ends a reply mid-way: every rank keeps the state where the text it may
+    begin starts and stores the reply up to it (feeding tokens again where it must: a forward
+    pass every rank runs), as one process does; the next turns restore and reply alike."""
+    one, group, _ = pair
+    first = _conversation(one, turns=1)[0][0]
+    assert _conversation(group, turns=1)[0][0] == first     # both warm alike
+    stop = first[len(first) // 2:len(first) // 2 + 3]
+    alone = _conversation(one, turns=3, stop=[stop])
+    assert alone[0][0] == first[:first.find(stop)]
+    assert _conversation(group, turns=3, stop=[stop]) == alone
+
+
 def test_warm_equals_cold_and_seeded_sampling_matches(pair: tuple[str, str, str]) -> None:
     one, group, _ = pair
     body = {"model": "tiny", "max_tokens": 10, "temperature": 0.9, "seed": 77,

@@ -1,9 +1,10 @@
-"""Every miss named: a next turn that shares more with a stored conversation than the worker
-can restore says so (`not_restorable`). The case that made it visible: a reply ended by a stop
-string is stored with the tokens of the stop string fed; the next turn repeats the text before
-it. Full attention trims back to it; recurrent layers and a wrapped sliding window cannot, and
-the turn restores the prompt only. Before, its `miss` was empty (known_tokens = what it
-restored): a silent miss."""
+"""A reply ended by a stop string, and every miss named. The next turn repeats the reply's
+text before the stop string. The reply used to be stored with the stop string's tokens fed:
+full attention trimmed back, but recurrent layers and a wrapped sliding window cannot, so the
+next turn restored its prompt only, and said nothing (its `miss` empty: a silent miss). Now the
+worker keeps the recurrent state where text that may be a stop string begins and stores the
+reply up to the stop string; where it still cannot (a sliding window, or a decode batch), the
+next turn names the miss: `not_restorable`."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_shared_counts_the_tokens_an_entry_holds_restorable_or_not() -> None:
     assert store.shared([1, 2, 3], "a") == 2
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_next", "gemma3_text"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_next", "falcon_h1", "gemma3_text"])
 def worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> tuple[str, Generator]:
     path = save_tiny_model(request.param, tmp_path_factory.mktemp("words"), words=6)
@@ -66,7 +67,7 @@ async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]]
     raise AssertionError("no reply to cut")
 
 
-async def test_a_next_turn_after_a_stop_string_names_what_it_could_not_restore(
+async def test_the_next_turn_after_a_stop_string_restores_the_reply_or_names_the_miss(
         worker: tuple[str, Generator]) -> None:
     arch, gen = worker
     assert gen.loaded is not None
@@ -74,14 +75,17 @@ async def test_a_next_turn_after_a_stop_string_names_what_it_could_not_restore(
     prompt, reply = await _stop_mid_reply(gen, encode)
     follow = [*prompt, *encode(reply), *encode(" and then more words here")]
     shared = len(prompt) + len(encode(reply))
-    _, _, end = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 4,
-                                         namespace="turns"))
+    warm, _, end = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
+                                            namespace="turns"))
+    cold, _, _ = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
+                                          namespace="cold"))
+    assert warm == cold
     assert end.prefixd is not None
     cache = end.prefixd["cache"]
-    if arch == "qwen3":        # full attention trims back to the text before the stop
+    if arch != "gemma3_text":     # trimmed, or the recurrent state kept where the stop began
         assert end.cached_tokens == shared
         assert cache["miss"] is None
-    else:
+    else:                         # a wrapped window is not kept (it would be copied each step)
         assert end.cached_tokens < shared
         assert cache["known_tokens"] == shared
         assert cache["miss"] == "not_restorable"
@@ -90,3 +94,38 @@ async def test_a_next_turn_after_a_stop_string_names_what_it_could_not_restore(
 def test_the_reason_is_documented() -> None:
     docs = (Path(__file__).resolve().parent.parent / "docs" / "CHECKPOINTS.md").read_text()
     assert "`not_restorable`" in docs
+
+
+async def test_a_stop_string_found_in_text_held_since_an_earlier_token(
+        worker: tuple[str, Generator]) -> None:
+    """Text held back from one token on (it could begin one stop string) and a stop string
+    found from the next token on (another): the reply is stored up to the second (the state
+    kept at the first, the token between fed again), and the next turn restores all of it."""
+    arch, gen = worker
+    assert gen.loaded is not None
+    encode = gen.loaded.tokenizer.encode
+    for seed in range(40):
+        rng = random.Random(seed)
+        prompt = encode(" ".join(rng.choice(POOL) for _ in range(80)))
+        text, _, _ = await collect(gen.submit(Prompt(prompt, []), Sampling(temperature=0), 40,
+                                              namespace=f"probe-held{seed}"))
+        words = text.split()
+        at = next((i for i in range(8, len(words) - 2)
+                   if text.find(" " + " ".join(words[i + 1:i + 3]))
+                   == len(" " + " ".join(words[:i + 1]))), None)
+        if at is not None:
+            break
+    assert at is not None
+    held, found = " " + " ".join(words[at:at + 2]) + " xyzzy", " " + " ".join(words[at + 1:at + 3])
+    cut, _, end = await collect(gen.submit(Prompt(prompt, []),
+                                           Sampling(temperature=0, stop=(held, found)), 40,
+                                           namespace="held"))
+    assert end.finish_reason == "stop" and cut == text[:text.find(found)]
+    follow = [*prompt, *encode(cut), *encode(" and more")]
+    warm, _, end = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
+                                            namespace="held"))
+    cold, _, _ = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
+                                          namespace="held-cold"))
+    assert warm == cold
+    if arch != "gemma3_text":
+        assert end.cached_tokens == len(prompt) + len(encode(cut))

@@ -103,6 +103,11 @@ class StopMatcher:
         self._buf = ""
         self.hit = False
         self.held = ""  # once hit: the stop string and all text fed after it
+        # whether what it holds back (or the stop string it found) begins in the text fed last,
+        # and where, in characters of all the text fed
+        self.began_here = False
+        self.start = 0
+        self._fed = 0
 
     def feed(self, text: str) -> str:
         """Text safe to send now. After a stop string is seen (`hit`), nothing more."""
@@ -111,15 +116,26 @@ class StopMatcher:
             return ""
         if not self.stops:
             return text
+        before = len(self._buf)
         self._buf += text
+        self._fed += len(text)
         cut = min((i for s in self.stops if (i := self._buf.find(s)) >= 0), default=-1)
         if cut >= 0:
+            self.began_here = cut >= before
+            self.start = self._fed - len(self._buf) + cut
             out, self.held, self._buf, self.hit = self._buf[:cut], self._buf[cut:], "", True
             return out
         keep = self._partial_tail()
+        self.began_here = keep > 0 and len(self._buf) - keep >= before
+        self.start = self._fed - keep
         out = self._buf[: len(self._buf) - keep]
         self._buf = self._buf[len(self._buf) - keep:]
         return out
+
+    @property
+    def holding(self) -> bool:
+        """Whether it holds back text that could still become a stop string."""
+        return bool(self._buf)
 
     def flush(self) -> str:
         """The held-back tail, once generation has ended without completing a stop string."""

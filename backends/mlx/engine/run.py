@@ -27,6 +27,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
@@ -81,6 +82,8 @@ class Run:
         self.processors: list = []
         self.spec: Speculation | None = None   # drafting, when this request speculates
         self.ahead: list[int] = []   # tokens a verify pass accepted, not yet yielded
+        # (reply tokens, the recurrent states there): where a possible stop string began
+        self.stop_mark: tuple[int, snapshot.Snapshot] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -257,6 +260,7 @@ class Run:
         seldom in a worker that allocates few Python objects: measured, ~12 MiB of a finished
         request's KV buffers on the built-in model, GBs over a few dozen requests."""
         self.cache, self.logits, self.incoming, self.drawn = [], None, None, None
+        self.stop_mark = None
         if self.spec is not None:
             self.spec.release()
 
@@ -264,6 +268,50 @@ class Run:
         """Take its cache back from a batch it decoded in (before it steps alone or ends)."""
         if self.batch is not None:
             self.batch.leave(self)
+
+    def mark_stop(self) -> None:
+        """The text from the token just yielded on may be a stop string (its caller holds it
+        back): keep the state before that token, so a reply a stop string ends there is stored
+        up to it (`end_at_stop`), as far as the next turn repeats it. Where full attention
+        trims back to it anyway, and where it is cheap: a run decoding alone whose other
+        layers are recurrent or convolution states (arrays no step writes into; a window's
+        buffer would be copied at every step it is held; a decode batch's rows are not taken
+        apart here, so a reply ended in one stores the prompt, a miss it names)."""
+        self.stop_mark = None
+        i = self.sampled - 1      # the token's place in the reply
+        if self.batch is not None or self.broken or i < 0:
+            return
+        leaves = snapshot.leaves(self.cache)
+        kept = snapshot.snapshot_indices(self.cache)
+        if any(type(leaves[k]) is not ArraysCache for k in kept):
+            return
+        if i == len(self.fed):    # the token is pending: the live cache is before it
+            self.stop_mark = i, snapshot.take(self.cache, kept)[0]
+        elif self.spec is not None and self.spec.captured is not None:
+            # accepted in the last verify pass (in the cache): the state captured before it
+            snap = self.spec.captured.get(i - (len(self.fed) - self.spec.held))
+            if all(k in snap for k in kept):
+                self.stop_mark = i, {k: snap[k] for k in kept}
+
+    def end_at_stop(self, at: int) -> None:
+        """The reply ended with a stop string whose text begins in its token `at`: the cache
+        holds the reply before that token, and nothing more is fed. Trimmed where every layer
+        trims; else back to the mark (at or before `at`: the state there was kept) and the
+        tokens from the mark to `at` fed again, in one pass. Without a mark, `feed_pending`
+        as ever (the reply and its stop string stored)."""
+        if self.stop_mark is None or self.broken or self.batch is not None \
+                or not self.stop_mark[0] <= at <= len(self.fed):
+            return
+        i, snap = self.stop_mark if self.stop_mark[1] else (at, {})
+        again = self.fed[i:at]
+        if i < len(self.fed):
+            self.cache = snapshot.rewound(self.cache, snap, len(self.fed) - i)
+            del self.fed[i:]
+        self.ahead, self.pending, self.stop_mark = [], None, None
+        if again:
+            self._forward(again, logits=False)
+            self.batched += len(again)
+            self.fed.extend(again)
 
     def feed_pending(self) -> None:
         """Feed the last yielded token on a normal end (max_tokens, or the caller closing the

@@ -143,13 +143,20 @@ class Active:
                 self.finish = "stop"
                 return None
             self.n += 1
+            stops, run = self.text.stops, self.turn.run
             self.text.add(step, self.tap.take(step) if self.tap else None)
-            if self.text.stops.hit:
+            if run is not None and stops.began_here:
+                run.mark_stop()      # the text from this token on may be a stop string
+            elif run is not None and not stops.holding and not stops.hit:
+                run.stop_mark = None
+            # else held since an earlier token: its mark stands (or none: nothing kept)
+            if stops.hit:
+                if run is not None:    # stored up to the stop string, where it can be
+                    run.end_at_stop(self.text.stop_token())
                 self.finish = "stop"
                 return None
             if self.stopping:
                 return None
-            run = self.turn.run
             if run is None or not run.ahead:
                 return Decoded(self.n)
 

@@ -5,6 +5,7 @@ thread; the mlx sampler and logits processors are built here too.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -130,12 +131,20 @@ class TextOut:
         self.emit, self.detok = emit, detok
         self.stops = StopMatcher(stops)
         self._logprobs: list[TokenLogprob] = []
+        self._ends: list[int] = []   # characters of text after each token added
 
     def add(self, token: int, logprob: TokenLogprob | None) -> None:
         self.detok.add_token(token)
         if logprob is not None:
             self._logprobs.append(logprob)
-        self._send(self.stops.feed(self.detok.last_segment))
+        segment = self.detok.last_segment
+        self._ends.append((self._ends[-1] if self._ends else 0) + len(segment))
+        self._send(self.stops.feed(segment))
+
+    def stop_token(self) -> int:
+        """The index of the token whose text the stop string found (or the text held back)
+        begins in (as the detokenizer attributed text to tokens)."""
+        return bisect.bisect_right(self._ends, self.stops.start)
 
     def finish(self) -> None:
         """The rest of the text once generation ended (nothing after a stop string)."""
