@@ -46,24 +46,39 @@ def worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     gen.close()
 
 
+async def _probe(gen: Generator, encode: Callable[[str], list[int]], seed: int
+                 ) -> tuple[list[int], str]:
+    """A prompt of random words and its greedy reply (not stored where the tests look)."""
+    rng = random.Random(seed)
+    prompt = encode(" ".join(rng.choice(POOL) for _ in range(80)))
+    text, _, _ = await collect(gen.submit(Prompt(prompt, []), Sampling(temperature=0), 40,
+                                          namespace=f"probe{seed}"))
+    return prompt, text
+
+
+def _first_seen(text: str, start: int, n: int) -> int | None:
+    """The first word index >= `start` whose `n` words are first seen in `text` there."""
+    words = text.split()
+    return next((i for i in range(start, len(words) - n + 1)
+                 if text.find(" " + " ".join(words[i:i + n]))
+                 == len(" " + " ".join(words[:i]))), None)
+
+
 async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]]
                           ) -> tuple[list[int], str]:
     """A prompt and its reply cut by a stop string (three words of its greedy reply, first
     seen at least 8 words in)."""
     for seed in range(40):
-        rng = random.Random(seed)
-        prompt = encode(" ".join(rng.choice(POOL) for _ in range(80)))
-        text, _, _ = await collect(gen.submit(Prompt(prompt, []), Sampling(temperature=0), 40,
-                                              namespace=f"probe{seed}"))
-        words = text.split()
-        for i in range(8, len(words) - 2):
+        prompt, text = await _probe(gen, encode, seed)
+        i = _first_seen(text, 8, 3)
+        if i is not None:
+            words = text.split()
             stop = " " + " ".join(words[i:i + 3])
-            if text.find(stop) == len(" " + " ".join(words[:i])):
-                cut, _, end = await collect(gen.submit(
-                    Prompt(prompt, []), Sampling(temperature=0, stop=(stop,)), 40,
-                    namespace="turns"))
-                assert end.finish_reason == "stop" and cut == text[:text.find(stop)]
-                return prompt, cut
+            cut, _, end = await collect(gen.submit(
+                Prompt(prompt, []), Sampling(temperature=0, stop=(stop,)), 40,
+                namespace="turns"))
+            assert end.finish_reason == "stop" and cut == text[:text.find(stop)]
+            return prompt, cut
     raise AssertionError("no reply to cut")
 
 
@@ -105,17 +120,12 @@ async def test_a_stop_string_found_in_text_held_since_an_earlier_token(
     assert gen.loaded is not None
     encode = gen.loaded.tokenizer.encode
     for seed in range(40):
-        rng = random.Random(seed)
-        prompt = encode(" ".join(rng.choice(POOL) for _ in range(80)))
-        text, _, _ = await collect(gen.submit(Prompt(prompt, []), Sampling(temperature=0), 40,
-                                              namespace=f"probe-held{seed}"))
-        words = text.split()
-        at = next((i for i in range(8, len(words) - 2)
-                   if text.find(" " + " ".join(words[i + 1:i + 3]))
-                   == len(" " + " ".join(words[:i + 1]))), None)
-        if at is not None:
+        prompt, text = await _probe(gen, encode, seed)
+        found_at = _first_seen(text, 9, 2)     # the stop string's first word
+        if found_at is not None:
             break
-    assert at is not None
+    assert found_at is not None
+    at, words = found_at - 1, text.split()
     held, found = " " + " ".join(words[at:at + 2]) + " xyzzy", " " + " ".join(words[at + 1:at + 3])
     cut, _, end = await collect(gen.submit(Prompt(prompt, []),
                                            Sampling(temperature=0, stop=(held, found)), 40,
