@@ -135,6 +135,12 @@ class WorkerSettings(BaseSettings):
         "or a name, as default_model) that drafts where the context has nothing to copy; any "
         "cache kind (a hybrid's goes back from its state where its last draft began: a small "
         "Qwen3.5 for a large one); not in a group. Unset: prompt lookup alone.")
+    spec_mtp: bool = Field(
+        True, description="Worker: draft with the model's own multi-token-prediction head "
+        "where its checkpoint carries one (Qwen3-Next, Qwen3.5: `mtp.*` weights in the model "
+        "folder's safetensors, which mlx-lm drops; beside an mlx conversion, put them in "
+        "mtp.safetensors), where the context has nothing to copy, before spec_draft_model. "
+        "Not in a group.")
     spec_capture_bytes: int = Field(
         64 * 2**20, ge=0, description="Worker: the most bytes of recurrent state (Gated-"
         "DeltaNet, Mamba) a verify pass keeps, for all its requests, one per drafted position "

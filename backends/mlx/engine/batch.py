@@ -43,6 +43,7 @@ from prefixd.backends.mlx.engine import rows, tap
 from prefixd.backends.mlx.engine.captured import RowOf
 from prefixd.backends.mlx.engine.draft import BatchPace, fair_width
 from prefixd.backends.mlx.engine.gapped import GappedKVCache
+from prefixd.backends.mlx.engine.mtpdraft import hidden_rows, taken
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.model.memory import trim_heap
 
@@ -180,8 +181,11 @@ class Batch:
                 r.broken = True
             tokens = mx.array([[r.pending] for r in members])
             logits = self.model(tokens, cache=self.cache)[:, -1, :]
+            hidden = taken() if any(r.watched for r in members) else None
             for i, r in enumerate(members):
                 assert r.pending is not None
+                if r.spec is not None:
+                    r.spec.saw(r.pos + len(r.fed), hidden_rows(hidden, i, 1))
                 r.fed.append(r.pending)
                 r.pending, r.incoming = None, logits[i:i + 1]
             # each one's next token drawn in the same evaluation (one sync for the pass); a
@@ -215,6 +219,7 @@ class Batch:
         assert self.cache is not None
         t0 = time.perf_counter()   # all of it: the pass, its captures, going back
         xs = [[cast(int, r.pending), *d] for r, d in zip(members, drafts, strict=True)]
+        starts = [r.pos + len(r.fed) for r in members]
         width = max(len(x) for x in xs)
         states = [i for i, leaf in enumerate(snapshot.leaves(self.cache))
                   if type(leaf) is ArraysCache]
@@ -229,6 +234,7 @@ class Batch:
             padded = [[*x, *([x[-1]] * (width - len(x)))] for x in xs]
             with tap.tapping(recorder):
                 logits = self.model(mx.array(padded), cache=self.cache)
+            hidden = taken() if any(r.watched for r in members) else None
             captured = recorder.capture(self.cache, tuple(states)) if recorder else None
             if recorder is not None and recorder.failed:
                 rows.back(self.cache, [0] * len(members), width, None, before)
@@ -243,6 +249,8 @@ class Batch:
                               *(captured.arrays() if captured else ()))
             kept = []
             for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
+                if r.spec is not None:   # before accepting (`saw` replaces from `start` on)
+                    r.spec.saw(starts[i], hidden_rows(hidden, i, len(x)))
                 if r.spec is None:
                     r.fed.append(x[0])
                     r.pending, r.incoming, r.drawn = None, logits[i, :1], d[0]

@@ -53,7 +53,8 @@ class Engine(Checkpointing):
 
     def __init__(self, model: nn.Module, config: EngineConfig,
                  disk: DiskSpec | None = None, model_id: str | None = None,
-                 lockstep: Lockstep | None = None, draft_model: Any = None) -> None:
+                 lockstep: Lockstep | None = None, draft_model: Any = None,
+                 mtp: Any = None) -> None:
         self.model = model
         self.config = config
         self.lockstep = lockstep = lockstep or Lockstep()
@@ -107,7 +108,7 @@ class Engine(Checkpointing):
         self.spec, self.unspeculative = spec_config(
             config, self._snap_idx, self.inpass, self._unsupported, not lockstep.untimed,
             draft_model, lambda: probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
-                                                     True))
+                                                     True), mtp)
         # RAM first, disk second (disk only when `disk` is given and the cache is supported)
         self.tiers = TierGlue(self.store, template, None if self._unsupported else disk,
                               self._snap_idx, config, lockstep)
@@ -299,7 +300,8 @@ class Engine(Checkpointing):
             "speculative": {**self.passes.spec_info(), "disabled_reason": self.unspeculative,
                             "draft_max": self.spec.max_draft if self.spec else None,
                             "draft_model": self.spec is not None
-                            and self.spec.draft_model is not None},
+                            and self.spec.draft_model is not None,
+                            "mtp": self.spec is not None and self.spec.mtp is not None},
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

@@ -67,9 +67,10 @@ def load(settings: WorkerSettings, spec: str, lockstep: Lockstep | None = None) 
     model_id += lockstep.shard   # a group's ranks: each disk tier holds its own shard's states
     disk = disk_spec(settings, model_id)
     draft = load_draft(settings, tokenizer, group is None)
+    mtp = load_mtp(settings, model, target, group is None)
     engine = Engine(model, EngineConfig.from_settings(
         settings, cache_bytes=lockstep.min(ram_budget(settings))), disk, model_id, lockstep,
-        draft)
+        draft, mtp)
     warm_up(model, engine.fresh_cache(), tokenizer)
     loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model), mode)
     log.info("worker: model %s loaded (%s, max context %s)", spec,
@@ -98,6 +99,27 @@ def load_draft(settings: WorkerSettings, tokenizer: Any, alone: bool) -> Any:
         return None
     log.info("worker: draft model %s loaded for speculative decoding", spec)
     return draft
+
+
+def load_mtp(settings: WorkerSettings, model: Any, folder: str, alone: bool) -> Any:
+    """The model's own multi-token-prediction head (`spec_mtp`), or None: off, none in its
+    checkpoint, in a group (logged), or one that does not fit (logged)."""
+    if not settings.spec_mtp or not settings.speculative:
+        return None
+    from prefixd.backends.mlx.engine.mtpdraft import MTP
+    from prefixd.backends.mlx.model.mtp import load_head, parts
+
+    head, why = load_head(model, folder)
+    if why:
+        log.warning("worker: the model's MTP head is not used: %s", why)
+    found = parts(model)
+    if head is None or found is None:
+        return None
+    if not alone:
+        log.warning("worker: the model's MTP head is not used by a group worker")
+        return None
+    log.info("worker: the model's MTP head drafts for speculative decoding")
+    return MTP(head, found)
 
 
 def distribute(model: Any, group: Any, parallel: str) -> str:

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
+from prefixd.backends.mlx.engine.mtpdraft import hidden_rows, taken
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.engine.stats import PromptStats
@@ -84,11 +85,23 @@ class Run:
         self.ahead: list[int] = []   # tokens a verify pass accepted, not yet yielded
         # (reply tokens, the recurrent states there): where a possible stop string began
         self.stop_mark: tuple[int, snapshot.Snapshot] | None = None
+        self.hidden: mx.array | None = None   # its last pass's hidden states, for an MTP head
 
     @property
     def tokens(self) -> list[int]:
         """Every token the cache holds."""
         return self.prompt[:self.pos] + self.fed
+
+    @property
+    def watched(self) -> bool:
+        """Whether its passes' hidden states feed its drafter (an MTP head's)."""
+        return self.spec is not None and self.spec.config.watches
+
+    def saw(self, start: int, n: int) -> None:
+        """Its last pass's hidden states at positions start..start + n to its drafter."""
+        if self.spec is not None and self.hidden is not None:
+            self.spec.saw(start, hidden_rows(self.hidden, 0, n))
+        self.hidden = None
 
     @property
     def advanced(self) -> bool:
@@ -113,6 +126,9 @@ class Run:
         recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass is not None else None
         with tap.tapping(recorder):
             out = self.model(mx.array(tokens)[None], cache=self.cache)
+        # taken before it may pause (other jobs' passes would leave theirs)
+        hidden = taken() if self.watched else None
+        self.hidden = hidden if logits else None
         last = out[:, -1, :] if logits else None
         snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
         if recorder is not None and recorder.failed:
@@ -183,6 +199,7 @@ class Run:
         self.segments.append((end - start, own + time.perf_counter() - t0))
         self.passes.prefill(end - start)
         self.pos = end
+        self.saw(start, end - start)
         for r in inner if self.inpass is not None else ():   # a failed tap loses them all
             capture(start + r, marks[start + r], snaps.get(r, LOST))
         if end in marks:
@@ -234,6 +251,7 @@ class Run:
             logits, _ = self._forward([token])
             if self.spec is not None:
                 self.spec.config.costs.observe(1, time.perf_counter() - t0)
+                self.saw(self.pos + len(self.fed), 1)
             self.passes.decode(1)
             self.batched += 1
             self.fed.append(token)
@@ -260,6 +278,7 @@ class Run:
         seldom in a worker that allocates few Python objects: measured, ~12 MiB of a finished
         request's KV buffers on the built-in model, GBs over a few dozen requests."""
         self.cache, self.logits, self.incoming, self.drawn = [], None, None, None
+        self.hidden = None
         self.stop_mark = None
         if self.spec is not None:
             self.spec.release()

@@ -36,6 +36,7 @@ from prefixd.backends.mlx.engine import tap
 from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.drafter import ModelDrafter
+from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter, hidden_rows, taken
 
 log = logging.getLogger("prefixd.worker.cache")
 
@@ -64,6 +65,12 @@ class SpecConfig:
     draft_model: Any = None     # drafts where the context has nothing to copy (`drafter.py`)
     draft_costs: DraftCosts | None = None
     capture_bytes: int = 64 * 2**20   # a verify pass's kept states at most (`replays`)
+    mtp: MTP | None = None      # the model's own MTP head: drafts before a draft model would
+
+    @property
+    def watches(self) -> bool:
+        """Whether its passes' hidden states feed a drafter (`Speculation.saw`)."""
+        return self.mtp is not None
 
     def replays(self, cache: list[Any], width: int) -> bool:
         """Whether a verify pass `width` tokens wide over `cache` (every row) computes the
@@ -85,7 +92,9 @@ class Speculation:
         self.config = config
         self.lookup = PromptLookup(prompt, max_tokens + config.max_draft + 1, config.ngram)
         self.pace = Pace(config.max_draft, config.costs)
-        self.model = None if config.draft_model is None else ModelDrafter(config.draft_model)
+        self.model: ModelDrafter | MTPDrafter | None = \
+            MTPDrafter(config.mtp) if config.mtp is not None else \
+            ModelDrafter(config.draft_model) if config.draft_model is not None else None
         self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs)
         self.source = self.pace   # whose draft was verified last
         self.drafted = self.accepted = self.passes = self.model_drafted = 0
@@ -118,6 +127,7 @@ class Speculation:
         accepted drafted ones, then the first draw that differs from the draft or the draw
         after it), with the cache (and `run.fed`) holding `token` and the accepted ones."""
         t0 = time.perf_counter()   # all of it: a pass, its captures, going back
+        start = run.pos + len(run.fed)
         x = [token, *draft]
         n = len(x)
         leaves = self.config.leaves
@@ -128,15 +138,18 @@ class Speculation:
         with tap.tapping(recorder):
             logits = run.model(mx.array(x)[None], cache=run.cache)[0]
         captured = recorder.capture(run.cache, leaves) if recorder else None
+        hidden = taken() if self.config.watches else None
         draws = self.draws(run, x, logits)
         snapshot.evaluate(run.cache, logits, *draws, *(captured.arrays() if captured else ()))
         run.broken = False
         a, emitted = self.accept(run, x, draws)
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
+            hidden = taken() if self.config.watches else None
         else:
             self.captured, self.held = captured, n
             self.go_back(run, a + 1)
+        self.saw(start, hidden_rows(hidden, 0, a + 1))
         self.config.costs.observe(n, time.perf_counter() - t0)
         return emitted
 
@@ -206,6 +219,12 @@ class Speculation:
         run.broken = False
         self.captured, self.held = None, 0
 
+    def saw(self, start: int, hidden: mx.array | None) -> None:
+        """The served model's hidden states at positions start.. of this request, as the pass
+        that just ran left them (`mtpdraft.taken`): what an MTP head drafts from."""
+        if isinstance(self.model, MTPDrafter):
+            self.model.saw(start, hidden)
+
     def went_back_by(self) -> str:
         """How its last verify pass captured the states to go back (`PassCounts.verify`)."""
         if not self.config.leaves:
@@ -234,7 +253,8 @@ def _rewind(fn: Callable[..., mx.array], draws: int) -> None:
 
 def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[int, ...] | None,
                 unsupported: str | None, timed: bool, draft_model: Any = None,
-                probe: Callable[[], tuple[int, ...] | None] = lambda: None
+                probe: Callable[[], tuple[int, ...] | None] = lambda: None,
+                mtp: MTP | None = None
                 ) -> tuple[SpecConfig | None, str | None]:
     """The Engine's speculative decoding, or None and why not (logged): the live cache must
     go back exactly to any position of a verify pass (full attention trims; every other leaf
@@ -255,6 +275,9 @@ def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[i
         return None, why
     costs = PassCosts(timed=timed)
     longest = config.spec_draft_max or (CAPTURED_DRAFT_MAX if inpass else TRIMMED_DRAFT_MAX)
+    drafts = draft_model is not None or mtp is not None
+    if mtp is not None:
+        mtp.watch()
     return SpecConfig(longest, config.spec_ngram, inpass or (), costs, draft_model,
-                      DraftCosts(costs) if draft_model is not None else None,
-                      config.spec_capture_bytes), None
+                      DraftCosts(costs) if drafts else None, config.spec_capture_bytes,
+                      mtp), None

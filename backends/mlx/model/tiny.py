@@ -194,10 +194,13 @@ def restrict_output(model: nn.Module, allowed_ids: list[int]) -> None:
     mx.eval(head.weight)
 
 
-def save_tiny_model(arch: str, out_dir: Path, seed: int = 0, words: int | None = None) -> Path:
+def save_tiny_model(arch: str, out_dir: Path, seed: int = 0, words: int | None = None,
+                    mtp: bool = False) -> Path:
     """Write a folder `mlx_lm.load(str(out_dir))` opens offline: config, weights, tokenizer.
     `words`: the model writes only that many word tokens (the first ones): its replies repeat
-    themselves, as copying replies do (speculative decoding's tests)."""
+    themselves, as copying replies do (speculative decoding's tests). `mtp`: with a random
+    multi-token-prediction head in `mtp.safetensors`, in the layout checkpoints ship it
+    (qwen3_next, qwen3_5: `model/mtp.py`)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -211,6 +214,12 @@ def save_tiny_model(arch: str, out_dir: Path, seed: int = 0, words: int | None =
     restrict_output(model, tinytok.word_token_ids(tokenizer)[:words])
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if mtp:
+        from prefixd.backends.mlx.model.mtp import MTP_FILE, checkpoint_weights, new_head
+
+        head = new_head(model)
+        mx.eval(head.parameters())
+        mx.save_safetensors(str(out_dir / MTP_FILE), checkpoint_weights(head))
     eos_id = tokenizer.token_to_id(tinytok.EOS)
     config["eos_token_id"] = eos_id
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,146 @@
+"""Drafts from the served model's own multi-token-prediction head (`model/mtp.py`), for
+speculative decoding (`speculate.py`): where the context has nothing to copy, the head guesses
+the next tokens from the model's last hidden state, one small pass a token.
+
+Owns: the model's last hidden states as its passes leave them (`watch`: the final norm's output
+kept for the pass that just ran, `taken`), and one request's head state (`MTPDrafter`): the
+hidden states its passes left at each position (`saw`), the head's own KV cache over the pairs
+(hidden state at i, token i + 1) it has been fed, and its guesses past them, trimmed before the
+next draft. The head attends over what it was fed since the request's last prefill pass (its
+hidden states are all the head ever sees of the prompt; a prompt restored from the cache gives
+it only its last pass): a draft is only a guess, the verify pass decides, so the reply is the
+served model's whatever the head proposes, and what it saw only changes how often it is right.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from prefixd.backends.mlx.model.mtp import MTPHead, Parts
+
+_local = threading.local()
+
+
+class _Watched(nn.RMSNorm):
+    """A final norm that keeps its output (the hidden state the output projection reads) for
+    whoever asks on this thread after the pass (`taken`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = super().__call__(x)
+        _local.hidden = out
+        return out
+
+
+def watch(parts: Parts) -> None:
+    """Keep the model's final hidden states from now on (its final norm's class swapped: its
+    weights and names stay as they are)."""
+    norm = parts.inner.norm
+    if type(norm) is nn.RMSNorm:
+        norm.__class__ = _Watched
+    elif not isinstance(norm, _Watched):
+        raise ValueError(f"its final norm is a {type(norm).__name__}, not an RMSNorm")
+
+
+def taken() -> mx.array | None:
+    """The hidden states ([rows, positions, hidden]) of the pass this thread ran last, and
+    forgotten (None: no watched pass since)."""
+    out = getattr(_local, "hidden", None)
+    _local.hidden = None
+    return out
+
+
+class MTP:
+    """A loaded head and the model parts it shares (one per worker)."""
+
+    def __init__(self, head: MTPHead, parts: Parts) -> None:
+        self.head, self.parts = head, parts
+
+    def watch(self) -> None:
+        """Keep the model's hidden states from now on (once speculation uses the head)."""
+        watch(self.parts)
+
+
+class MTPDrafter:
+    """One request's MTP head state. `next`: the first position whose pair the head has not
+    been fed; `guessed`: positions its cache holds past it (its last draft's guesses)."""
+
+    def __init__(self, mtp: MTP) -> None:
+        self.mtp = mtp
+        self.cache = KVCache()
+        self.next = 0
+        self.guessed = 0
+        self.rows: list[tuple[int, mx.array]] = []   # (first position, hidden states [n, H])
+        self.passes, self.seconds = 0, 0.0   # of its last draft
+
+    def saw(self, start: int, hidden: mx.array | None) -> None:
+        """The served model's hidden states ([n, H]) at positions start.. (what the request's
+        cache holds there now: an earlier pass's states from `start` on are replaced)."""
+        if hidden is None or hidden.shape[0] == 0:
+            return
+        self.rows = [(s, h[:start - s]) for s, h in self.rows if s < start]
+        self.rows = [(s, h) for s, h in self.rows if h.shape[0]]
+        self.rows.append((start, hidden))
+
+    def _span(self, end: int) -> tuple[int, mx.array] | None:
+        """From where to feed the head, and the hidden states there up to `end` (excluded):
+        from the first position it has not been fed, or, across a gap in what it saw (or back
+        before what it was fed), afresh from where the states it holds run unbroken."""
+        first, chunks = end, []
+        for s, h in reversed(self.rows):
+            if s >= end:
+                continue
+            if s + h.shape[0] < first:   # a gap before the states after it
+                break
+            chunks.append(h[:first - s])
+            first = s
+        if first >= end:
+            return None
+        hidden = chunks[0] if len(chunks) == 1 else mx.concatenate(chunks[::-1])
+        if first <= self.next < end:
+            return self.next, hidden[self.next - first:]
+        self.cache, self.guessed = KVCache(), 0
+        return first, hidden
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """`k` tokens the head guesses after `context` (the request's tokens, the one about to
+        be fed last; the served model's hidden states seen up to the one before it)."""
+        t0 = time.perf_counter()
+        end = len(context) - 1
+        span = self._span(end)
+        if span is None:
+            return []
+        first, hidden = span
+        if self.guessed:
+            self.cache.trim(self.guessed)
+            self.guessed = 0
+        head, parts = self.mtp.head, self.mtp.parts
+        out = head(hidden[None], parts.embed(mx.array(context[first + 1:end + 1])[None]),
+                   self.cache)
+        self.next, self.rows = end, []
+        drafted: list[int] = []
+        passes = 1
+        while True:
+            token = mx.argmax(parts.project(out[:, -1:, :]), axis=-1)
+            mx.eval(token)
+            drafted.append(cast(list[list[int]], token.tolist())[0][0])
+            if len(drafted) == k:
+                break
+            out = head(out[:, -1:, :], parts.embed(token), self.cache)
+            self.guessed += 1
+            passes += 1
+        self.passes, self.seconds = passes, time.perf_counter() - t0
+        return drafted
+
+    def reset(self) -> None:
+        self.cache, self.rows, self.next, self.guessed = KVCache(), [], 0, 0
+
+
+def hidden_rows(hidden: Any, row: int, n: int) -> mx.array | None:
+    """Row `row`'s first `n` positions of a pass's hidden states (None: none kept)."""
+    return None if hidden is None else hidden[row, :n]
