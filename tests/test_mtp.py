@@ -27,9 +27,8 @@ from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter
 from prefixd.backends.mlx.model import mtp
 from prefixd.backends.mlx.model.tiny import model_from_config, save_tiny_model, tiny_config
 from prefixd.backends.mlx.scheduler.generator import Generator
-from prefixd.backends.mlx.settings import WorkerSettings
 from tests.engine_steps import generate, turn_for
-from tests.worker_fixtures import collect, loaded
+from tests.worker_fixtures import collect, on_and_off, untimed
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
        "shared_expert_intermediate_size": 32}
@@ -175,20 +174,9 @@ def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("qwen3_next", tmp_path_factory.mktemp("mtp"), words=3, mtp=True)
 
 
-def _gen(path: Path, **extra: Any) -> Generator:
-    gen = loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False,
-                                          prefill_slice_ms=0, **extra)), str(path))
-    if gen.loaded is not None and gen.loaded.engine.spec is not None:
-        gen.loaded.engine.spec.costs.timed = False
-    return gen
-
-
 @pytest.fixture(scope="module")
 def gens(mtp_model: Path) -> Iterator[tuple[Generator, Generator]]:
-    on, off = _gen(mtp_model), _gen(mtp_model, speculative=False)
-    yield on, off
-    on.close()
-    off.close()
+    yield from on_and_off(mtp_model)
 
 
 def _prompts(gen: Generator, n: int = 4) -> list[list[int]]:
@@ -233,7 +221,7 @@ def test_a_head_is_used_only_where_it_fits_and_is_asked_for(
         mtp_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """`spec_mtp` false: no head. A head of another model's shape: logged, not used, the model
     served without it."""
-    plain = _gen(mtp_model, spec_mtp=False)
+    plain = untimed(mtp_model, spec_mtp=False)
     try:
         assert plain.loaded is not None
         assert plain.loaded.engine.cache_info()["speculative"]["mtp"] is False
@@ -246,7 +234,7 @@ def test_a_head_is_used_only_where_it_fits_and_is_asked_for(
     mx.eval(head.parameters())
     mx.save_safetensors(str(other / mtp.MTP_FILE), mtp.checkpoint_weights(head))
     with caplog.at_level(logging.WARNING, logger="prefixd.worker"):
-        gen = _gen(other)
+        gen = untimed(other)
     try:
         assert gen.loaded is not None
         assert gen.loaded.engine.cache_info()["speculative"]["mtp"] is False

@@ -56,7 +56,7 @@ from prefixd.backends.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 from tests.engine_steps import generate, turn_for
-from tests.worker_fixtures import collect, loaded
+from tests.worker_fixtures import collect, on_and_off, untimed
 
 ALPHABET = [5, 6, 7, 8]
 LOGPROB_TOLERANCE = 1e-4
@@ -124,9 +124,9 @@ def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:
     drafting.observe(3, 0.13)
     assert drafting.one() == pytest.approx(0.1)
     assert drafting.ratio(3) == pytest.approx(1.3)
-    untimed = PassCosts(timed=False)
-    untimed.observe(1, 0.05)
-    assert untimed.seconds == {}
+    prior = PassCosts(timed=False)
+    prior.observe(1, 0.05)
+    assert prior.seconds == {}
 
 
 def test_a_batch_member_drafts_by_what_its_batch_pass_costs() -> None:
@@ -193,10 +193,10 @@ def test_a_batch_stops_drafting_while_its_verify_passes_emit_less_per_second() -
     assert all(pace.drafts() for _ in range(10))
     pace.observe(2, True, 1, 0.200)            # another batch size: no plain rate yet
     assert pace.drafts()
-    untimed = BatchPace()
-    untimed.observe(4, False, 4, 0.0)
-    untimed.observe(4, True, 1, 0.0)
-    assert untimed.drafts() and not untimed.plain
+    unmeasured = BatchPace()
+    unmeasured.observe(4, False, 4, 0.0)
+    unmeasured.observe(4, True, 1, 0.0)
+    assert unmeasured.drafts() and not unmeasured.plain
 
 
 # --- exactness on every cache kind (the Engine, in-process) -------------------------------------
@@ -362,22 +362,9 @@ def words_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("qwen3_next", tmp_path_factory.mktemp("words"), words=6)
 
 
-def _gen(path: Path, **extra: Any) -> Generator:
-    """A worker's generator on `path`; drafts sized by the prior costs (as a group's are),
-    never by time: what gets drafted, and in which batches, is the same on any machine."""
-    gen = loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False,
-                                          prefill_slice_ms=0, **extra)), str(path))
-    if gen.loaded is not None and gen.loaded.engine.spec is not None:
-        gen.loaded.engine.spec.costs.timed = False
-    return gen
-
-
 @pytest.fixture(scope="module")
 def gens(words_model: Path) -> Iterator[tuple[Generator, Generator]]:
-    on, off = _gen(words_model), _gen(words_model, speculative=False)
-    yield on, off
-    on.close()
-    off.close()
+    yield from on_and_off(words_model)
 
 
 def _prompts(gen: Generator, seed: int, n: int = 3) -> list[list[int]]:
@@ -583,13 +570,13 @@ async def test_a_worker_loads_its_draft_model_and_refuses_one_that_cannot_draft(
     other = _other_vocabulary(tmp_path / "other")
     greedy = Sampling(temperature=0)
     prompt = [random.Random(9).randrange(3, 1000) for _ in range(60)]
-    off = _gen(served, speculative=False)
+    off = untimed(served, speculative=False)
     try:
         want = await collect(_submit(off, prompt, greedy))
     finally:
         off.close()
     for draft, used in ((served, True), (hybrid, True), (other, False)):
-        g = _gen(served, spec_draft_model=str(draft))
+        g = untimed(served, spec_draft_model=str(draft))
         try:
             assert g.loaded is not None
             assert g.loaded.engine.cache_info()["speculative"]["draft_model"] is used
@@ -670,8 +657,8 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
     batch every few passes, mid-batch. Replayed: recurrent states computed again for each row
     where it needs them, none kept per drafted position."""
     monkeypatch.setattr(gapped, "MAX_GAP", max_gap)
-    on = _gen(batch_words_model, **({} if capture is None else {"spec_capture_bytes": capture}))
-    off = _gen(batch_words_model, speculative=False)
+    on = untimed(batch_words_model, **({} if capture is None else {"spec_capture_bytes": capture}))
+    off = untimed(batch_words_model, speculative=False)
     try:
         prompts = _prompts(on, 12, 4)
         alone = [await collect(_submit(off, p, sampling, namespace="a")) for p in prompts]

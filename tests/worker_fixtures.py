@@ -18,6 +18,7 @@ from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job, Queued
 from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.server.app import create_app
+from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.proxy.settings import Settings
 
 __all__ = ["client", "generator"]
@@ -29,6 +30,24 @@ def loaded(gen: Generator, model: str) -> Generator:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(asyncio.run, gen.load(model)).result()
     return gen
+
+def untimed(path: Path, **extra: Any) -> Generator:
+    """A worker's generator on `path` whose drafts are sized by the prior costs (as a group's
+    are), never by time: what gets drafted, and in which batches, is the same on any machine."""
+    gen = loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False,
+                                          prefill_slice_ms=0, **extra)), str(path))
+    if gen.loaded is not None and gen.loaded.engine.spec is not None:
+        gen.loaded.engine.spec.costs.timed = False
+    return gen
+
+
+def on_and_off(path: Path) -> Iterator[tuple[Generator, Generator]]:
+    """Two `untimed` generators on `path`, speculating and not (a fixture's body)."""
+    on, off = untimed(path), untimed(path, speculative=False)
+    yield on, off
+    on.close()
+    off.close()
+
 
 SETTINGS = Settings(_env_file=None, max_tokens_default=6, use_system_blas=False)
 NAME = "tiny-qwen3"
