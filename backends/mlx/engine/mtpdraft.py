@@ -70,22 +70,34 @@ class MTPDrafter:
     """One request's MTP head state. `next`: the first position whose pair the head has not
     been fed; `guessed`: positions its cache holds past it (its last draft's guesses)."""
 
+    HELD = 2048   # hidden states kept between drafts (a request not drafting for long)
+
     def __init__(self, mtp: MTP) -> None:
         self.mtp = mtp
         self.cache = KVCache()
         self.next = 0
         self.guessed = 0
         self.rows: list[tuple[int, mx.array]] = []   # (first position, hidden states [n, H])
+        self.held = 0   # positions from the first row's on
         self.passes, self.seconds = 0, 0.0   # of its last draft
 
     def saw(self, start: int, hidden: mx.array | None) -> None:
         """The served model's hidden states ([n, H]) at positions start.. (what the request's
-        cache holds there now: an earlier pass's states from `start` on are replaced)."""
+        cache holds there now: an earlier pass's states from `start` on are replaced). At most
+        `HELD` positions are kept for the next draft (the head restarts after what it lost)."""
         if hidden is None or hidden.shape[0] == 0:
             return
-        self.rows = [(s, h[:start - s]) for s, h in self.rows if s < start]
-        self.rows = [(s, h) for s, h in self.rows if h.shape[0]]
+        while self.rows and self.rows[-1][0] >= start:
+            self.rows.pop()
+        if self.rows:
+            s, h = self.rows[-1]
+            if s + h.shape[0] > start:
+                self.rows[-1] = (s, h[:start - s])
         self.rows.append((start, hidden))
+        self.held = start + hidden.shape[0] - self.rows[0][0]
+        while self.held > self.HELD and len(self.rows) > 1:
+            self.rows.pop(0)
+            self.held = start + hidden.shape[0] - self.rows[0][0]
 
     def _span(self, end: int) -> tuple[int, mx.array] | None:
         """From where to feed the head, and the hidden states there up to `end` (excluded):
@@ -122,7 +134,7 @@ class MTPDrafter:
         head, parts = self.mtp.head, self.mtp.parts
         out = head(hidden[None], parts.embed(mx.array(context[first + 1:end + 1])[None]),
                    self.cache)
-        self.next, self.rows = end, []
+        self.next, self.rows, self.held = end, [], 0
         guesses: list[mx.array] = []
         while True:     # built whole, evaluated once: no sync per drafted token
             token = mx.argmax(parts.project(out[:, -1:, :]), axis=-1)
@@ -136,7 +148,7 @@ class MTPDrafter:
         return drafted
 
     def reset(self) -> None:
-        self.cache, self.rows, self.next, self.guessed = KVCache(), [], 0, 0
+        self.cache, self.rows, self.next, self.guessed, self.held = KVCache(), [], 0, 0, 0
 
 
 def hidden_rows(hidden: Any, row: int, n: int) -> mx.array | None:
