@@ -242,3 +242,26 @@ def test_a_head_is_used_only_where_it_fits_and_is_asked_for(
                    for r in caplog.records)
     finally:
         gen.close()
+
+
+def test_a_drafter_not_drafting_for_long_keeps_a_bounded_span(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hidden states kept one pass at a time, a verify pass's rejected positions replaced by the
+    next pass's: past `HELD` positions since its last draft the drafter keeps the latest ones and
+    its draft is the head's fed from there."""
+    monkeypatch.setattr(MTPDrafter, "HELD", 16)
+    model = _model("qwen3_next")
+    head = mtp.new_head(model)
+    mx.eval(head.parameters())
+    parts = mtp.parts(model)
+    assert parts is not None
+    rng = random.Random(3)
+    context = [rng.randrange(3, 1000) for _ in range(60)]
+    hidden = parts.inner(mx.array(context[:59])[None], cache=make_prompt_cache(model))[0]
+    drafter = MTPDrafter(MTP(head, parts))
+    for pos in range(0, 50):
+        drafter.saw(pos, hidden[pos:pos + 1])
+    drafter.saw(50, mx.zeros((5, hidden.shape[1])))   # a verify pass, later rejected
+    drafter.saw(50, hidden[50:59])
+    assert drafter.held <= 16
+    assert drafter.propose(context, 3) == _reference(model, head, context, 59 - 16, 3)
