@@ -50,8 +50,9 @@ def _greedy(lp: mx.array) -> mx.array:
 @pytest.mark.parametrize("arch,over", [("qwen3_next", {}), ("qwen3_next", MOE),
                                        ("qwen3_5", {})], ids=["qwen3_next", "moe", "qwen3_5"])
 def test_a_checkpoints_mtp_weights_load_into_the_head(arch: str, over: dict) -> None:
-    """The layout checkpoints ship (`mtp.` names, each expert's projections apart, zero-centred
-    norms) is read into the head as mlx-lm reads the model's own layers."""
+    """The layouts checkpoints ship (`mtp.` names, each expert's projections apart or fused
+    as Qwen3.5-MoE's, zero-centred norms) are read into the head as mlx-lm reads the model's
+    own layers."""
     model = _model(arch, **over)
     head = mtp.new_head(model)
     mx.eval(head.parameters())
@@ -66,9 +67,20 @@ def test_a_checkpoints_mtp_weights_load_into_the_head(arch: str, over: dict) -> 
         assert "mtp.layers.0.mlp.experts.3.up_proj.weight" in shipped
         assert mx.array_equal(shipped["mtp.layers.0.mlp.experts.2.down_proj.weight"],
                               mine["layers.0.mlp.switch_mlp.down_proj.weight"][2]).item()
-    built = dict(tree_flatten(mtp.build_head(model, shipped).parameters()))
-    assert built.keys() == mine.keys()
-    assert all(mx.allclose(built[k], mine[k]).item() for k in mine)
+    layouts = [shipped]
+    if over:    # Qwen3.5-MoE ships its experts fused: gate and up in one, its gate half first
+        base = "mtp.layers.0.mlp.experts"
+        apart = {p: mx.stack([shipped[f"{base}.{e}.{p}.weight"] for e in range(4)])
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+        fused = {k: v for k, v in shipped.items() if ".experts." not in k}
+        fused[f"{base}.gate_up_proj"] = mx.concatenate([apart["gate_proj"], apart["up_proj"]],
+                                                       axis=-2)
+        fused[f"{base}.down_proj"] = apart["down_proj"]
+        layouts.append(fused)
+    for layout in layouts:
+        built = dict(tree_flatten(mtp.build_head(model, layout).parameters()))
+        assert built.keys() == mine.keys()
+        assert all(mx.allclose(built[k], mine[k]).item() for k in mine)
     with pytest.raises(ValueError, match="do not fit"):     # another model's head
         mtp.build_head(model, {**shipped, "mtp.fc.weight": mx.zeros((8, 8))})
 

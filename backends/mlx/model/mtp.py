@@ -11,9 +11,10 @@ Owns: finding those weights in a model folder (every `*.safetensors` in it: a Hu
 checkpoint's shards, or `mtp.safetensors` beside an mlx conversion, which drops them; the
 main weights' files mlx-lm reads are `model*.safetensors`, so a separate file never reaches
 its strict load), putting them in mlx's layout as mlx-lm's sanitize puts the model's own
-layers (experts stacked into `switch_mlp`, the zero-centred norms shifted by one: the layout
-checkpoints ship), and building the head (`MTPHead`), which shares the model's embedding and
-output projection (`Parts`). Nothing here decodes: `engine/mtpdraft.py` drafts with it.
+layers (experts stacked into `switch_mlp` from each expert's projections or from Qwen3.5-MoE's
+fused ones, the zero-centred norms shifted by one: the layouts checkpoints ship), and
+building the head (`MTPHead`), which shares the model's embedding and output projection
+(`Parts`). Nothing here decodes: `engine/mtpdraft.py` drafts with it.
 """
 
 from __future__ import annotations
@@ -115,10 +116,17 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
 
 def sanitize(weights: dict[str, mx.array], experts: int) -> dict[str, mx.array]:
     """Checkpoint layout to the head's: `mtp.` dropped, each expert's projections stacked into
-    `switch_mlp`, zero-centred norms shifted."""
+    `switch_mlp` (Qwen3-Next ships them apart, Qwen3.5-MoE fused: `experts.gate_up_proj`, its
+    gate half first, and `experts.down_proj`), zero-centred norms shifted."""
     out = {k.removeprefix("mtp."): v for k, v in weights.items()}
     for layer in sorted({k.split(".")[1] for k in out if k.startswith("layers.")}):
         prefix = f"layers.{layer}.mlp"
+        fused = out.pop(f"{prefix}.experts.gate_up_proj", None)   # Qwen3.5-MoE: [E, 2I, H]
+        if fused is not None:
+            mid = fused.shape[-2] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[..., :mid, :]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = fused[..., mid:, :]
+            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
         for proj in ("up_proj", "down_proj", "gate_proj"):
             keys = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(experts)]
             if experts and all(k in out for k in keys):
