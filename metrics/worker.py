@@ -94,8 +94,10 @@ PASS_TOKENS = Histogram("prefixd_worker_pass_tokens",
                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
                         registry=REGISTRY)
 DRAFT_TOKENS = Counter("prefixd_worker_draft_tokens_total",
-                       "Speculative decoding: tokens drafted (prompt lookup) and verified, and "
-                       "of those the tokens accepted.", ["outcome"], registry=REGISTRY)
+                       "Speculative decoding: tokens drafted and verified, and of those the "
+                       "tokens accepted, by who drafted them: lookup (the request's own "
+                       "context), mtp (the model's multi-token-prediction head), model (a "
+                       "draft model).", ["outcome", "source"], registry=REGISTRY)
 VERIFY_PASSES = Counter("prefixd_worker_verify_passes_total",
                         "Speculative decoding: forward passes that verified a draft, by how "
                         "they capture the states to go back: none (every layer trims), kept "

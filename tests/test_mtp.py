@@ -222,6 +222,11 @@ async def test_a_worker_drafts_with_the_head_its_model_folder_ships(
     drafted = [dict((end.prefixd or {}).get("speculative") or {}).get("model_drafted", 0)
                for _, _, end in [*alone, *together]]
     assert sum(drafted) > 0
+    accepted = sum(dict((end.prefixd or {}).get("speculative") or {})["model_accepted"]
+                   for _, _, end in [*alone, *together])
+    # the worker's totals by who drafted: the head's are the requests' own
+    by_source = on.loaded.engine.cache_info()["speculative"]["by_source"]
+    assert by_source["mtp"] == {"drafted": sum(drafted), "accepted": accepted}
     follow = [[*p, *on.loaded.tokenizer.encode(t, add_special_tokens=False), *p[:4]]
               for p, (t, _, _) in zip(prompts, alone, strict=True)]
     for f in follow:

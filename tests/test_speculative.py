@@ -487,8 +487,11 @@ async def test_the_worker_reports_drafts_in_its_header_cache_info_and_metrics(
         info = await (await client.get("/v1/cache")).json()
         assert info["speculative"]["drafted"] >= spec["drafted"]
         assert info["speculative"]["disabled_reason"] is None
+        # prompt lookup drafted them all here: no draft model, no head
+        assert info["speculative"]["by_source"]["lookup"]["drafted"] \
+            == info["speculative"]["drafted"]
         metrics = await (await client.get("/metrics")).text()
-    assert 'prefixd_worker_draft_tokens_total{outcome="drafted"}' in metrics
+    assert 'prefixd_worker_draft_tokens_total{outcome="drafted",source="lookup"}' in metrics
     assert "prefixd_worker_verify_passes_total" in metrics
 
 

@@ -178,7 +178,9 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
                    "misses": {"evicted": 2},
                    "batch": {"decode_passes": 1200, "last_decode_batch": 4,
                              "mean_decode_batch": 3.6, "largest_decode_batch": 8},
-                   "speculative": {"verify_passes": 310, "drafted": 2400, "accepted": 1650},
+                   "speculative": {"verify_passes": 310, "drafted": 2400, "accepted": 1650,
+                                   "by_source": {"lookup": {"drafted": 2000, "accepted": 1400},
+                                                 "mtp": {"drafted": 400, "accepted": 250}}},
                    "disk": {"bytes_used": 3_500_000_000, "budget": 32_000_000_000,
                             "records": 120, "written_bytes": 4_000_000_000,
                             "skipped_files": {}}},
@@ -221,7 +223,7 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
     assert q35[6] == "14.1 GB / 24.0 GBmeasured"
     assert q35[7] == ("1.2 GB / 8.0 GB3 entries · 41 checkpoints · 183,420 hit tok"
                       "disk 3.5 GB / 32.0 GB · 120 recordsdecode batch 4 · mean 3.6 · max 8"
-                      "drafts 1,650 / 2,400 accepted · 310 verify passes"
+                      "drafts 1,650 / 2,400 accepted · 310 verify passes · MTP head 250 / 400"
                       "misses: 2 evicted")
     assert q35[8] == ("2 conversations · 21,500 tokpredicted 52,000 / reported 51,200 cached"
                       " tok · 1 misslane-7f3a 18,000 toklane-11bc 3,500 tok")

@@ -259,7 +259,7 @@ class Batch:
                 a, r.ahead = r.spec.accept(r, x, d)
                 r.spec.held = a + 1
                 r.spec.captured = RowOf(captured, i) if captured else None
-                self.passes.drafts(len(x) - 1, a)
+                self.passes.drafts(len(x) - 1, a, r.spec.kind)
                 r.pending, r.incoming, r.drawn = None, None, None
                 kept.append(a + 1)
             for r, k in zip(members, kept, strict=True):

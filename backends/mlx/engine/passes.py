@@ -22,6 +22,7 @@ class PassCounts:
         self.largest, self.last = 0, 0      # requests in a decode pass
         self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
                      "largest_verify_batch": 0, "recomputed_passes": 0}
+        self.by_source: dict[str, dict[str, int]] = {}   # drafted, accepted per drafter
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -43,12 +44,16 @@ class PassCounts:
         self.spec["largest_verify_batch"] = max(self.spec["largest_verify_batch"], requests)
         metrics.VERIFY_PASSES.labels(states).inc()
 
-    def drafts(self, drafted: int, accepted: int) -> None:
-        """One request's draft in a pass (alone, or a row of a batch's)."""
+    def drafts(self, drafted: int, accepted: int, source: str = "lookup") -> None:
+        """One request's draft in a pass (alone, or a row of a batch's), written by `source`
+        (`Speculation.kind`)."""
         self.spec["drafted"] += drafted
         self.spec["accepted"] += accepted
-        metrics.DRAFT_TOKENS.labels("drafted").inc(drafted)
-        metrics.DRAFT_TOKENS.labels("accepted").inc(accepted)
+        mine = self.by_source.setdefault(source, {"drafted": 0, "accepted": 0})
+        mine["drafted"] += drafted
+        mine["accepted"] += accepted
+        metrics.DRAFT_TOKENS.labels("drafted", source).inc(drafted)
+        metrics.DRAFT_TOKENS.labels("accepted", source).inc(accepted)
 
     def _count(self, kind: str, requests: int, tokens: int) -> None:
         self.passes[kind] += 1
@@ -60,7 +65,8 @@ class PassCounts:
         """The `speculative` part of GET /v1/cache (its counts)."""
         drafted = self.spec["drafted"]
         return {**self.spec, "acceptance": round(self.spec["accepted"] / drafted, 3)
-                if drafted else None}
+                if drafted else None,
+                "by_source": {k: dict(v) for k, v in self.by_source.items()}}
 
     def info(self) -> dict[str, Any]:
         """The `batch` part of GET /v1/cache."""

@@ -245,7 +245,7 @@ class Run:
             if draft and spec is not None:
                 self.ahead, self.pending = spec.verify(self, token, draft), None
                 self.passes.verify(1, len(self.ahead), spec.went_back_by())
-                self.passes.drafts(len(draft), len(self.ahead) - 1)
+                self.passes.drafts(len(draft), len(self.ahead) - 1, spec.kind)
                 self.batched += len(self.ahead)
                 continue
             logits, _ = self._forward([token])

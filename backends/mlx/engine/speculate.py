@@ -98,6 +98,7 @@ class Speculation:
         self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs)
         self.source = self.pace   # whose draft was verified last
         self.drafted = self.accepted = self.passes = self.model_drafted = 0
+        self.model_accepted = 0
         self.captured: Captured | RowOf | None = None
         self.held = 0   # positions of the last verify pass in the live cache
         self.reach = 0  # how far back the last draft's match reached
@@ -176,6 +177,8 @@ class Speculation:
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
         self.source.update(self.reach, len(draft), a)
+        if self.source is self.model_pace:
+            self.model_accepted += a
         run.fed.extend(x[:a + 1])
         return a, [*draft[:a], got[a]]
 
@@ -225,6 +228,14 @@ class Speculation:
         if isinstance(self.model, MTPDrafter):
             self.model.saw(start, hidden)
 
+    @property
+    def kind(self) -> str:
+        """Who wrote its last draft: "lookup", "mtp" (the model's head) or "model" (a draft
+        model)."""
+        if self.source is not self.model_pace:
+            return "lookup"
+        return "mtp" if isinstance(self.model, MTPDrafter) else "model"
+
     def went_back_by(self) -> str:
         """How its last verify pass captured the states to go back (`PassCounts.verify`)."""
         if not self.config.leaves:
@@ -239,7 +250,8 @@ class Speculation:
 
     def info(self) -> dict[str, Any]:
         out = {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
-        return out if self.model is None else {**out, "model_drafted": self.model_drafted}
+        return out if self.model is None else {**out, "model_drafted": self.model_drafted,
+                                               "model_accepted": self.model_accepted}
 
 
 def _rewind(fn: Callable[..., mx.array], draws: int) -> None:

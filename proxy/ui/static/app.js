@@ -64,9 +64,14 @@ function cacheCell(c) {
       `decode batch ${num(c.batch.last_decode_batch)} · mean ${c.batch.mean_decode_batch} · ` +
       `max ${num(c.batch.largest_decode_batch)}`) : null,
     c.speculative && c.speculative.verify_passes ? el("div", { class: "muted small", title:
-      "speculative decoding: drafted tokens accepted / drafted, in verify passes" },
+      "speculative decoding: drafted tokens accepted / drafted, in verify passes (and of " +
+      "them the model's own MTP head's or a draft model's)" },
       `drafts ${num(c.speculative.accepted)} / ${num(c.speculative.drafted)} accepted · ` +
-      `${plural(c.speculative.verify_passes, "verify pass", "verify passes")}`) : null,
+      `${plural(c.speculative.verify_passes, "verify pass", "verify passes")}` +
+      [["mtp", "MTP head"], ["model", "draft model"]].filter(([k]) =>
+        (c.speculative.by_source || {})[k]).map(([k, name]) => ` · ${name} ` +
+        `${num(c.speculative.by_source[k].accepted)} / ` +
+        `${num(c.speculative.by_source[k].drafted)}`).join("")) : null,
     misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null,
     c.group ? el("div", { class: "muted small" }, `group, ${c.group.parallel || DASH}-parallel: ` +
       (c.group.ranks || []).map((r) => `rank ${r.rank} ${r.host} ` +
