@@ -86,10 +86,11 @@ def test_a_checkpoints_mtp_weights_load_into_the_head(arch: str, over: dict) -> 
 
 
 def _reference(model: Any, head: mtp.MTPHead, context: list[int], first: int,
-               k: int) -> list[int]:
-    """The head's `k` greedy drafts after `context`, from scratch: the served model's hidden
-    states over the context (a fresh cache), the head fed (hidden state at i, token i + 1) for
-    every i from `first` on, then its own output and guess."""
+               k: int) -> tuple[list[int], mx.array]:
+    """The head's `k` greedy drafts after `context`, from scratch, and the keys its one layer
+    holds for the pairs it was fed: the served model's hidden states over the context (a fresh
+    cache), the head fed (hidden state at i, token i + 1) for every i from `first` on, then its
+    own output and guess."""
     parts = mtp.parts(model)
     assert parts is not None
     end = len(context) - 1
@@ -97,24 +98,30 @@ def _reference(model: Any, head: mtp.MTPHead, context: list[int], first: int,
     cache = KVCache()
     out = head(hidden[:, first:end], parts.embed(mx.array(context[first + 1:end + 1])[None]),
                cache)
+    keys = cache.keys[..., :end - first, :]
     drafts: list[int] = []
     while True:
         token = mx.argmax(parts.project(out[:, -1:, :]), axis=-1)
         drafts.append(int(token.item()))
         if len(drafts) == k:
-            return drafts
+            return drafts, keys
         out = head(out[:, -1:, :], parts.embed(token), cache)
 
 
+Proposal = tuple[list[int], int, list[int], mx.array]
+
+
 @pytest.fixture
-def proposals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], int, list[int]]]:
-    """Every draft the MTP drafters propose: (context, length, drafted)."""
-    seen: list[tuple[list[int], int, list[int]]] = []
+def proposals(monkeypatch: pytest.MonkeyPatch) -> list[Proposal]:
+    """Every draft the MTP drafters propose: (context, length, drafted, the keys its head's
+    layer holds for the pairs it was fed, from where it began)."""
+    seen: list[Proposal] = []
     propose = MTPDrafter.propose
 
     def spy(self: MTPDrafter, context: list[int], k: int) -> list[int]:
         out = propose(self, context, k)
-        seen.append((list(context), k, list(out)))
+        fed = self.cache.offset - self.guessed
+        seen.append((list(context), k, list(out), self.cache.keys[..., :fed, :]))
         return out
 
     monkeypatch.setattr(MTPDrafter, "propose", spy)
@@ -136,7 +143,7 @@ def _engines(arch: str) -> tuple[Any, mtp.MTPHead, Engine, Engine]:
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(
-        arch: str, proposals: list) -> None:
+        arch: str, proposals: list[Proposal]) -> None:
     """Alone and in a decode batch, every draft equals the head's fed from scratch with the
     served model's hidden states at every position from where the request's last prefill pass
     began (what the head sees of the prompt) and the tokens after them; the replies are those
@@ -176,9 +183,13 @@ def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(
     for p, out in zip(together, got, strict=True):
         assert out[:30] == list(generate(off, p, sampler=_greedy, max_tokens=30))
     assert len(proposals) > batched > 3
-    for context, k, drafted in proposals:
+    for context, k, drafted, keys in proposals:
         first = next(f for p, f in firsts.items() if tuple(context[:len(p)]) == p)
-        assert drafted == _reference(model, head, context, first, k), (len(context), k)
+        want, want_keys = _reference(model, head, context, first, k)
+        assert drafted == want, (len(context), k)
+        # every pair it was fed, each position's own hidden state and token
+        assert keys.shape == want_keys.shape
+        assert mx.allclose(keys, want_keys, atol=1e-4).item(), (len(context), k)
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +288,8 @@ def test_a_drafter_not_drafting_for_long_keeps_a_bounded_span(
     hidden = parts.inner(mx.array(context[:59])[None], cache=make_prompt_cache(model))[0]
     drafter = MTPDrafter(MTP(head, parts))
     for pos in range(0, 50):
-        drafter.saw(pos, hidden[pos:pos + 1])
-    drafter.saw(50, mx.zeros((5, hidden.shape[1])))   # a verify pass, later rejected
-    drafter.saw(50, hidden[50:59])
+        drafter.saw(pos, hidden[None, pos:pos + 1])
+    drafter.saw(50, mx.zeros((2, 5, hidden.shape[1])), 1)   # a verify pass, later rejected
+    drafter.saw(50, hidden[None, 50:59])
     assert drafter.held <= 16
-    assert drafter.propose(context, 3) == _reference(model, head, context, 59 - 16, 3)
+    assert drafter.propose(context, 3) == _reference(model, head, context, 59 - 16, 3)[0]

@@ -43,7 +43,7 @@ from prefixd.backends.mlx.engine import rows, tap
 from prefixd.backends.mlx.engine.captured import RowOf
 from prefixd.backends.mlx.engine.draft import BatchPace, fair_width
 from prefixd.backends.mlx.engine.gapped import GappedKVCache
-from prefixd.backends.mlx.engine.mtpdraft import hidden_rows, taken
+from prefixd.backends.mlx.engine.mtpdraft import taken
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.model.memory import trim_heap
 
@@ -185,7 +185,7 @@ class Batch:
             for i, r in enumerate(members):
                 assert r.pending is not None
                 if r.spec is not None:
-                    r.spec.saw(r.pos + len(r.fed), hidden_rows(hidden, i, 1))
+                    r.spec.saw(r.pos + len(r.fed), hidden, i, 1)
                 r.fed.append(r.pending)
                 r.pending, r.incoming = None, logits[i:i + 1]
             # each one's next token drawn in the same evaluation (one sync for the pass); a
@@ -250,7 +250,7 @@ class Batch:
             kept = []
             for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
                 if r.spec is not None:   # before accepting (`saw` replaces from `start` on)
-                    r.spec.saw(starts[i], hidden_rows(hidden, i, len(x)))
+                    r.spec.saw(starts[i], hidden, i, len(x))
                 if r.spec is None:
                     r.fed.append(x[0])
                     r.pending, r.incoming, r.drawn = None, logits[i, :1], d[0]

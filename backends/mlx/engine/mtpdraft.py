@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, cast
+from typing import NamedTuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -77,40 +77,41 @@ class MTPDrafter:
         self.cache = KVCache()
         self.next = 0
         self.guessed = 0
-        self.rows: list[tuple[int, mx.array]] = []   # (first position, hidden states [n, H])
+        self.rows: list[_Seen] = []   # the hidden states it saw, by position
         self.held = 0   # positions from the first row's on
         self.passes, self.seconds = 0, 0.0   # of its last draft
 
-    def saw(self, start: int, hidden: mx.array | None) -> None:
-        """The served model's hidden states ([n, H]) at positions start.. (what the request's
-        cache holds there now: an earlier pass's states from `start` on are replaced). At most
-        `HELD` positions are kept for the next draft (the head restarts after what it lost)."""
-        if hidden is None or hidden.shape[0] == 0:
+    def saw(self, start: int, hidden: mx.array | None, row: int = 0, n: int = -1) -> None:
+        """The served model's hidden states at positions start..start + n (`hidden`: a pass's
+        [rows, positions, H], of which row `row`'s first `n`, all with -1; kept as they are,
+        cut only when drafted from): what the request's cache holds there now, so an earlier
+        pass's states from `start` on are replaced. At most `HELD` positions are kept for the
+        next draft (the head restarts after what it lost)."""
+        n = hidden.shape[1] if hidden is not None and n < 0 else n
+        if hidden is None or n <= 0:
             return
-        while self.rows and self.rows[-1][0] >= start:
+        while self.rows and self.rows[-1].start >= start:
             self.rows.pop()
-        if self.rows:
-            s, h = self.rows[-1]
-            if s + h.shape[0] > start:
-                self.rows[-1] = (s, h[:start - s])
-        self.rows.append((start, hidden))
-        self.held = start + hidden.shape[0] - self.rows[0][0]
-        while self.held > self.HELD and len(self.rows) > 1:
+        if self.rows and self.rows[-1].end > start:
+            last = self.rows[-1]
+            self.rows[-1] = last._replace(n=start - last.start)
+        self.rows.append(_Seen(start, hidden, row, n))
+        while self.rows[-1].end - self.rows[0].start > self.HELD and len(self.rows) > 1:
             self.rows.pop(0)
-            self.held = start + hidden.shape[0] - self.rows[0][0]
+        self.held = self.rows[-1].end - self.rows[0].start
 
     def _span(self, end: int) -> tuple[int, mx.array] | None:
         """From where to feed the head, and the hidden states there up to `end` (excluded):
         from the first position it has not been fed, or, across a gap in what it saw (or back
         before what it was fed), afresh from where the states it holds run unbroken."""
         first, chunks = end, []
-        for s, h in reversed(self.rows):
-            if s >= end:
+        for seen in reversed(self.rows):
+            if seen.start >= end:
                 continue
-            if s + h.shape[0] < first:   # a gap before the states after it
+            if seen.end < first:   # a gap before the states after it
                 break
-            chunks.append(h[:first - s])
-            first = s
+            chunks.append(seen.hidden[seen.row, :first - seen.start])
+            first = seen.start
         if first >= end:
             return None
         hidden = chunks[0] if len(chunks) == 1 else mx.concatenate(chunks[::-1])
@@ -151,6 +152,14 @@ class MTPDrafter:
         self.cache, self.rows, self.next, self.guessed, self.held = KVCache(), [], 0, 0, 0
 
 
-def hidden_rows(hidden: Any, row: int, n: int) -> mx.array | None:
-    """Row `row`'s first `n` positions of a pass's hidden states (None: none kept)."""
-    return None if hidden is None else hidden[row, :n]
+class _Seen(NamedTuple):
+    """Positions start..start + n: row `row` of a pass's hidden states ([rows, positions, H])."""
+
+    start: int
+    hidden: mx.array
+    row: int
+    n: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine import tap
-from prefixd.backends.mlx.engine.mtpdraft import hidden_rows, taken
+from prefixd.backends.mlx.engine.mtpdraft import taken
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.engine.stats import PromptStats
@@ -100,7 +100,7 @@ class Run:
     def saw(self, start: int, n: int) -> None:
         """Its last pass's hidden states at positions start..start + n to its drafter."""
         if self.spec is not None and self.hidden is not None:
-            self.spec.saw(start, hidden_rows(self.hidden, 0, n))
+            self.spec.saw(start, self.hidden, 0, n)
         self.hidden = None
 
     @property

@@ -36,7 +36,7 @@ from prefixd.backends.mlx.engine import tap
 from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.drafter import ModelDrafter
-from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter, hidden_rows, taken
+from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter, taken
 
 log = logging.getLogger("prefixd.worker.cache")
 
@@ -150,7 +150,7 @@ class Speculation:
         else:
             self.captured, self.held = captured, n
             self.go_back(run, a + 1)
-        self.saw(start, hidden_rows(hidden, 0, a + 1))
+        self.saw(start, hidden, 0, a + 1)
         self.config.costs.observe(n, time.perf_counter() - t0)
         return emitted
 
@@ -222,11 +222,11 @@ class Speculation:
         run.broken = False
         self.captured, self.held = None, 0
 
-    def saw(self, start: int, hidden: mx.array | None) -> None:
-        """The served model's hidden states at positions start.. of this request, as the pass
-        that just ran left them (`mtpdraft.taken`): what an MTP head drafts from."""
+    def saw(self, start: int, hidden: mx.array | None, row: int, n: int) -> None:
+        """The served model's hidden states at positions start..start + n of this request (row
+        `row` of the pass that just ran: `mtpdraft.taken`): what an MTP head drafts from."""
         if isinstance(self.model, MTPDrafter):
-            self.model.saw(start, hidden)
+            self.model.saw(start, hidden, row, n)
 
     @property
     def kind(self) -> str:
