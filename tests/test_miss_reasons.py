@@ -2,9 +2,9 @@
 text before the stop string. The reply used to be stored with the stop string's tokens fed:
 full attention trimmed back, but recurrent layers and a wrapped sliding window cannot, so the
 next turn restored its prompt only, and said nothing (its `miss` empty: a silent miss). Now the
-worker keeps the recurrent state where text that may be a stop string begins and stores the
-reply up to the stop string; where it still cannot (a sliding window, or a decode batch), the
-next turn names the miss: `not_restorable`."""
+worker keeps the recurrent state where text that may be a stop string begins (alone, or its row
+copied out of a decode batch) and stores the reply up to the stop string; where it still cannot
+(a sliding window), the next turn names the miss: `not_restorable`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine.run import Run
 from prefixd.backends.mlx.model.tiny import save_tiny_model
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -64,41 +65,58 @@ def _first_seen(text: str, start: int, n: int) -> int | None:
                  == len(" " + " ".join(words[:i]))), None)
 
 
-async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]]
+async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]], company: int = 0
                           ) -> tuple[list[int], str]:
     """A prompt and its reply cut by a stop string (three words of its greedy reply, first
-    seen at least 8 words in)."""
+    seen at least 8 words in); with `company`, that many longer requests decode beside it."""
     for seed in range(40):
         prompt, text = await _probe(gen, encode, seed)
         i = _first_seen(text, 8, 3)
         if i is not None:
             words = text.split()
             stop = " " + " ".join(words[i:i + 3])
+            rng = random.Random(seed)
+            others = [gen.submit(Prompt(encode(" ".join(rng.choice(POOL) for _ in range(30))),
+                                        []), Sampling(temperature=0), 80, namespace="company")
+                      for _ in range(company)]
             cut, _, end = await collect(gen.submit(
                 Prompt(prompt, []), Sampling(temperature=0, stop=(stop,)), 40,
-                namespace="turns"))
+                namespace=f"turns{company}"))
+            for other in others:
+                await collect(other)
             assert end.finish_reason == "stop" and cut == text[:text.find(stop)]
             return prompt, cut
     raise AssertionError("no reply to cut")
 
 
+@pytest.mark.parametrize("company", [0, 2], ids=["alone", "in-a-batch"])
 async def test_the_next_turn_after_a_stop_string_restores_the_reply_or_names_the_miss(
-        worker: tuple[str, Generator]) -> None:
+        worker: tuple[str, Generator], company: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alone or decoding in a batch with two others when its stop string comes."""
     arch, gen = worker
     assert gen.loaded is not None
     encode = gen.loaded.tokenizer.encode
-    prompt, reply = await _stop_mid_reply(gen, encode)
+    batched: list[bool] = []
+    end_at_stop = Run.end_at_stop
+
+    def spy(run: Run, at: int) -> None:
+        batched.append(run.batch is not None)
+        end_at_stop(run, at)
+
+    monkeypatch.setattr(Run, "end_at_stop", spy)
+    prompt, reply = await _stop_mid_reply(gen, encode, company)
+    assert batched[-1] is (company > 0)
     follow = [*prompt, *encode(reply), *encode(" and then more words here")]
     shared = len(prompt) + len(encode(reply))
     warm, _, end = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
-                                            namespace="turns"))
+                                            namespace=f"turns{company}"))
     cold, _, _ = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
                                           namespace="cold"))
     assert warm == cold
     assert end.prefixd is not None
     cache = end.prefixd["cache"]
     if arch != "gemma3_text":     # trimmed, or the recurrent state kept where the stop began
-        assert end.cached_tokens == shared
+        assert end.cached_tokens == shared, company
         assert cache["miss"] is None
     else:                         # a wrapped window is not kept (it would be copied each step)
         assert end.cached_tokens < shared

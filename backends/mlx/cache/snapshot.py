@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
     CacheList,
     KVCache,
     QuantizedKVCache,
@@ -83,6 +84,21 @@ def unsupported(cache: Cache) -> str | None:
         if padded:
             return "ArraysCache with batch padding"
     return None
+
+
+def trims(leaf: Any) -> bool:
+    """Whether a leaf is full-attention KV (alone or a decode batch's), which trims back to any
+    shorter prefix; the rest are windows and states."""
+    return KINDS.get(type(leaf)) == "kv" or isinstance(leaf, BatchKVCache)
+
+
+def own_row(leaf: ArraysCache, row: int = 0) -> ArraysCache:
+    """Row `row` of a (batched) recurrent or convolution leaf, in arrays of its own (not views
+    that would keep the whole batch's alive), evaluated."""
+    out = ArraysCache(len(leaf.cache))
+    out.cache = [None if a is None else mx.take(a, mx.array([row]), axis=0) for a in leaf.cache]
+    mx.eval([a for a in out.cache if a is not None])
+    return out
 
 
 def snapshot_indices(cache: Cache) -> tuple[int, ...]:

@@ -312,6 +312,14 @@ class Batch:
             r.broken, r.batch, r.drawn = True, None, None
         self.runs, self.cache = [], None
 
+    def states_of(self, run: Run, kept: tuple[int, ...]) -> snapshot.Snapshot:
+        """`run`'s row of the batch's recurrent and convolution leaves `kept`, in arrays of its
+        own (the batch's are replaced at its next step): what a stop mark keeps."""
+        assert self.cache is not None
+        i = self.runs.index(run)
+        live = snapshot.leaves(self.cache)
+        return {k: snapshot.own_row(live[k], i) for k in kept}
+
     def row(self, run: Run) -> list[Any]:
         """A copy of `run`'s cache as the batch holds it (it stays a member)."""
         assert self.cache is not None

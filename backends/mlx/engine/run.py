@@ -292,35 +292,39 @@ class Run:
         """The text from the token just yielded on may be a stop string (its caller holds it
         back): keep the state before that token, so a reply a stop string ends there is stored
         up to it (`end_at_stop`), as far as the next turn repeats it. Where full attention
-        trims back to it anyway, and where it is cheap: a run decoding alone whose other
-        layers are recurrent or convolution states (arrays no step writes into; a window's
-        buffer would be copied at every step it is held; a decode batch's rows are not taken
-        apart here, so a reply ended in one stores the prompt, a miss it names)."""
+        trims back to it anyway, and where it is cheap: a run whose other layers are recurrent
+        or convolution states (arrays no step writes into: kept as they are alone, a copy of
+        its row in a decode batch; a window's buffer would be copied at every step it is held,
+        so a reply a stop string ends there stores its prompt, a miss it names)."""
         self.stop_mark = None
         i = self.sampled - 1      # the token's place in the reply
-        if self.batch is not None or self.broken or i < 0:
+        if self.broken or i < 0:
             return
-        leaves = snapshot.leaves(self.cache)
-        kept = snapshot.snapshot_indices(self.cache)
-        if any(type(leaves[k]) is not ArraysCache for k in kept):
+        batch = self.batch
+        live = snapshot.leaves(self.cache if batch is None else batch.cache or [])
+        kept = tuple(k for k, leaf in enumerate(live) if not snapshot.trims(leaf))
+        if not live or any(type(live[k]) is not ArraysCache for k in kept):
             return
         if i == len(self.fed):    # the token is pending: the live cache is before it
-            self.stop_mark = i, snapshot.take(self.cache, kept)[0]
+            self.stop_mark = i, snapshot.take(self.cache, kept)[0] if batch is None else \
+                batch.states_of(self, kept)
         elif self.spec is not None and self.spec.captured is not None:
             # accepted in the last verify pass (in the cache): the state captured before it
             snap = self.spec.captured.get(i - (len(self.fed) - self.spec.held))
             if all(k in snap for k in kept):
-                self.stop_mark = i, {k: snap[k] for k in kept}
+                self.stop_mark = i, {k: snap[k] if batch is None else snapshot.own_row(snap[k])
+                                     for k in kept}
 
     def end_at_stop(self, at: int) -> None:
         """The reply ended with a stop string whose text begins in its token `at`: the cache
         holds the reply before that token, and nothing more is fed. Trimmed where every layer
         trims; else back to the mark (at or before `at`: the state there was kept) and the
-        tokens from the mark to `at` fed again, in one pass. Without a mark, `feed_pending`
-        as ever (the reply and its stop string stored)."""
-        if self.stop_mark is None or self.broken or self.batch is not None \
+        tokens from the mark to `at` fed again, in one pass (out of its decode batch first).
+        Without a mark, `feed_pending` as ever (the reply and its stop string stored)."""
+        if self.stop_mark is None or self.broken \
                 or not self.stop_mark[0] <= at <= len(self.fed):
             return
+        self.settle()
         i, snap = self.stop_mark if self.stop_mark[1] else (at, {})
         again = self.fed[i:at]
         if i < len(self.fed):
