@@ -34,6 +34,7 @@ KEY = "group-join-key"
 LOOPBACK_PAIR = json.dumps(["127.0.0.1", "127.0.0.1"])
 GARBAGE = bytes(range(256)) * 4
 FLOOD = 300     # silent connections, beyond the 256 the leader serves at once
+RING_STRAYS = 6    # ring ports that get garbage: each attempt listens on two or three
 
 
 def _answer(url: str) -> dict[str, Any]:
@@ -153,16 +154,19 @@ def test_strays_at_the_control_port_are_dropped_and_the_join_goes_on(
 
 def test_garbage_at_the_ring_ports_does_not_end_the_join(
         tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
-    """Every port the group's ranks listen on during the join, but its HTTP and control ports,
-    gets garbage as soon as it is seen. Before: the leader took it for its ring neighbour; the
-    follower could not join (exit 3) and the start ended."""
+    """The first `RING_STRAYS` ports the group's ranks listen on during the join, but its HTTP
+    and control ports, get garbage as soon as they are seen (about three attempts' worth).
+    Before: the leader took it for its ring neighbour; the follower could not join (exit 3) and
+    the start ended. (A stranger that wins every attempt for the ring's 180 s still fails the
+    start, as docs/DISTRIBUTED.md says: an attempt spoiled on the leader's port costs MLX's
+    ~31 s of retries, so an unbounded attack made this test fail now and then.)"""
     port, log = free_port(), tmp_path / "leader.log"
     hit: set[int] = set()
     held: list[socket.socket] = []
 
     def attack(done: threading.Event) -> None:
         leader, follower, control = _group(port, time.monotonic() + 120)
-        while not done.is_set():
+        while not done.is_set() and len(hit) < RING_STRAYS:
             for proc in (leader, follower):
                 try:
                     conns = proc.net_connections("tcp")
@@ -189,6 +193,7 @@ def test_garbage_at_the_ring_ports_does_not_end_the_join(
         for s in held:
             s.close()
     assert "group of 2 ranks joined" in log.read_text()
+    assert hit      # garbage reached ring ports during the join
     print(f"ring ports hit: {len(hit)}, held: {len(held)}; "
           f"{log.read_text().count('the ring' + chr(39) + 's attempt')} attempts spoiled")
 
