@@ -192,6 +192,22 @@ def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(
         assert mx.allclose(keys, want_keys, atol=1e-4).item(), (len(context), k)
 
 
+def test_a_draft_cut_before_its_verify_pass_is_not_counted() -> None:
+    """A decode batch cuts drafts to a fair width before its pass (some to nothing): a request
+    counts the head's drafted tokens when they are verified, as the worker's totals do."""
+    _, _, on, _ = _engines("qwen3_next")
+    rng = random.Random(4)
+    turn = turn_for(on)
+    steps = generate(on, [rng.randrange(3, 1000) for _ in range(40)], sampler=_greedy,
+                     max_tokens=10, turn=turn)
+    next(steps)
+    run = turn.run
+    assert run is not None and run.spec is not None and run.pending is not None
+    assert run.spec.draft(run, run.pending, 8)          # proposed, then never verified
+    assert run.spec.info()["model_drafted"] == 0
+    steps.close()
+
+
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("qwen3_next", tmp_path_factory.mktemp("mtp"), words=3, mtp=True)
@@ -247,8 +263,8 @@ async def test_a_worker_drafts_with_the_head_its_model_folder_ships(
 
 def test_a_head_is_used_only_where_it_fits_and_is_asked_for(
         mtp_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """`spec_mtp` false: no head. A head of another model's shape: logged, not used, the model
-    served without it."""
+    """`spec_mtp` false: no head. A head of another model's shape, or a damaged file: logged,
+    not used, the model served without it."""
     plain = untimed(mtp_model, spec_mtp=False)
     try:
         assert plain.loaded is not None
@@ -261,15 +277,19 @@ def test_a_head_is_used_only_where_it_fits_and_is_asked_for(
     head = mtp.new_head(wide)
     mx.eval(head.parameters())
     mx.save_safetensors(str(other / mtp.MTP_FILE), mtp.checkpoint_weights(head))
-    with caplog.at_level(logging.WARNING, logger="prefixd.worker"):
-        gen = untimed(other)
-    try:
-        assert gen.loaded is not None
-        assert gen.loaded.engine.cache_info()["speculative"]["mtp"] is False
-        assert any("MTP head is not used" in r.getMessage() and "do not fit" in r.getMessage()
-                   for r in caplog.records)
-    finally:
-        gen.close()
+    damaged = save_tiny_model("qwen3_next", tmp_path / "damaged", words=3)
+    (damaged / mtp.MTP_FILE).write_bytes(b"\xff" * 64)
+    for folder, why in ((other, "do not fit"), (damaged, "header")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="prefixd.worker"):
+            gen = untimed(folder)
+        try:
+            assert gen.loaded is not None
+            assert gen.loaded.engine.cache_info()["speculative"]["mtp"] is False
+            assert any("MTP head is not used" in r.getMessage() and why in r.getMessage()
+                       for r in caplog.records), why
+        finally:
+            gen.close()
 
 
 def test_a_drafter_not_drafting_for_long_keeps_a_bounded_span(

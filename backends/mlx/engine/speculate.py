@@ -119,7 +119,6 @@ class Speculation:
             return []
         self.source, self.reach = self.model_pace, Pace.MODEL
         out = self.model.propose(run.prompt + run.fed + [token], k)
-        self.model_drafted += len(out)
         costs.observe(self.model.passes, self.model.seconds)
         return out
 
@@ -177,7 +176,8 @@ class Speculation:
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
         self.source.update(self.reach, len(draft), a)
-        if self.source is self.model_pace:
+        if self.source is self.model_pace:   # counted once verified (a batch may cut it)
+            self.model_drafted += len(draft)
             self.model_accepted += a
         run.fed.extend(x[:a + 1])
         return a, [*draft[:a], got[a]]

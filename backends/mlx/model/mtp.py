@@ -176,13 +176,13 @@ def load_head(model: Any, folder: str) -> tuple[MTPHead | None, str | None]:
     path = Path(folder)
     if parts(model) is None or not path.is_dir():
         return None, None
-    weights = read_weights(path)
-    if not weights:
-        return None, None
     try:
+        weights = read_weights(path)
+        if not weights:
+            return None, None
         return build_head(model, weights), None
-    except ValueError as e:
-        return None, str(e)
+    except Exception as e:    # a damaged file costs the head, not the model
+        return None, str(e) or type(e).__name__
 
 
 def checkpoint_weights(head: MTPHead) -> dict[str, mx.array]:
