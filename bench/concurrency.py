@@ -99,6 +99,8 @@ def part_n(port: int, args: argparse.Namespace, seed: str) -> dict[str, Any]:
         tp = [t for o in outs if (t := tpot(o)) is not None]
         rows.append({"n": n, "wall": wall, "tokens": tokens, "rate": tokens / wall,
                      "tpot_median": statistics.median(tp) if tp else None,
+                     "ttft_median": statistics.median(
+                         [o["ttft"] for o in outs if o.get("ttft") is not None] or [0.0]),
                      "tpot_alone": statistics.median(
                          [t for o in alone[:n] if (t := tpot(o)) is not None] or [0.0]),
                      "errors": sum("error" in o for o in outs),
@@ -212,8 +214,9 @@ def tables(results: dict[str, Any]) -> str:
         if "n" in parts:
             lines += [f"### {model}: concurrent decodes", "",
                       "| N | prefixd tok/s (vs its N=1) | stock tok/s (vs its N=1) | prefixd TPOT "
-                      "ms (alone) | stock TPOT ms (alone) | replies = alone: prefixd / stock |",
-                      "|---|---|---|---|---|---|"]
+                      "ms (alone) | stock TPOT ms (alone) | first token s, median: prefixd / "
+                      "stock | replies = alone: prefixd / stock |",
+                      "|---|---|---|---|---|---|---|"]
             p, s = parts["n"]["prefixd"]["rows"], parts["n"]["stock"]["rows"]
             for a, b in zip(p, s, strict=True):
                 lines.append(
@@ -222,7 +225,8 @@ def tables(results: dict[str, Any]) -> str:
                     f"{_f(a['tpot_median'] and 1000 * a['tpot_median'])} "
                     f"({_f(1000 * a['tpot_alone'])}) | "
                     f"{_f(b['tpot_median'] and 1000 * b['tpot_median'])} "
-                    f"({_f(1000 * b['tpot_alone'])}) | {a['same_as_alone']}/{a['n']} / "
+                    f"({_f(1000 * b['tpot_alone'])}) | {_f(a.get('ttft_median'), '.2f')} / "
+                    f"{_f(b.get('ttft_median'), '.2f')} | {a['same_as_alone']}/{a['n']} / "
                     f"{b['same_as_alone']}/{b['n']} |")
             rss = {k: parts["n"][k]["peak_rss"] / 2**20 for k in SERVERS}
             lines += ["", f"Peak RSS MiB: prefixd {rss['prefixd']:.0f}, stock {rss['stock']:.0f}",
