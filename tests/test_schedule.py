@@ -26,14 +26,10 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.model.tiny import model_from_config, tiny_config
 from prefixd.backends.mlx.scheduler.active import Active
 from prefixd.backends.mlx.scheduler.jobs import Job
+from prefixd.backends.mlx.scheduler.loop import drive
 from prefixd.backends.mlx.scheduler.output import Delta
-from prefixd.backends.mlx.scheduler.schedule import (
-    AGE_LIMIT,
-    MIN_SLICE,
-    Schedule,
-    drive,
-    request_bytes,
-)
+from prefixd.backends.mlx.scheduler.schedule import AGE_LIMIT, MIN_SLICE, Schedule
+from prefixd.backends.mlx.scheduler.sizing import request_bytes
 from prefixd.backends.mlx.scheduler.steps import (
     Decision,
     Decoded,

@@ -4,7 +4,7 @@ jobs it runs, all on one thread.
 Owns: every mlx call of the worker process. Model loading, Engine construction, generation, state
 moves and `Engine.cache_info()` all run on ONE thread (a ThreadPoolExecutor with one worker), so the
 Engine and its checkpoint store need no locks. Jobs (`scheduler/jobs.py`: a prompt in, events out, a
-cancel flag) are submitted to an inbox; one loop on that thread (`schedule.drive`, for every
+cancel flag) are submitted to an inbox; one loop on that thread (`loop.drive`, for every
 `max_active`) takes them between two passes, admits them and runs one forward pass at a time, each
 job a `active.Active`. A `call` (a state export or import) runs between two passes too. Nothing here
 speaks HTTP: failures are `Failed` events or `WorkerClosed`, which the server room turns into
@@ -38,14 +38,10 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler import writes
 from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
+from prefixd.backends.mlx.scheduler.loop import drive
 from prefixd.backends.mlx.scheduler.replay import job_record
-from prefixd.backends.mlx.scheduler.schedule import (
-    Schedule,
-    Task,
-    drive,
-    kv_bytes_per_token,
-    request_bytes,
-)
+from prefixd.backends.mlx.scheduler.schedule import Schedule, Task
+from prefixd.backends.mlx.scheduler.sizing import kv_bytes_per_token, request_bytes
 from prefixd.backends.mlx.scheduler.status import Status
 from prefixd.backends.mlx.scheduler.steps import Step
 from prefixd.backends.mlx.settings import WorkerSettings

@@ -1,0 +1,88 @@
+"""The scheduler's loop on the generation thread: between two passes it takes the jobs
+submitted since, admits them (`schedule.Schedule`), ends those cancelled while waiting, tells
+the rest their place in line, picks the pass and runs it (one job's step, or the decode steps
+of every decoding job in one pass), and ends the jobs whose pass was their last.
+
+Owns: nothing between calls. The policy is `schedule.py`'s (pure); the jobs' tasks are
+`active.py`'s; starting and ending jobs is `generator.py`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+from prefixd.backends.mlx.scheduler.jobs import Job, Queued
+from prefixd.backends.mlx.scheduler.schedule import Batched, Schedule, Slot, Task
+from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished, Paused
+
+
+def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
+          start: Callable[[Job, Callable[[], bool] | None], Task],
+          end: Callable[[Job, Finished | Failed], None],
+          arrived: Callable[[], Sequence[Job]] = lambda: (),
+          batch: Batched | None = None) -> None:
+    """Run jobs until none is admitted or waiting (on the generation thread). Between two
+    passes: `take(idle)`, the jobs submitted since, or None to stop (only when `idle` and none
+    was submitted: the caller decides that under its lock, so a job submitted then starts a
+    new loop); then admission, and the end of jobs cancelled while they waited. `start`: a
+    job's task, given its `preempt` (asked between two layers of its pass; None with
+    `max_active` 1: a pass is then evaluated whole); `end(job,
+    result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
+    pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
+    taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each
+    decode step is a pass of its own)."""
+
+    def admit(jobs: Sequence[Job]) -> None:
+        for job in jobs:
+            schedule.add(job)
+        for job in schedule.cancelled():
+            end(job, Finished("cancelled", 0, 0))
+        for slot in schedule.admit():
+            slot.job.queue_s = time.perf_counter() - slot.job.submitted
+        for i, job in enumerate(schedule.waiting, 1):   # the rest: their place in line
+            if job.position != i:
+                job.position = i
+                job.emit(Queued(i))
+
+    def preempt(slot: Slot) -> bool:
+        jobs = arrived()
+        return bool(jobs) and schedule.preempts(slot, jobs)
+
+    while True:
+        jobs = take(schedule.idle())
+        if jobs is None:
+            return
+        admit(jobs)
+        if not schedule.active:
+            continue
+        slot = schedule.pick()
+        if schedule.due:    # jobs wait for a prefix a started job is past: stored from it now
+            for holder, at in schedule.due:
+                assert holder.task is not None
+                schedule.stored(holder, at, holder.task.publish(at))
+            slot = schedule.pick()
+        if slot.task is None:     # with max_active 1 nobody can be admitted mid-pass
+            slot.task = start(slot.job, functools.partial(preempt, slot)
+                              if schedule.max_active > 1 else None)
+        group = schedule.decoding(slot) if batch is not None else [slot]
+        others = [s for s in schedule.active if s not in group]   # admitted before the pass
+        t0 = time.perf_counter()
+        if len(group) > 1:
+            assert batch is not None
+            steps = batch([s.task for s in group if s.task is not None],
+                          [s.job.cancelled for s in group])
+        else:
+            steps = [slot.task.step(Decision(schedule.pass_tokens(slot), slot.job.cancelled,
+                                             schedule.share(slot), schedule.pausable(slot)))]
+        spent = time.perf_counter() - t0
+        for other in others:
+            other.job.paused_s += spent
+        schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
+        if len(group) == 1:
+            schedule.published(slot)
+        for member, step in zip(group, steps, strict=True):
+            if isinstance(step, Finished | Failed):
+                schedule.remove(member)
+                end(member.job, step)
