@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.engine import probe
-from prefixd.backends.mlx.engine.batch import Batch, unbatchable
+from prefixd.backends.mlx.engine.batch import Batch
 from prefixd.backends.mlx.engine.checkpointing import Checkpointing
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.counts import CacheCounts
@@ -37,6 +37,7 @@ from prefixd.backends.mlx.engine.pacing import Turn
 from prefixd.backends.mlx.engine.passes import PassCounts
 from prefixd.backends.mlx.engine.run import Run, Step
 from prefixd.backends.mlx.engine.speculate import Speculation, spec_config
+from prefixd.backends.mlx.engine.stacking import unbatchable
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
 from prefixd.backends.mlx.group.lockstep import Lockstep

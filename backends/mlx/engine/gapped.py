@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # Gap positions a row may hold before the batch squeezes them out: about the spare positions
-# a batch's buffers grow by (`batch.GROWTH`), so gaps cost at most that much memory per row.
+# a batch's buffers grow by (`stacking.GROWTH`), so gaps cost at most that much memory per row.
 MAX_GAP = 64
 
 
