@@ -7,8 +7,8 @@ steps of several requests in one pass (`batch.py`; its caches put together by `s
 KV rows with gaps `gapped.py`, each row back to its own position `rows.py`), speculative
 decoding (`speculate.py`; drafts and their pacing `draft.py`, `drafter.py`, `mtpdraft.py`;
 states captured in a verify pass `captured.py`), the start-up probes (`probe.py`), the counts
-and metrics (`counts.py`, `stats.py`), the RAM/disk glue (`tierglue.py`), state moves between workers (`bundle.py`), what a reply can restore
-(`restorable.py`), and loading a model into an Engine (`loading.py`). Every value a rank of a
+and metrics (`counts.py`, `stats.py`), the RAM/disk glue (`tierglue.py`), state moves between
+workers (`bundle.py`), what a reply can restore (`restorable.py`), and loading a model into an Engine (`loading.py`). Every value a rank of a
 group computes alone goes through the lockstep (`group.lockstep`); the engine never asks which
 rank it is. Imports `cache`, `disk`, `group.lockstep`, `model`, `chat`; never the scheduler.
 """
