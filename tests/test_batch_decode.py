@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.sample_utils import greedy_sampler
 
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine.run import Run, argmax_rows
 from prefixd.backends.mlx.model.tiny import ARCHS
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
@@ -185,3 +188,20 @@ async def test_a_finished_request_leaves_no_device_memory_to_the_cycle_collector
         gc.garbage.clear()
         gc.enable()
     assert held == [], f"{len(held)} arrays, {sum(a.nbytes for a in held)} bytes"
+
+
+@pytest.mark.parametrize("vocab", [2048, 49152, 151936])
+def test_greedy_rows_draw_together_as_each_alone(vocab):
+    """A batch's greedy members draw in one graph (`argmax_rows`): each row's token is the one
+    its own `Run.draw` gives, on logits with near-ties (values on a coarse grid, so rows share
+    maxima and the normalization rounds)."""
+    run = Run(None, [], [1], 0, None, lambda: False)
+    run.sampler, run.processors = greedy_sampler, []
+    assert run.plain
+    rng = np.random.default_rng(vocab)
+    for rows in (2, 5, 16):
+        logits = mx.array(np.round(rng.normal(size=(rows, vocab)) * 4, 1).astype(np.float32))
+        together = argmax_rows(logits).tolist()
+        assert together == [int(run.draw(logits[i:i + 1]).item()) for i in range(rows)]
+    run.processors = [lambda tokens, logits: logits]
+    assert not run.plain

@@ -44,6 +44,7 @@ from prefixd.backends.mlx.engine.captured import RowOf
 from prefixd.backends.mlx.engine.draft import BatchPace, fair_width
 from prefixd.backends.mlx.engine.mtpdraft import taken
 from prefixd.backends.mlx.engine.passes import PassCounts
+from prefixd.backends.mlx.engine.run import argmax_rows
 from prefixd.backends.mlx.engine.stacking import GROWTH, release, stack, stackable
 
 if TYPE_CHECKING:
@@ -121,10 +122,20 @@ class Batch:
                     r.spec.saw(r.pos + len(r.fed), hidden, i, 1)
                 r.fed.append(r.pending)
                 r.pending, r.incoming = None, logits[i:i + 1]
-            # each one's next token drawn in the same evaluation (one sync for the pass); a
-            # member whose draw cannot be built draws in its own step (and fails alone)
-            drawn = [_draw(r) for r in members]
-            snapshot.evaluate(self.cache, logits, *drawn)
+            # each one's next token drawn in the same evaluation (one sync for the pass): the
+            # greedy ones together, the others each with its own sampler; a member whose draw
+            # cannot be built draws in its own step (and fails alone)
+            plain = [r.plain for r in members]
+            together = argmax_rows(logits) if sum(plain) > 1 else None
+            drawn: list[mx.array | int | None] = [
+                None if together is not None and p else _draw(r)
+                for r, p in zip(members, plain, strict=True)]
+            snapshot.evaluate(self.cache, logits, *drawn,
+                              *((together,) if together is not None else ()))
+            if together is not None:
+                argmaxes = cast(list[int], together.tolist())
+                drawn = [argmaxes[i] if p else d
+                         for i, (p, d) in enumerate(zip(plain, drawn, strict=True))]
         except BaseException:
             self._break()
             raise

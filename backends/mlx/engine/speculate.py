@@ -37,6 +37,7 @@ from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
 from prefixd.backends.mlx.engine.drafter import ModelDrafter
 from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter, taken
+from prefixd.backends.mlx.engine.run import argmax_rows
 
 log = logging.getLogger("prefixd.worker.cache")
 
@@ -156,7 +157,10 @@ class Speculation:
     @staticmethod
     def draws(run: Run, x: list[int], logits: mx.array) -> list[mx.array]:
         """The run's draw at each position of `x` (lazy; `logits`: [len(x), vocab]), its
-        processors seeing the tokens of `x` before it as decoded."""
+        processors seeing the tokens of `x` before it as decoded; a `plain` run's in one array
+        of them all (`argmax_rows`)."""
+        if run.plain:
+            return [argmax_rows(logits[:len(x)])]
         history = run.prompt + run.fed
         return [run.draw(logits[i:i + 1], history + x[:i + 1]) for i in range(len(x))]
 
