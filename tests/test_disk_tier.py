@@ -414,3 +414,34 @@ def test_lookup_by_key_index_matches_a_full_scan(tmp_path: Path) -> None:
         found = tier.lookup(prompt)
         assert (found[1] if found else 0) == best
     tier.close(1)
+
+
+def test_states_written_to_disk_leave_memory(tmp_path: Path) -> None:
+    """An entry the RAM budget evicts is written to disk and then held nowhere: memory stays
+    within the RAM budget however many were written (before, the ledger of lost prefixes kept
+    each evicted entry's write job, and with it every array of the entry)."""
+    import gc
+
+    import mlx.core as mx
+
+    model = build_model("qwen3_5", seed=3)
+    probe = Engine(model, _config())
+    _run(probe, _words(40, 300), (100,))
+    entry = probe.store.entries[0].nbytes
+    engine = _engine(model, tmp_path, delay=3600.0, cache_bytes=entry * 13 // 10,
+                     checkpoint_interval=1024)
+
+    def settled() -> int:
+        assert engine.tiers.disk.drain(30.0)
+        gc.collect()
+        return int(mx.get_active_memory())
+
+    for i in range(2):
+        _run(engine, _words(41 + i, 300), (100,))
+    before = settled()
+    for i in range(10):
+        _run(engine, _words(50 + i, 300), (100,))
+    written = engine.cache_info()["disk"]["written_records"]
+    assert written >= 10
+    assert settled() - before < entry, (before, written)
+    engine.close(5)

@@ -55,6 +55,13 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     written: set[int] = field(default_factory=set)   # positions now on disk (new or present)
 
+    def finish(self) -> None:
+        """Written (or failed, or refused): its arrays let go (host views that keep the entry's
+        MLX arrays alive: whoever still holds the job, the ledger of lost prefixes included,
+        holds only its outcome), then `done` set."""
+        self.kv, self.states = {}, []
+        self.done.set()
+
 
 class DiskWriter:
     """The one thread that writes a tier's files (started by `DiskTier.start`)."""
@@ -73,7 +80,7 @@ class DiskWriter:
     def submit(self, job: Job) -> None:
         with self._wake:
             if self._closed:
-                job.done.set()
+                job.finish()
                 return
             self._jobs.append(job)
             self._wake.notify()
@@ -120,7 +127,7 @@ class DiskWriter:
                 log.exception("disk cache: writing a job failed; its state stays RAM-only")
                 self.tier.counters["write_errors"] += 1
             finally:
-                job.done.set()
+                job.finish()
                 with self._wake:
                     self._busy = False
                     self._wake.notify_all()
