@@ -147,3 +147,34 @@ def _cut(api: str, out: dict) -> bool:
     return out["status"] == "incomplete" and out["incomplete_details"] == {
         "reason": "max_output_tokens"} and all(i["type"] != "function_call"
                                                for i in out["output"])
+
+
+@pytest.mark.slow
+async def test_messages_stop_sequences_are_named_and_never_cut_a_call(prefixd: str) -> None:
+    """Through the Messages API on prefixd's own worker: a stop sequence that ended the reply
+    is reported (`stop_reason: stop_sequence`, `stop_sequence` set; before: `end_turn` and
+    null), streamed and not, and a forced tool call with stop sequences that occur inside it
+    still comes back as the call (before: its markup as a text block, `end_turn`)."""
+    weather = {"name": "weather", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"], "additionalProperties": False}}
+    ask = {"model": "tiny", "max_tokens": 40, "extra_body": {"temperature": 0},
+           "messages": [{"role": "user", "content": "Tell me about the river."}]}
+    async with anthropic.AsyncAnthropic(base_url=prefixd, api_key="x", max_retries=0,
+                                        timeout=60) as client:
+        free = await client.messages.create(**ask)
+        text = "".join(b.text for b in free.content if b.type == "text")
+        stop = text[6:9]
+        assert len(stop) == 3 and free.stop_sequence is None
+        cut = await client.messages.create(**ask, stop_sequences=[stop])
+        assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+        assert "".join(b.text for b in cut.content if b.type == "text") == \
+            text[:text.index(stop)]
+        async with client.messages.stream(**ask, stop_sequences=[stop]) as s:
+            streamed = await s.get_final_message()
+        assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+        forced = await client.messages.create(
+            **{**ask, "max_tokens": 200}, tools=[weather], tool_choice={"type": "tool", "name": "weather"},
+            stop_sequences=["\n", '"'])
+        assert forced.stop_reason == "tool_use", forced
+        assert [b.type for b in forced.content] == ["tool_use"], forced.content

@@ -260,6 +260,39 @@ def test_extract_tool_calls_and_stop_matcher() -> None:
     assert m.feed("abc EN") == "abc " and m.flush() == "EN"
 
 
+@pytest.mark.parametrize("pieces", [["a\nb"], ["a", "\n", "b"], ["a\n", "b"]])
+def test_stop_strings_end_text_before_a_call(pieces: list[str]) -> None:
+    """With `until` (a call's opening marker), a stop string before it ends the text as ever
+    (and is named), however the text is split."""
+    m = StopMatcher(["\n", "zz"], until="<tool_call>")
+    assert "".join(m.feed(p) for p in pieces) == "a" and m.hit and m.matched == "\n"
+
+
+@pytest.mark.parametrize("pieces", [["Hi <tx"], ["Hi <t", "x"], ["Hi <t"], ["Hi <tool"]])
+def test_a_stop_string_a_marker_may_begin_with_ends_text_once_it_is_not_one(pieces) -> None:
+    """A stop string that a call's marker begins with is held until the text shows whether
+    the marker follows; where it does not (or the reply ends first), it ends the text."""
+    m = StopMatcher(["<t"], until="<tool_call>")
+    assert "".join(m.feed(p) for p in pieces) + m.flush() == "Hi "
+    assert m.hit and m.matched == "<t"
+
+
+@pytest.mark.parametrize("pieces", [
+    ['Hi <tool_call>\n{"a": 1}\n</tool_call>'],               # the marker in one piece
+    ["Hi <tool", '_call>\n{"a"', ": 1}\n</tool_call>"],       # split across pieces
+    ["Hi ", "<", "tool_call>", "\n", '{"a": 1}', "\n</tool_call>"],
+    ["Hi <tool_call", ">\n", '{"a": 1}\n</tool_call>']])
+def test_stop_strings_stop_at_a_calls_marker(pieces: list[str]) -> None:
+    """From the marker on, no stop string applies (a call is markup, not text): everything
+    passes, including a stop string held back just before the marker (`"<"` here) or one the
+    marker itself would complete."""
+    whole = "".join(pieces)
+    for stops in (["\n"], ['"'], ["<t", "\n"], ["all>"], [":"]):
+        m = StopMatcher(stops, until="<tool_call>")
+        out = "".join(m.feed(p) for p in pieces) + m.flush()
+        assert out == whole and not m.hit, stops
+
+
 async def test_a_call_cut_by_max_tokens_is_held_and_not_text(client: TestClient,
                                                               generator: Generator) -> None:
     # A logit bias makes the tiny model emit the marker token; with tools given, what follows

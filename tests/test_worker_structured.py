@@ -169,3 +169,57 @@ async def test_the_mask_leaves_the_prompt_cache_alone(client: TestClient) -> Non
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     assert violation(json.loads(cold["choices"][0]["message"]["content"]), NESTED) is None
+
+
+# stop strings that occur inside every call and every JSON answer: the markup's line breaks,
+# the quotes of every key, the colon after it
+INSIDE = ["\n", '"', ":"]
+
+
+async def test_stop_strings_do_not_cut_structure(client: TestClient, generator: Generator
+                                                 ) -> None:
+    """Stop strings end text, not structure: a named call, a required call (streamed too), a
+    schema's JSON and a call the model opens with tools auto come back whole, with stop strings
+    that occur inside each. Before, the reply ended inside the markup and came back as text
+    (`<tool_call>`, `finish_reason` stop) or as JSON that does not parse."""
+    named = {"type": "function", "function": {"name": "clock"}}
+    bias = {str(token_id(generator, "<tool_call>")): 30}
+    for seed in SEEDS:
+        for extra in ({"tool_choice": named}, {"tool_choice": "required"},
+                      {"logit_bias": bias}):
+            out = await post(client, body(seed, tools=TOOLS, stop=INSIDE,
+                                          parallel_tool_calls=False, **extra))
+            choice = out["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", (extra, choice)
+            check_calls(choice["message"]["tool_calls"], {"weather", "clock"})
+            assert "<tool_call>" not in (choice["message"]["content"] or "")
+        out = await post(client, body(seed, response_format=json_schema(TAGS), stop=INSIDE))
+        assert violation(json.loads(out["choices"][0]["message"]["content"]), TAGS) is None
+        events = await stream(client, body(seed, tools=TOOLS, tool_choice="required",
+                                           stop=INSIDE))
+        calls = [c for e in events[:-1] if e["choices"]
+                 for c in e["choices"][0]["delta"].get("tool_calls") or []]
+        check_calls(calls, {"weather", "clock"})
+
+
+async def test_a_stop_string_ends_text_before_a_call_and_is_named(client: TestClient) -> None:
+    """With tools the model may call, a stop string in its text still ends the reply there,
+    and the reply names it (`stop_reason`, as vLLM does; the proxy's Messages API reports it
+    as `stop_sequence`), streamed and not; a reply ended otherwise names none."""
+    def short(seed: int, **extra: Any) -> dict[str, Any]:
+        return {**body(seed, tools=TOOLS, **extra), "max_tokens": 40}
+
+    for seed in SEEDS:
+        free = await post(client, short(seed))
+        text = free["choices"][0]["message"]["content"]
+        assert "stop_reason" not in free["choices"][0]
+        stop = text[6:9]
+        assert len(stop) == 3 and "<tool_call>" not in text
+        out = await post(client, short(seed, stop=[stop, "\x00"]))
+        choice = out["choices"][0]
+        assert choice["message"]["content"] == text[:text.index(stop)]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+        events = await stream(client, short(seed, stop=[stop]))
+        assert streamed_text(events) == text[:text.index(stop)]
+        last = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+        assert last["choices"][0]["stop_reason"] == stop

@@ -50,8 +50,10 @@ class Shapes:
     def final(self, text: str, finish_reason: str, usage_: dict[str, Any],
               tool_calls: list[dict[str, Any]] | None = None,
               reasoning: str | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The whole non-streamed response."""
+              logprobs: dict[str, Any] | None = None,
+              stop_reason: str | None = None) -> dict[str, Any]:
+        """The whole non-streamed response. `stop_reason`: the stop string that ended it (as
+        vLLM names it; the proxy's Messages API reports it as `stop_sequence`)."""
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
                                       "finish_reason": finish_reason}
@@ -63,13 +65,17 @@ class Shapes:
                 message["tool_calls"] = tool_calls
             choice = {"index": 0, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason}
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
         return {**self._envelope(False), "choices": [choice], "usage": usage_}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
               role: bool = False, tool_calls: list[dict[str, Any]] | None = None,
               reasoning: str | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One stream chunk: a text delta, the opening role delta, or the closing finish_reason."""
+              logprobs: dict[str, Any] | None = None,
+              stop_reason: str | None = None) -> dict[str, Any]:
+        """One stream chunk: a text delta, the opening role delta, or the closing finish_reason
+        (and `stop_reason`, as in `final`)."""
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": logprobs,
                                       "finish_reason": finish_reason}
@@ -86,6 +92,8 @@ class Shapes:
                 delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
         return {**self._envelope(True), "choices": [choice]}
 
     def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
@@ -95,14 +103,19 @@ class Shapes:
 
 class StopMatcher:
     """Cuts generated text at the first stop string, holding back any tail that could still
-    become one, so a stop string split across tokens never reaches the client."""
+    become one, so a stop string split across tokens never reaches the client. `until`: the
+    text stop strings apply to ends where it first appears (a tool call's opening marker: a
+    call is markup, not text, and a stop string must not cut it)."""
 
-    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+    def __init__(self, stops: tuple[str, ...] | list[str], until: str | None = None) -> None:
         self.stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._buf = ""
         self.hit = False
         self.held = ""  # once hit: the stop string and all text fed after it
+        self.matched: str | None = None   # once hit: which stop string
+        self.until = until if until and self.stops else None
+        self._tail = ""  # the last len(until) - 1 characters fed (where `until` may begin)
         # whether what it holds back (or the stop string it found) begins in the text fed last,
         # and where, in characters of all the text fed
         self.began_here = False
@@ -110,17 +123,42 @@ class StopMatcher:
         self._fed = 0
 
     def feed(self, text: str) -> str:
-        """Text safe to send now. After a stop string is seen (`hit`), nothing more."""
+        """Text safe to send now. After a stop string is seen (`hit`), nothing more; after
+        `until`, everything (no stop string applies any more)."""
         if self.hit:
             self.held += text
             return ""
         if not self.stops:
             return text
+        if self.until is not None:
+            scan = self._tail + text
+            at = scan.find(self.until)
+            if at < 0:
+                self._tail = scan[max(0, len(scan) - len(self.until) + 1):]
+                return self._match(text)
+            k = max(0, at - len(self._tail))     # characters of `text` before the marker
+            out = self._match(text[:k])
+            if self.hit:
+                self.held += text[k:]
+                return out
+            out, self._fed = out + self._buf + text[k:], self._fed + len(text) - k
+            self._buf, self.stops, self.until, self.began_here = "", [], None, False
+            return out
+        return self._match(text)
+
+    def _match(self, text: str) -> str:
         before = len(self._buf)
         self._buf += text
         self._fed += len(text)
-        cut = min((i for s in self.stops if (i := self._buf.find(s)) >= 0), default=-1)
+        found = [(i, -len(s), s) for s in self.stops if (i := self._buf.find(s)) >= 0]
+        cut = min(found)[0] if found else -1
+        if cut >= 0 and self._marker_may_begin(cut, len(min(found)[2])):
+            # whether the stop string runs into a call's marker is not known yet: held
+            out, self._buf = self._buf[:cut], self._buf[cut:]
+            self.began_here, self.start = cut >= before, self._fed - len(self._buf)
+            return out
         if cut >= 0:
+            self.matched = min(found)[2]
             self.began_here = cut >= before
             self.start = self._fed - len(self._buf) + cut
             out, self.held, self._buf, self.hit = self._buf[:cut], self._buf[cut:], "", True
@@ -138,9 +176,23 @@ class StopMatcher:
         return bool(self._buf)
 
     def flush(self) -> str:
-        """The held-back tail, once generation has ended without completing a stop string."""
+        """The held-back tail, once generation has ended without completing a stop string (a
+        stop string held in it because a call's marker might have followed ends it there)."""
+        found = [(i, -len(s), s) for s in self.stops if (i := self._buf.find(s)) >= 0]
+        if found and not self.hit:
+            cut, _, self.matched = min(found)
+            self.hit, self.held, self._buf = True, self._buf[cut:], self._buf[:cut]
+            self.start = self._fed - len(self.held)
+            out, self._buf = self._buf, ""
+            return out
         out, self._buf = ("" if self.hit else self._buf), ""
         return out
+
+    def _marker_may_begin(self, cut: int, n: int) -> bool:
+        """Whether a call's opening marker (`until`) may begin inside the stop string found at
+        `cut` (`n` characters): the text from there on is the marker's beginning."""
+        return self.until is not None and any(
+            self.until.startswith(self._buf[p:]) for p in range(cut, min(cut + n, len(self._buf))))
 
     def _partial_tail(self) -> int:
         for k in range(min(self._hold, len(self._buf)), 0, -1):

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
+from prefixd.backends.mlx.chat.oai import ToolFormat
+from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.engine import Turn
 from prefixd.backends.mlx.engine.loading import Loaded
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
@@ -110,13 +112,13 @@ class Active:
 
     def _begin(self) -> Generator[EngineStep, None, None]:
         engine, tokenizer, job = self.loaded.engine, self.loaded.tokenizer, self.job
-        s = job.sampling
+        s, fmt = job.sampling, self.loaded.renderer.tool_format()
         mask = None if s.constraint is None else grammar_mask(
-            s.constraint, self.grammars, tokenizer, self.loaded.renderer.tool_format(),
-            job.prompt.thinking)
+            s.constraint, self.grammars, tokenizer, fmt, job.prompt.thinking)
         sampler, processors = sampling_functions(s, len(tokenizer), mask)
         self.tap = None if job.logprobs is None else LogprobTap(sampler, job.logprobs, tokenizer)
-        self.text = TextOut(job.emit, s.stop, tokenizer.detokenizer)
+        stops, until = stop_strings(s, fmt)
+        self.text = TextOut(job.emit, stops, tokenizer.detokenizer, until)
         self.eos = tokenizer.eos_token_ids
         return engine.steps(job.prompt.tokens, sampler=self.tap or sampler,
                             logits_processors=processors or None, max_tokens=job.max_tokens,
@@ -186,7 +188,8 @@ class Active:
                  len(job.prompt.tokens), cached, prefill_s, n, decode_s,
                  n / decode_s if decode_s > 0 else 0.0, batch, drafts, job.queue_s, finish)
         self._let_go()
-        return Finished(finish, n, cached, turn)
+        return Finished(finish, n, cached, turn,
+                        self.text.stops.matched if self.text.stops.hit else None)
 
     def _let_go(self) -> None:
         """Drop its store entry once it has ended (its run let go of its arrays already,
@@ -195,6 +198,18 @@ class Active:
         which seldom runs in a worker; an entry the store has since evicted or merged would
         hold its whole KV there (measured: ~12 MiB a request on the built-in model)."""
         self.turn.entry = None
+
+
+def stop_strings(s: Sampling, fmt: ToolFormat) -> tuple[tuple[str, ...], str | None]:
+    """The stop strings a reply is cut at, and where they stop applying: a reply that is all
+    structure (a `response_format` schema, a required or named tool call) has none; with tools
+    a model may call, they apply to the text before its first call's opening marker. A stop
+    string cutting a call or a schema's JSON would send markup as text, or JSON that does not
+    parse, as a finished answer."""
+    c = s.constraint
+    if c is not None and (c.schema is not None or (c.tools and c.required)):
+        return (), None
+    return s.stop, fmt.start if c is not None and c.tools else None
 
 
 def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:

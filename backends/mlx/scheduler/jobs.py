@@ -35,6 +35,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     prefixd: dict[str, Any] | None = None
+    stop: str | None = None    # the stop string that ended it (vLLM's `stop_reason`)
 
 
 @dataclass(frozen=True)

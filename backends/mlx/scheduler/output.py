@@ -127,9 +127,10 @@ class TextOut:
     """Generated tokens to text deltas: detokenized, cut at stop strings (`StopMatcher`), each
     delta with the log-probabilities of the tokens it came from."""
 
-    def __init__(self, emit: Callable[[Delta], None], stops: tuple[str, ...], detok: Any) -> None:
+    def __init__(self, emit: Callable[[Delta], None], stops: tuple[str, ...], detok: Any,
+                 until: str | None = None) -> None:
         self.emit, self.detok = emit, detok
-        self.stops = StopMatcher(stops)
+        self.stops = StopMatcher(stops, until)
         self._logprobs: list[TokenLogprob] = []
         self._ends: list[int] = []   # characters of text after each token added
 

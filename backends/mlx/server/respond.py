@@ -94,7 +94,8 @@ class Reply:
                 finish = _finish_reason(event, calls)
                 return web.json_response(_with_breakdown(self.shapes.final(
                     "".join(content) + c, finish, self._usage(event), tool_calls=calls,
-                    reasoning="".join(reasoning) + r, logprobs=self._take_logprobs()), event),
+                    reasoning="".join(reasoning) + r, logprobs=self._take_logprobs(),
+                    stop_reason=event.stop), event),
                     headers=decode_header(event))
         raise AssertionError("a job's events end with Finished or Failed")
 
@@ -136,6 +137,7 @@ class Reply:
                                                    logprobs=self._take_logprobs())))
         if calls:
             await resp.write(sse(self.shapes.chunk(tool_calls=calls)))
-        await resp.write(sse(self.shapes.chunk(finish_reason=_finish_reason(end, calls))))
+        await resp.write(sse(self.shapes.chunk(finish_reason=_finish_reason(end, calls),
+                                               stop_reason=end.stop)))
         if self.req.include_usage:
             await resp.write(sse(_with_breakdown(self.shapes.usage_chunk(self._usage(end)), end)))
