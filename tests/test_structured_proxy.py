@@ -174,7 +174,7 @@ async def test_messages_stop_sequences_are_named_and_never_cut_a_call(prefixd: s
             streamed = await s.get_final_message()
         assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
         forced = await client.messages.create(
-            **{**ask, "max_tokens": 200}, tools=[weather], tool_choice={"type": "tool", "name": "weather"},
-            stop_sequences=["\n", '"'])
+            **{**ask, "max_tokens": 200}, tools=[weather],
+            tool_choice={"type": "tool", "name": "weather"}, stop_sequences=["\n", '"'])
         assert forced.stop_reason == "tool_use", forced
         assert [b.type for b in forced.content] == ["tool_use"], forced.content
