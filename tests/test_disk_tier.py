@@ -445,3 +445,45 @@ def test_states_written_to_disk_leave_memory(tmp_path: Path) -> None:
     assert written >= 10
     assert settled() - before < entry, (before, written)
     engine.close(5)
+
+
+def test_states_waiting_for_a_slow_disk_hold_at_most_a_quarter_of_the_ram_budget(
+        tmp_path: Path) -> None:
+    """Evicted states wait in memory until the writer has written them; where the disk falls
+    behind (here: a writer that has not run yet), a state evicted while the waiting ones hold a
+    quarter of the RAM budget is not written (`skipped_writes`; its prefix's miss says
+    `not_on_disk`), so they cannot grow without bound. The waiting ones are written once the
+    writer runs."""
+    import gc
+
+    import mlx.core as mx
+
+    from prefixd.backends.mlx.disk.writer import DiskWriter
+
+    model = build_model("qwen3_5", seed=3)
+    probe = Engine(model, _config())
+    _run(probe, _words(60, 300), (100,))
+    entry = probe.store.entries[0].nbytes
+    budget = entry * 13 // 10
+    engine = _engine(model, tmp_path, delay=3600.0, cache_bytes=budget,
+                     checkpoint_interval=1024)
+    tier = engine.tiers.disk
+    assert tier.drain(30.0)
+    tier.writer = DiskWriter(tier)            # a disk that has not kept up: nothing written
+    _run(engine, _words(61, 300), (100,))
+    gc.collect()
+    before = int(mx.get_active_memory())
+    prompts = [_words(62 + i, 300) for i in range(10)]
+    for p in prompts:
+        _run(engine, p, (100,))
+    gc.collect()
+    info = engine.cache_info()["disk"]
+    assert int(mx.get_active_memory()) - before < budget // 4 + 2 * entry
+    assert info["skipped_writes"] >= 5, info
+    tier.writer.start()
+    assert tier.drain(30.0)
+    info = engine.cache_info()["disk"]
+    assert 1 <= info["written_records"] < 10 - 5 + 2, info
+    reasons = {_run(engine, p + _words(90, 8))[2].miss for p in prompts[:-1]}
+    assert "not_on_disk" in reasons, reasons
+    engine.close(5)

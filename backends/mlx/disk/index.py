@@ -40,6 +40,7 @@ from prefixd.backends.mlx.disk.writer import DiskWriter, Job
 # (its file or one of its blocks did not match its checksums)
 OnEvict = Callable[[np.ndarray, int, str], None]
 COUNTERS = ("written_bytes", "written_blocks", "written_records", "evicted_records", "rejected",
+            "skipped_writes",
             "write_errors")
 
 

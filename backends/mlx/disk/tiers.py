@@ -84,10 +84,19 @@ class Rates:
         return tokens / self.prefill_tps if self.prefill_tps else 0.0
 
 
+# Of the RAM budget, how much the evicted states waiting for the writer may hold (outside the
+# budget: their arrays live until written). A disk slower than the evictions would otherwise
+# let them grow without bound; past it an evicted state is not written (`not_on_disk`).
+WAITING_SHARE = 0.25
+
+
 class Tiers:
     def __init__(self, disk: DiskTier | None, kv_idx: Sequence[int], snap_idx: Sequence[int],
-                 write_delay: float) -> None:
+                 write_delay: float, ram_budget: int | None = None) -> None:
         self.disk = disk
+        # evicted states' jobs not written yet, and their bytes (None: no bound)
+        self.waiting_limit = None if ram_budget is None else int(ram_budget * WAITING_SHARE)
+        self._waiting: dict[Job, int] = {}
         self.kv_idx, self.snap_idx = tuple(kv_idx), tuple(snap_idx)
         self.write_delay = write_delay
         self.rates = Rates()
@@ -147,7 +156,7 @@ class Tiers:
         if self.disk is None:
             self._lose(entry, positions, "evicted")
         elif entry not in self.written:
-            job = self._write(entry, "evicted")
+            job = self._write(entry, "evicted", evicted=True)
             self._lose(entry, positions, "write_pending" if job else "not_on_disk", job)
 
     def dropped(self, entry: Entry, pos: int, payload: object) -> None:
@@ -159,16 +168,30 @@ class Tiers:
         elif entry not in self.written:
             job = make_job(self.disk, entry, self.kv_idx, self.snap_idx, "evicted",
                            {pos: payload})
-            if job is not None:
-                self.disk.submit(job)
+            job = self._submit(job, evicted=True)
             self._lose(entry, [pos], "write_pending" if job else "not_on_disk", job)
 
-    def _write(self, entry: Entry, reason: str) -> Job | None:
+    def _write(self, entry: Entry, reason: str, evicted: bool = False) -> Job | None:
         assert self.disk is not None
         job = make_job(self.disk, entry, self.kv_idx, self.snap_idx, reason)
         self.written.add(entry)
-        if job is not None:
-            self.disk.submit(job)
+        return self._submit(job, evicted)
+
+    def _submit(self, job: Job | None, evicted: bool) -> Job | None:
+        """Queue `job` for the writer; None if there is none, or if it is an evicted state's
+        and the evicted states waiting to be written already hold `waiting_limit` bytes (it
+        is dropped: counted as `skipped_writes`)."""
+        if job is None or self.disk is None:
+            return None
+        if evicted and self.waiting_limit is not None:
+            self._waiting = {j: n for j, n in self._waiting.items() if not j.done.is_set()}
+            nbytes = job.nbytes()
+            if self._waiting and sum(self._waiting.values()) + nbytes > self.waiting_limit:
+                job.finish()
+                self.disk.counters["skipped_writes"] += 1
+                return None
+            self._waiting[job] = nbytes
+        self.disk.submit(job)
         return job
 
     # --- the ledger -------------------------------------------------------------------------

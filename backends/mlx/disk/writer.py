@@ -55,6 +55,11 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     written: set[int] = field(default_factory=set)   # positions now on disk (new or present)
 
+    def nbytes(self) -> int:
+        """What its arrays hold (views of the entry's: what it keeps alive until written)."""
+        return sum(a.nbytes for bufs in self.kv.values() for a in bufs) + \
+            sum(a.nbytes for s in self.states for a in s.tensors.values())
+
     def finish(self) -> None:
         """Written (or failed, or refused): its arrays let go (host views that keep the entry's
         MLX arrays alive: whoever still holds the job, the ledger of lost prefixes included,

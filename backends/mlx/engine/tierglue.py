@@ -101,7 +101,8 @@ class TierGlue:
         self.lockstep = lockstep or Lockstep()
         leaves = snapshot.leaves(template)
         kv_idx = [i for i in range(len(leaves)) if i not in snap_idx]
-        self.tiers = Tiers(None, kv_idx, snap_idx, spec.write_delay if spec else 0.0)
+        self.tiers = Tiers(None, kv_idx, snap_idx, spec.write_delay if spec else 0.0,
+                           store.budget)
         self.store = store
         if spec is not None and spec.budget > 0:
             shape = layout(template)
