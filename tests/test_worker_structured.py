@@ -223,3 +223,25 @@ async def test_a_stop_string_ends_text_before_a_call_and_is_named(client: TestCl
         assert streamed_text(events) == text[:text.index(stop)]
         last = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][-1]
         assert last["choices"][0]["stop_reason"] == stop
+
+
+async def test_a_stop_string_held_for_a_marker_to_the_end_ends_the_text(
+        client: TestClient, generator: Generator) -> None:
+    """A stop string a call's marker begins with (`<`) is held while the marker may follow;
+    where the reply ends first (here: `max_tokens` 1, the one token `<`), it is a stop like
+    any other: `finish_reason` stop, named, and the log-probabilities of its token not sent
+    (before: `length` beside `stop_reason` `<`, and one log-probability for no text)."""
+    lt = token_id(generator, "<")
+    req = {**body(0, tools=TOOLS, stop=["<"], logit_bias={str(lt): 100}, logprobs=True),
+           "max_tokens": 1}
+    out = await post(client, req)
+    choice = out["choices"][0]
+    assert (choice["finish_reason"], choice.get("stop_reason")) == ("stop", "<"), choice
+    assert choice["message"]["content"] == ""
+    assert not (choice["logprobs"] or {}).get("content"), choice["logprobs"]
+    events = await stream(client, req)
+    last = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    assert (last["choices"][0]["finish_reason"], last["choices"][0]["stop_reason"]) == \
+        ("stop", "<")
+    assert not [c for e in events[:-1] if e["choices"]
+                for c in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]

@@ -171,6 +171,8 @@ class Active:
             self.finish = "cancelled"
         else:
             self.text.finish()
+            if self.text.stops.hit:    # a stop string held back to the end ended the text
+                self.finish = "stop"
         stats, n, finish = self.turn.stats, self.n, self.finish
         before = {**job.prompt.timings, "queue": job.queue_s, "paused": job.paused_s}
         turn = observe_turn(stats, before, digest(self.loaded.engine.store, self.turn.entry))

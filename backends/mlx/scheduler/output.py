@@ -148,11 +148,17 @@ class TextOut:
         return bisect.bisect_right(self._ends, self.stops.start)
 
     def finish(self) -> None:
-        """The rest of the text once generation ended (nothing after a stop string)."""
+        """The rest of the text once generation ended (nothing after a stop string). A stop
+        string held back until now (a call's marker might have followed it) ends the text
+        here: the tokens from the one it begins in are not sent, as at any stop string."""
         if self.stops.hit:
             return
         self.detok.finalize()
-        self._send(self.stops.feed(self.detok.last_segment) + self.stops.flush(), last=True)
+        text = self.stops.feed(self.detok.last_segment) + self.stops.flush()
+        if self.stops.hit:
+            first = len(self._ends) - len(self._logprobs)   # the first token not sent yet
+            del self._logprobs[max(0, self.stop_token() - first):]
+        self._send(text, last=True)
 
     def _send(self, text: str, last: bool = False) -> None:
         # Tokens whose text is held back (a possible stop string) wait for the next delta; those
