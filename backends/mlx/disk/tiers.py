@@ -4,8 +4,9 @@ a lookup restored less than the worker knew (generation thread; the Engine owns 
 Owns:
 - the write schedule: a finished entry is written once it has been idle `write_delay` seconds
   (an entry that a newer turn absorbs before then, i.e. a superseded state of an active
-  conversation, is never written); an entry the RAM budget evicts is written at once; at
-  shutdown everything not yet written is;
+  conversation, is never written); an entry the RAM budget evicts is written at once, unless
+  the evicted states waiting for the writer already hold `WAITING_SHARE` of the RAM budget
+  (their arrays live outside it until written); at shutdown everything not yet written is;
 - the measured rates (prefill tokens/s, disk bytes/s) that decide whether loading a record beats
   prefilling the tokens it would save;
 - the ledger of restorable states this process had and lost (evicted from RAM with no disk
