@@ -340,6 +340,8 @@ async def test_responses_plain(prefixd: Prefixd) -> None:
     assert [o.type for o in resp.output] == ["message"]
     assert resp.usage.input_tokens == 80
     assert resp.usage.input_tokens_details.cached_tokens == 64
+    # the request's own fields, repeated (before: instructions None, max_output_tokens None)
+    assert (resp.instructions, resp.max_output_tokens, resp.tools) == ("Be brief.", 32, [])
     sent = prefixd.upstream.received[-1]
     assert sent["max_tokens"] == 32
     assert sent["messages"] == [{"role": "system", "content": "Be brief."},
@@ -355,7 +357,8 @@ async def test_responses_stream_with_a_function_call(prefixd: Prefixd) -> None:
     question = [{"role": "user", "content": "please run echo hi"}]
     async with prefixd.openai() as client:
         stream = await client.responses.create(model="fake", input=question, tools=[EXEC],
-                                               stream=True, prompt_cache_key="sess-1")
+                                               tool_choice="required", stream=True,
+                                               prompt_cache_key="sess-1")
         events = [e async for e in stream]
         kinds = [e.type for e in events]
         assert kinds[:2] == ["response.created", "response.in_progress"]
@@ -366,6 +369,10 @@ async def test_responses_stream_with_a_function_call(prefixd: Prefixd) -> None:
         assert done.arguments == args
         assert [e.sequence_number for e in events] == list(range(len(events)))
         final = events[-1].response
+        # the request's own fields, repeated in every response object of the stream (before:
+        # tool_choice auto and no tools whatever was asked)
+        for r in (events[0].response, final):
+            assert (r.tool_choice, [t.name for t in r.tools]) == ("required", ["exec_command"])
         assert [o.type for o in final.output] == ["reasoning", "function_call"]
         call = final.output[1]
         assert (call.call_id, call.name, call.arguments) == ("call_7", "exec_command", args)

@@ -159,7 +159,8 @@ class RelayStage:
                                code="upstream_error")
             ex.trace.first_token_at = time.monotonic()
             attempt.message, attempt.usage = parse_json_body(body)
-            out = json.dumps(ex.api.translator.response(obj), ensure_ascii=False).encode()
+            out = json.dumps(ex.api.translator.response(obj, ex.client_body),
+                             ensure_ascii=False).encode()
             resp = await ex.start(200, {"Content-Type": "application/json"}, sse=False)
             ex.trace.status = 200
             await resp.write(out)

@@ -87,7 +87,8 @@ class RouteStage:
                              again=bool(refused) or kept is not None,
                              slot=kept.slot if kept is not None else None,
                              queue_wait=kept.queue_wait if kept is not None else None,
-                             stream_out=translator.stream() if translator and ex.stream
+                             stream_out=translator.stream(ex.client_body)
+                             if translator and ex.stream
                              else None,
                              transfer=self.router.transfer_plan(view, decision.name))
         ex.trace.backend = decision.name

@@ -53,10 +53,10 @@ class AnthropicTranslator(Translator):
     def request(self, body: dict) -> dict:
         return _chat_body(body, count_only=False)
 
-    def response(self, chat: dict) -> dict:
+    def response(self, chat: dict, client: dict | None = None) -> dict:
         return message(chat)
 
-    def stream(self) -> StreamTranslator:
+    def stream(self, client: dict | None = None) -> StreamTranslator:
         return AnthropicStream()
 
     def client_param(self, body: dict, param: str) -> str:

@@ -55,12 +55,13 @@ class Translator(ABC):
         always ask for usage). Raises `TranslateError` on bad input."""
 
     @abstractmethod
-    def response(self, chat: dict) -> dict:
-        """A non-streamed `chat.completion` object -> the client's response object."""
+    def response(self, chat: dict, client: dict | None = None) -> dict:
+        """A non-streamed `chat.completion` object -> the client's response object (`client`:
+        the request as the client sent it, for an API whose response repeats its fields)."""
 
     @abstractmethod
-    def stream(self) -> StreamTranslator:
-        """A fresh per-response stream state."""
+    def stream(self, client: dict | None = None) -> StreamTranslator:
+        """A fresh per-response stream state (`client` as in `response`)."""
 
     def client_param(self, body: dict, param: str) -> str:
         """A field of the translated chat body (`param`, e.g. `tools[0].function.parameters`)

@@ -35,7 +35,7 @@ from prefixd.proxy.translate.base import (
     want,
 )
 from prefixd.proxy.translate.params import responses_param
-from prefixd.proxy.translate.responses_out import NAMESPACE_SEP, ResponsesStream, response
+from prefixd.proxy.translate.responses_out import NAMESPACE_SEP, ResponsesStream, echo, response
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -63,11 +63,11 @@ class ResponsesTranslator(Translator):
         _options(body, chat)
         return chat
 
-    def response(self, chat: dict) -> dict:
-        return response(chat)
+    def response(self, chat: dict, client: dict | None = None) -> dict:
+        return response(chat, echo(client or {}))
 
-    def stream(self) -> StreamTranslator:
-        return ResponsesStream()
+    def stream(self, client: dict | None = None) -> StreamTranslator:
+        return ResponsesStream(echo(client or {}))
 
     def client_param(self, body: dict, param: str) -> str:
         return responses_param(body, param)

@@ -63,31 +63,45 @@ def item(block: Block, item_id: str, full: bool) -> dict[str, Any]:
     return out
 
 
+# The request's fields a `response` object repeats, and their values when the request leaves
+# them out (OpenAI's defaults).
+ECHOED: dict[str, Any] = {
+    "instructions": None, "metadata": {}, "parallel_tool_calls": True, "tool_choice": "auto",
+    "tools": [], "temperature": None, "top_p": None, "max_output_tokens": None,
+    "text": {"format": {"type": "text"}}}
+
+
+def echo(client: dict) -> dict[str, Any]:
+    """The fields of the client's request a `response` object repeats, as it sent them."""
+    return {k: client[k] if client.get(k) is not None else v for k, v in ECHOED.items()}
+
+
 def response_object(resp_id: str, created: int, model: str, output: list[dict],
                     finish_reason: str | None, u: Usage | None, status: str | None = None,
-                    error: dict | None = None) -> dict[str, Any]:
+                    error: dict | None = None, echoed: dict | None = None) -> dict[str, Any]:
     reason = _INCOMPLETE.get(finish_reason or "")
     status = status or ("incomplete" if reason else "completed")
     return {"id": resp_id, "object": "response", "created_at": created, "status": status,
             "error": error,
             "incomplete_details": {"reason": reason} if status == "incomplete" else None,
-            "instructions": None, "metadata": {}, "model": model, "output": output,
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            **(echoed if echoed is not None else ECHOED), "model": model, "output": output,
             "usage": usage(u)}
 
 
-def response(chat: dict) -> dict:
-    """A non-streamed chat.completion -> a Responses `response` object."""
+def response(chat: dict, echoed: dict | None = None) -> dict:
+    """A non-streamed chat.completion -> a Responses `response` object (`echoed`: the
+    request's fields it repeats, `echo`)."""
     done = read_completion(chat)
     output = [item(b, new_id(_PREFIX[b.kind]), full=True) for b in done.blocks]
     resp_id = f"resp_{done.id.removeprefix('chatcmpl-')}" if done.id else new_id("resp")
     return response_object(resp_id, done.created or int(time.time()), done.model, output,
-                           done.finish_reason, done.usage)
+                           done.finish_reason, done.usage, echoed=echoed)
 
 
 class ResponsesStream(BlockStream):
-    def __init__(self) -> None:
+    def __init__(self, echoed: dict | None = None) -> None:
         super().__init__()
+        self._echoed = echoed       # the request's fields its `response` objects repeat
         self._id = new_id("resp")
         self._created = int(time.time())
         self._n = 0                            # sequence_number of the next event
@@ -97,7 +111,7 @@ class ResponsesStream(BlockStream):
     def _close(self) -> bytes:
         seq = self._seq
         final = response_object(self._id, self._created, seq.model, self._items,
-                                 seq.finish_reason, seq.usage or Usage())
+                                 seq.finish_reason, seq.usage or Usage(), echoed=self._echoed)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return self._event(kind, response=final)
 
@@ -108,7 +122,8 @@ class ResponsesStream(BlockStream):
             "rate_limit_exceeded" if err.get("type") == "rate_limit_error" else "server_error")
         failed = response_object(self._id, self._created, self._seq.model, self._items, None,
                                  self._seq.usage, status="failed",
-                                 error={"code": code, "message": message})
+                                 error={"code": code, "message": message},
+                                 echoed=self._echoed)
         return (self._begin()
                 + self._event("error", code=code, message=message, param=err.get("param"))
                 + self._event("response.failed", response=failed))
@@ -123,7 +138,7 @@ class ResponsesStream(BlockStream):
             return b""
         self._started = True
         snapshot = response_object(self._id, self._created, self._seq.model, [], None, None,
-                                   status="in_progress")
+                                   status="in_progress", echoed=self._echoed)
         return (self._event("response.created", response=snapshot)
                 + self._event("response.in_progress", response=snapshot))
 
