@@ -150,15 +150,15 @@ class StopMatcher:
         before = len(self._buf)
         self._buf += text
         self._fed += len(text)
-        found = [(i, -len(s), s) for s in self.stops if (i := self._buf.find(s)) >= 0]
-        cut = min(found)[0] if found else -1
-        if cut >= 0 and self._marker_may_begin(cut, len(min(found)[2])):
+        first = self._first()
+        cut = first[0] if first else -1
+        if first and self._marker_may_begin(*first):
             # whether the stop string runs into a call's marker is not known yet: held
             out, self._buf = self._buf[:cut], self._buf[cut:]
             self.began_here, self.start = cut >= before, self._fed - len(self._buf)
             return out
-        if cut >= 0:
-            self.matched = min(found)[2]
+        if first:
+            self.matched = first[1]
             self.began_here = cut >= before
             self.start = self._fed - len(self._buf) + cut
             out, self.held, self._buf, self.hit = self._buf[:cut], self._buf[cut:], "", True
@@ -178,21 +178,27 @@ class StopMatcher:
     def flush(self) -> str:
         """The held-back tail, once generation has ended without completing a stop string (a
         stop string held in it because a call's marker might have followed ends it there)."""
-        found = [(i, -len(s), s) for s in self.stops if (i := self._buf.find(s)) >= 0]
-        if found and not self.hit:
-            cut, _, self.matched = min(found)
-            self.hit, self.held, self._buf = True, self._buf[cut:], self._buf[:cut]
-            self.start = self._fed - len(self.held)
-            out, self._buf = self._buf, ""
+        first = None if self.hit else self._first()
+        if first:
+            cut, self.matched = first
+            out, self.held, self.hit = self._buf[:cut], self._buf[cut:], True
+            self.start, self._buf = self._fed - len(self.held), ""
             return out
         out, self._buf = ("" if self.hit else self._buf), ""
         return out
 
-    def _marker_may_begin(self, cut: int, n: int) -> bool:
-        """Whether a call's opening marker (`until`) may begin inside the stop string found at
-        `cut` (`n` characters): the text from there on is the marker's beginning."""
+    def _first(self) -> tuple[int, str] | None:
+        """Where the first stop string in the held text begins, and which (the longest of those
+        that begin there)."""
+        found = [(i, -len(s), s) for s in self.stops if (i := self._buf.find(s)) >= 0]
+        return (min(found)[0], min(found)[2]) if found else None
+
+    def _marker_may_begin(self, cut: int, stop: str) -> bool:
+        """Whether a call's opening marker (`until`) may begin inside `stop`, found at `cut`:
+        the text from there on is the marker's beginning."""
+        end = min(cut + len(stop), len(self._buf))
         return self.until is not None and any(
-            self.until.startswith(self._buf[p:]) for p in range(cut, min(cut + n, len(self._buf))))
+            self.until.startswith(self._buf[p:]) for p in range(cut, end))
 
     def _partial_tail(self) -> int:
         for k in range(min(self._hold, len(self._buf)), 0, -1):
