@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
-from pathlib import Path
 
 from yarl import URL
 
 from prefixd.proxy.prefix.rules import RULES, page_data
 from prefixd.proxy.ui import STATIC
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 async def test_page_and_assets_are_served_with_their_types(upstream, start_proxy, http):
@@ -81,17 +77,6 @@ async def test_the_page_reads_the_rules_from_the_server(upstream, start_proxy, h
     for rule in RULES:
         assert rule.name not in js and rule.env not in js, rule.name
         assert not any(f'"{cause}"' in js for cause in rule.causes), rule.name
-
-
-def test_every_static_file_ships_in_the_package():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    tool = project["tool"]["setuptools"]
-    assert "prefixd.proxy.ui" in tool["packages"]
-    globs = tool["package-data"]["prefixd.proxy.ui"]
-    files = {p.name for p in STATIC.iterdir()}
-    assert files == {"index.html", "app.js", "render.js", "style.css"}
-    shipped = {p.name for g in globs for p in STATIC.parent.glob(g)}
-    assert shipped == files
 
 
 def test_page_renders_data_as_text_only():
