@@ -71,6 +71,9 @@ class Observed:
     def pass_rate(self) -> float | None:
         return None
 
+    def length(self) -> int:
+        return self.active.length()
+
     def publish(self, at: int) -> int | None:
         return self.active.publish(at)
 
@@ -290,11 +293,14 @@ def test_a_cancelled_job_stops_within_one_slice(model: CountingModel, tokenizer:
 
 
 class FakeTask:
-    def __init__(self, left: int, rate: float | None = None) -> None:
-        self.left, self.rate = left, rate
+    def __init__(self, left: int, rate: float | None = None, length: int = 0) -> None:
+        self.left, self.rate, self.held = left, rate, length
 
     def remaining(self) -> int:
         return self.left
+
+    def length(self) -> int:
+        return self.held
 
     def pass_rate(self) -> float | None:
         return self.rate
@@ -499,9 +505,12 @@ def test_admission_counts_live_cache_bytes() -> None:
     schedule = Schedule(4, 256, 512, 1000, 10)   # 100 tokens of live cache
     for n in (80, 30, 10):
         schedule.add(_job([1] * n))
-    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [80]   # 30 would not fit
+    # (80 + 4) x 10 = 840 bytes; 30's 340 would not fit beside it, 10's 140 does (a job that
+    # does not fit is passed by one behind it that does)
+    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [80, 10]
+    assert [len(j.prompt.tokens) for j in schedule.waiting] == [30]
     schedule.remove(schedule.active[0])
-    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [30, 10]
+    assert [len(s.job.prompt.tokens) for s in schedule.admit()] == [30]
     alone = Schedule(2, 256, 512, 10, 10)
     alone.add(_job([1] * 500))
     assert len(alone.admit()) == 1   # one job alone always runs
@@ -579,3 +588,96 @@ def test_a_requests_fixed_bytes_are_its_states_and_its_logits() -> None:
     assert request_bytes(leaves, 4096, 9, True) == 2 * states + 2 * 9 * 4096
     plain = Engine(model_from_config(tiny_config("qwen3")), EngineConfig())
     assert request_bytes(plain.reference_leaves(), 4096, 1, False) == 2 * 4096
+
+
+def _started(slot: Any, length: int) -> Any:
+    """`slot` decoding, its live cache `length` tokens."""
+    slot.task = FakeTask(0, length=length)
+    return slot
+
+
+def test_a_short_job_is_admitted_beside_a_long_answer_and_not_padded_to_it() -> None:
+    """A long answer taking over half the budget: a short newcomer runs beside it (before, a
+    decode batch padding its row to the long one's counted it twice the long one: it waited
+    for the whole answer), in passes of its own while the padded copy would not fit."""
+    schedule = Schedule(4, 256, 512, 1000, 1)
+    schedule.add(_job([1] * 100, max_tokens=500))       # 600 bytes reserved
+    (long,) = schedule.admit()
+    _started(long, 400)
+    schedule.add(_job([1] * 10, max_tokens=8))          # 18: 618 <= 1,000
+    (short,) = schedule.admit()
+    assert not short.borrows
+    _started(short, 12)
+    assert schedule.decoding(short) == [short, long]    # padded: 2 x 400 <= 1,000
+    _started(long, 520)
+    assert schedule.decoding(short) == [short]          # padded: 2 x 520 > 1,000
+    assert schedule.decoding(long) == [long]
+    roomy = Schedule(4, 256, 512, 10_000, 1)            # room for the padded copy: one pass
+    for job in (long.job, short.job):
+        roomy.add(job)
+    a, b = roomy.admit()
+    _started(a, 400), _started(b, 12)
+    assert roomy.decoding(b) == [b, a]
+
+
+def test_a_long_answer_pauses_for_a_short_job_borrowing_its_room() -> None:
+    """A long answer reserved past the budget (alone, as one job always runs): a short job
+    borrows the room it leaves now; the long one is held while its next step would eat into
+    the short one's reservation, and runs again when it ends. A second long answer never
+    borrows in place of the first."""
+    schedule = Schedule(4, 256, 512, 1000, 1)
+    schedule.add(_job([1] * 100, max_tokens=1400))      # 1,500 bytes: alone only
+    (long,) = schedule.admit()
+    _started(long, 700)
+    schedule.add(_job([1] * 100, max_tokens=1400))      # as long: waits
+    schedule.add(_job([1] * 10, max_tokens=200))        # 210 <= 1,000 - 700
+    (short,) = schedule.admit()
+    assert short.borrows and len(schedule.waiting) == 1
+    _started(short, 10)
+    schedule.pick()
+    assert not schedule.waits                           # 700 + 210 + 1 <= 1,000: no hold yet
+    _started(long, 790)                                 # 790 + 210 + 1 > 1,000
+    for _ in range(3):
+        assert schedule.pick() is short and schedule.waits == {long}
+        schedule.ran(short)
+    assert schedule.decoding(short) == [short]
+    schedule.remove(short)
+    assert schedule.pick() is long and not schedule.waits
+    assert not schedule.admit()                         # the second long one still waits
+
+
+def test_nobody_borrows_while_a_held_job_has_aged() -> None:
+    """A long prefill held for a borrower's room (its next slice would eat into it): once it
+    has waited its aging limit, newcomers that would fit beside what the others hold wait
+    too, so it runs as soon as the borrowers end."""
+    schedule = Schedule(4, 256, 512, 1000, 1)
+    schedule.add(_job([1] * 3700))                      # 3,704 bytes: alone only
+    (long,) = schedule.admit()
+    long.task = FakeTask(3000, length=700)              # prefilling, 700 in its live cache
+    schedule.add(_job([1] * 10, max_tokens=150))        # 700 + 160 <= 1,000
+    (short,) = schedule.admit()
+    _started(short, 10)
+    for _ in range(AGE_LIMIT):                          # 700 + 160 + a 256-token slice
+        assert schedule.pick() is short and schedule.waits == {long}
+        schedule.ran(short)
+    schedule.add(_job([1] * 5, max_tokens=5))           # 10 bytes: would fit beside them,
+    assert not schedule.admit()                         # but the held one has waited enough
+    schedule.remove(short)
+    assert schedule.pick() is long
+    schedule.ran(long)
+    assert len(schedule.admit()) == 1                   # it ran: borrowing again
+
+
+def test_a_job_that_does_not_fit_is_passed_at_most_pass_limit_times() -> None:
+    from prefixd.backends.mlx.scheduler.room import PASS_LIMIT
+
+    schedule = Schedule(64, 256, 512, 1000, 1)
+    schedule.add(_job([1] * 100, max_tokens=500))
+    schedule.admit()
+    schedule.add(_job([1] * 100, max_tokens=500))      # 600 + 600 > 1,000: waits
+    admitted = 0
+    for _ in range(PASS_LIMIT + 3):
+        schedule.add(_job([1] * 2, max_tokens=2))
+        admitted += len(schedule.admit())
+    assert admitted == PASS_LIMIT
+    assert len(schedule.waiting[0].prompt.tokens) == 100

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 # Requests a worker holds under way at most by default (a managed backend's default
 # max_concurrency): every request the proxy would queue (its default queue_depth), so the
 # worker's scheduler ranks all of them; what it admits of them is bounded by memory
-# (active_kv_share of the cache budget: the live caches as the decode batch pads them).
+# (active_kv_share of the cache budget: the live caches, `scheduler/room.py`).
 DEFAULT_ACTIVE = 64
 # How a group worker splits its model (`loading.distribute`).
 Parallel = Literal["auto", "pipeline", "tensor"]
@@ -165,11 +165,13 @@ class WorkerSettings(BaseSettings):
                                "tokens until a prefill rate is measured (or always, with "
                                "prefill_slice_ms 0).")
     active_kv_share: float = Field(
-        0.5, gt=0, description="Worker (max_active > 1): admission by memory: admit another "
-        "job only while the live KV caches of the admitted jobs fit this share of cache_bytes, "
-        "counted as the decode batch holds them (each job's prompt tokens + max_tokens, every "
-        "row padded to the longest, x the model's KV bytes per token); a job that does not "
-        "fit waits (one job alone always runs).")
+        0.5, gt=0, description="Worker (max_active > 1): admission by memory: the live KV "
+        "caches of the admitted jobs within this share of cache_bytes (each job counted at "
+        "its prompt tokens + max_tokens x the model's KV bytes per token); a short job is "
+        "admitted beside a long answer on the room it leaves now, the long one pausing while "
+        "it would take that room back; a decode batch takes only the rows whose copy padded "
+        "to the longest fits; a job that does not fit waits (one job alone always runs; "
+        "docs/CHECKPOINTS.md, Admission by memory).")
     group_hosts: Annotated[Hosts, NoDecode] = Field(
         default_factory=list, description="Worker: run as a group of this many ranks on MLX's "
         "distributed runtime (ring backend), one per host, this process (rank 0) on the first: "

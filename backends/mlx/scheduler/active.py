@@ -57,6 +57,11 @@ class Active:
         run = self.turn.run
         return len(self.job.prompt.tokens) if run is None else len(run.prompt) - run.pos
 
+    def length(self) -> int:
+        """Tokens its live cache holds now."""
+        run = self.turn.run
+        return 0 if run is None else run.pos + len(run.fed)
+
     def pass_rate(self) -> float | None:
         """Tokens per second of its last prefill pass (None before its first)."""
         run = self.turn.run

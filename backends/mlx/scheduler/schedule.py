@@ -2,11 +2,12 @@
 and it runs exactly one forward pass at a time (issue 26); with `max_active` 1, one job at a
 time to its end, by the same loop.
 
-Owns: which waiting job is admitted (at most `max_active`, and only while the estimated live
-caches of the admitted jobs, as a decode batch pads them to the longest, fit `active_kv_bytes`:
-admission by memory; a job that does not fit waits; one job alone is always admitted), which
-admitted job's pass runs next (a decoding job's pass is one decode step of every decoding job:
-`decoding`), whether a pass under way pauses
+Owns: which waiting job is admitted (at most `max_active`, and by memory: the live caches of
+the admitted jobs within `active_kv_bytes`, a short job beside a long answer borrowing the room
+it leaves now, the long one held while it would take that room back: the rules are `room.py`'s;
+a job that does not fit waits; one job alone is always admitted), which admitted job's pass
+runs next (a decoding job's pass is one decode step of the decoding jobs whose rows fit the
+budget as a batch pads them: `decoding`), whether a pass under way pauses
 between two layers for a job that just arrived, and how many tokens a prefill pass takes (the
 one place a pass is sized: `pass_tokens`). Admission, cancellation and the end of a job happen
 between two passes, never inside one. Nothing here runs mlx: a job's passes are its `Task`
@@ -28,6 +29,8 @@ Policy, between passes:
   have given unpaused. So a short request waits for about one layer of the pass under way (a
   slice / the model's depth: tens of ms), not the slice. A group worker's passes never pause
   (its ranks run whole passes in lockstep);
+- a job held for room (`room.Room.held`: a borrower's reservation would not fit beside its
+  next pass) is not picked until the borrowers end;
 - aging: a job that other jobs' passes kept waiting `AGE_LIMIT` slices' time in a row
   (`AGE_LIMIT` x `prefill_slice_ms`: 2 s by default; with `prefill_slice_ms` 0, `AGE_LIMIT`
   passes) runs next, the longest kept first, and its pass then runs to its end (it never pauses
@@ -61,11 +64,14 @@ from typing import Protocol
 
 from prefixd.backends.mlx.cache.placement import common_prefix
 from prefixd.backends.mlx.scheduler.jobs import Job
+from prefixd.backends.mlx.scheduler.room import PASS_LIMIT, Room
 from prefixd.backends.mlx.scheduler.steps import Decision, Step
 
 SHARE_MIN = 256  # tokens of a prefix being computed worth waiting for instead of computing it
 REFRESH = 64  # picks after which the waiting jobs' cache estimates are asked again anyway
-AGE_LIMIT = 8  # passes of other jobs a job may be skipped in a row before it runs
+# a job kept waiting this many slices' time in a row (with prefill_slice_ms 0: this many
+# passes of other jobs) runs next
+AGE_LIMIT = 8
 MIN_SLICE = 32  # the smallest prefill slice, in tokens (smaller passes waste the device)
 
 
@@ -84,6 +90,10 @@ class Task(Protocol):
         """Tokens per second of its last prefill pass (None before its first)."""
         ...
 
+    def length(self) -> int:
+        """Tokens its live cache holds now (prompt prefilled, reply so far)."""
+        ...
+
     def step(self, decision: Decision) -> Step:
         """One forward pass, or its part up to a pause (never raises)."""
         ...
@@ -97,10 +107,12 @@ class Task(Protocol):
 
 @dataclass(eq=False)
 class Slot:
-    """An admitted job: its estimated live cache, its task once started, its aging."""
+    """An admitted job: its reservation (the most its live cache can reach), its task once
+    started, its aging."""
 
     job: Job
     kv_bytes: int
+    borrows: bool = False   # admitted on the room the others leave now (`room.py`)
     task: Task | None = None
     last: int = 0      # the tick of its last pass
     skipped: int = 0   # other jobs' passes since its last
@@ -121,11 +133,9 @@ class Schedule:
                  prefill_rate: Callable[[], float | None] = lambda: None,
                  cached: Callable[[Job], int] = lambda job: 0, draft_tokens: int = 0,
                  per_request: int = 0) -> None:
-        self.draft_tokens = draft_tokens   # positions a verify pass adds for a moment
-        self.per_request = per_request     # what a job holds besides KV (`request_bytes`)
+        self.room = Room(active_kv_bytes, kv_bytes_per_token, per_request, draft_tokens)
         self.max_active, self.slice_tokens = max_active, min(prefill_slice, prefill_chunk)
-        self.chunk, self.kv_budget, self.per_token = prefill_chunk, active_kv_bytes, \
-            kv_bytes_per_token
+        self.chunk = prefill_chunk
         self.slice_ms, self.rate, self.cached = slice_ms, prefill_rate, cached
         self.waiting: deque[Job] = deque()
         self.active: list[Slot] = []
@@ -140,6 +150,8 @@ class Schedule:
         # to store from its live state before the next pass (`publish`), as of the last pick
         self.due: list[tuple[Slot, int]] = []
         self._tried: set[tuple[int, int]] = set()    # (job id, position) stored or tried
+        self.waits: set[Slot] = set()   # held for room (`room.Room.held`), as of the last pick
+        self._passed: dict[Job, int] = {}   # waiting jobs: later jobs admitted before them
 
     def _estimate(self, job: Job) -> int:
         if job not in self._estimates:
@@ -156,32 +168,40 @@ class Schedule:
         """Waiting jobs whose client left (taken out; they end without running)."""
         gone = [j for j in self.waiting if j.cancelled]
         self.waiting = deque(j for j in self.waiting if not j.cancelled)
+        for job in gone:
+            self._passed.pop(job, None)
         return gone
 
-    def _cost(self, job: Job) -> int:
-        return (len(job.prompt.tokens) + job.max_tokens + self.draft_tokens) * self.per_token \
-            + self.per_request
+    def _aged(self, s: Slot) -> bool:
+        """Whether other jobs' passes kept `s` waiting its aging limit in a row."""
+        if self.slice_ms > 0:
+            return s.kept >= AGE_LIMIT * self.slice_ms / 1000
+        return s.skipped >= AGE_LIMIT
 
-    def _fits(self, job: Job, active: Sequence[Slot]) -> bool:
-        """Room for `job` beside `active`: by count (`max_active`), and by memory: their live
-        caches as a decode batch holds them (every row padded to the longest) within the
-        budget. One job alone always fits."""
-        if len(active) >= self.max_active:
-            return False
-        if not active:
-            return True
-        longest = max(self._cost(job), *(s.kv_bytes for s in active))
-        return (len(active) + 1) * longest <= self.kv_budget
+    def _fits(self, job: Job, active: Sequence[Slot]) -> bool | None:
+        """Room for `job` beside `active` (`room.Room.fits`): False plain, True borrowing,
+        None none."""
+        return self.room.fits(job, active, self.max_active,
+                              any(self._aged(s) for s in self.waits))
 
     def admit(self) -> list[Slot]:
-        """Admit waiting jobs in order while they fit (count and live-cache bytes)."""
+        """Admit the waiting jobs that fit (count and live-cache bytes, `room.py`), in order; a
+        job that does not fit is passed by later ones that do, `PASS_LIMIT` times at most."""
         out: list[Slot] = []
-        while self.waiting:
-            job = self.waiting[0]
-            cost = self._cost(job)
-            if not self._fits(job, self.active):
+        skipped: list[Job] = []
+        for job in list(self.waiting):
+            if len(self.active) >= self.max_active or \
+                    any(self._passed.get(j, 0) >= PASS_LIMIT for j in skipped):
                 break
-            slot = Slot(self.waiting.popleft(), cost, cached=self._estimate(job))
+            borrows = self._fits(job, self.active)
+            if borrows is None:
+                skipped.append(job)
+                continue
+            self.waiting.remove(job)
+            self._passed.pop(job, None)
+            for j in skipped:
+                self._passed[j] = self._passed.get(j, 0) + 1
+            slot = Slot(job, self.room.cost(job), borrows, cached=self._estimate(job))
             self.active.append(slot)
             out.append(slot)
         return out
@@ -196,7 +216,9 @@ class Schedule:
                 s.cached = self._estimate(s.job)
         self.due = []
         self.held = {s: h for s in self.active if (h := self._holder(s)) is not None}
-        slot, aged = self._choose([s for s in self.active if s not in self.held])
+        self.waits = self.room.held(self.active, self._growth)
+        slot, aged = self._choose([s for s in self.active
+                                   if s not in self.held and s not in self.waits])
         slot.aged = aged
         return slot
 
@@ -276,11 +298,7 @@ class Schedule:
         gone = [s for s in free if s.job.cancelled]
         if gone:      # its next pass ends it (after the rest of a paused pass)
             return gone[0], False
-        if self.slice_ms > 0:
-            limit = AGE_LIMIT * self.slice_ms / 1000
-            aged = [s for s in free if s.kept >= limit]
-        else:
-            aged = [s for s in free if s.skipped >= AGE_LIMIT]
+        aged = [s for s in free if self._aged(s)]
         if aged:
             return max(aged, key=lambda s: (s.kept, s.skipped, -s.last)), True
         return min(free, key=self._rank), False
@@ -298,9 +316,10 @@ class Schedule:
         for job in [*self.waiting, *arrived]:
             if job.cancelled:
                 continue
-            if not self._fits(job, active):
+            borrows = self._fits(job, active)
+            if borrows is None:
                 return False
-            newcomer = Slot(job, self._cost(job), cached=self._estimate(job))
+            newcomer = Slot(job, self.room.cost(job), borrows, cached=self._estimate(job))
             if self._rank(newcomer)[0] < mine:
                 return True
             active.append(newcomer)
@@ -349,14 +368,25 @@ class Schedule:
         return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
 
     def decoding(self, slot: Slot) -> list[Slot]:
-        """The jobs whose decode steps run in `slot`'s pass: with `slot` decoding, every
-        started job that is decoding (their steps share one forward pass); else `slot`."""
+        """The jobs whose decode steps run in `slot`'s pass: with `slot` decoding, the started
+        jobs decoding and not held for room whose rows fit the budget as a batch pads them
+        (`room.Room.batch_rows`; their steps share one forward pass), if `slot` is one of
+        them; else `slot` (a pass of its own)."""
         if slot.task is None or slot.remaining() != 0:
             return [slot]
-        return [s for s in self.active if s.task is not None and s.remaining() == 0]
+        rows = [s for s in self.active if s.task is not None and s.remaining() == 0
+                and s not in self.waits]
+        batch = self.room.batch_rows(rows, self.active) if slot in rows else []
+        return batch if slot in batch else [slot]
+
+    def _growth(self, slot: Slot) -> int:
+        """Bytes `slot`'s next pass adds to its live cache at most."""
+        tokens = self.pass_tokens(slot) if slot.remaining() else 1 + self.room.draft
+        return tokens * self.room.per_token
 
     def remove(self, slot: Slot) -> None:
         self.active.remove(slot)
+        self.waits.discard(slot)
         self.changed()      # its state is stored now
         self._shared = {k: v for k, v in self._shared.items() if id(slot.job) not in k}
         self._tried = {k for k in self._tried if k[0] != id(slot.job)}
