@@ -135,13 +135,17 @@ class WorkerSettings(BaseSettings):
         None, description="Worker: a smaller model with the served model's tokenizer (a path "
         "or a name, as default_model) that drafts where the context has nothing to copy; any "
         "cache kind (a hybrid's goes back from its state where its last draft began: a small "
-        "Qwen3.5 for a large one); not in a group. Unset: prompt lookup alone.")
+        "Qwen3.5 for a large one); not in a group. Checked at load: every token id naming the "
+        "same token as the served model's tokenizer, the same end-of-sequence ids, every "
+        "weight finite; one that fails (or does not load) is not used, named with why in the "
+        "log and in /v1/cache (speculative.refused). Unset: prompt lookup alone.")
     spec_mtp: bool = Field(
         True, description="Worker: draft with the model's own multi-token-prediction head "
         "where its checkpoint carries one (Qwen3-Next, Qwen3.5: `mtp.*` weights in the model "
         "folder's safetensors, which mlx-lm drops; beside an mlx conversion, put them in "
         "mtp.safetensors), where the context has nothing to copy, before spec_draft_model. "
-        "Not in a group.")
+        "A head that does not fit the model or whose weights are not all finite is not used "
+        "(logged, /v1/cache speculative.refused). Not in a group.")
     spec_capture_bytes: int = Field(
         64 * 2**20, ge=0, description="Worker: the most bytes of recurrent state (Gated-"
         "DeltaNet, Mamba) a verify pass keeps, for all its requests, one per drafted position "

@@ -1,5 +1,7 @@
 """A draft model's drafts for speculative decoding (`speculate.py`): a smaller model with the
-served model's tokenizer writes the next tokens greedily, for the verify pass to check.
+served model's tokenizer writes the next tokens greedily, for the verify pass to check. One
+whose tokenizer is not the served model's token for token, whose weights are not all finite,
+or whose cache cannot go back is refused at load (`draft_model_problem`).
 
 Owns: one request's draft-model cache and the tokens it holds. Before each draft it catches up
 with the request's tokens (the prompt on its first draft, in passes of `CHUNK`; later the
@@ -21,15 +23,22 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.model.checks import nonfinite, tokenizer_difference
 
 CHUNK = 512
 TAIL = 80   # where its tokens can differ from the request's: its own guesses (<= 64 drafted)
 
 
-def draft_model_problem(model: Any, vocab: int, draft_vocab: int) -> str | None:
-    """Why `model` cannot draft for a served model of `vocab` tokens, else None."""
-    if vocab != draft_vocab:
-        return f"its tokenizer has {draft_vocab} tokens, the served model's {vocab}"
+def draft_model_problem(model: Any, tokenizer: Any, draft_tokenizer: Any) -> str | None:
+    """Why `model` (with `draft_tokenizer`) cannot draft for a served model of `tokenizer`,
+    else None: a tokenizer whose ids name other tokens, weights not all finite
+    (`model/checks.py`), a cache that cannot go back."""
+    why = tokenizer_difference(tokenizer, draft_tokenizer)
+    if why:
+        return why
+    bad = nonfinite(model)
+    if bad:
+        return f"its weights are not all finite: {bad}"
     why = snapshot.unsupported(make_prompt_cache(model))
     return f"its cache cannot go back ({why})" if why else None
 

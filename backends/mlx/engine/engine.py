@@ -55,8 +55,10 @@ class Engine(Checkpointing):
     def __init__(self, model: nn.Module, config: EngineConfig,
                  disk: DiskSpec | None = None, model_id: str | None = None,
                  lockstep: Lockstep | None = None, draft_model: Any = None,
-                 mtp: Any = None) -> None:
+                 mtp: Any = None, refused: dict[str, dict[str, str]] | None = None) -> None:
         self.model = model
+        # drafters asked for but not used, each named with why (`loading.refusals`)
+        self.refused = refused or {}
         self.config = config
         self.lockstep = lockstep = lockstep or Lockstep()
         # what identifies the model's weights (`disktier.model_fingerprint`): states move
@@ -302,7 +304,8 @@ class Engine(Checkpointing):
                             "draft_max": self.spec.max_draft if self.spec else None,
                             "draft_model": self.spec is not None
                             and self.spec.draft_model is not None,
-                            "mtp": self.spec is not None and self.spec.mtp is not None},
+                            "mtp": self.spec is not None and self.spec.mtp is not None,
+                            "refused": {k: dict(v) for k, v in self.refused.items()}},
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

@@ -66,11 +66,11 @@ def load(settings: WorkerSettings, spec: str, lockstep: Lockstep | None = None) 
     lockstep.mode = mode or ""
     model_id += lockstep.shard   # a group's ranks: each disk tier holds its own shard's states
     disk = disk_spec(settings, model_id)
-    draft = load_draft(settings, tokenizer, group is None)
-    mtp = load_mtp(settings, model, target, group is None)
+    draft, draft_why = load_draft(settings, tokenizer, group is None)
+    mtp, mtp_why = load_mtp(settings, model, target, group is None)
     engine = Engine(model, EngineConfig.from_settings(
         settings, cache_bytes=lockstep.min(ram_budget(settings))), disk, model_id, lockstep,
-        draft, mtp)
+        draft, mtp, refusals(settings, target, draft_why, mtp_why))
     warm_up(model, engine.fresh_cache(), tokenizer)
     loaded = Loaded(model, tokenizer, Renderer(tokenizer), engine, max_context(model), mode)
     log.info("worker: model %s loaded (%s, max context %s)", spec,
@@ -78,48 +78,69 @@ def load(settings: WorkerSettings, spec: str, lockstep: Lockstep | None = None) 
     return loaded
 
 
-def load_draft(settings: WorkerSettings, tokenizer: Any, alone: bool) -> Any:
-    """The draft model of speculative decoding (`spec_draft_model`), or None: not set, in a
-    group (its ranks would each need it), or one that cannot draft (logged)."""
+def load_draft(settings: WorkerSettings, tokenizer: Any, alone: bool
+               ) -> tuple[Any, str | None]:
+    """The draft model of speculative decoding (`spec_draft_model`), or None and why one
+    asked for is not used: in a group (its ranks would each need it), one that does not load,
+    or one that cannot draft (`drafter.draft_model_problem`: its tokenizer, its weights, its
+    cache). None, None: none asked for."""
     if not settings.spec_draft_model or not settings.speculative:
-        return None
+        return None, None
     if not alone:
-        log.warning("worker: spec_draft_model is not used by a group worker")
-        return None
+        return None, "a group worker does not draft with one"
     from prefixd.backends.mlx.engine.drafter import draft_model_problem
     from prefixd.backends.mlx.model.provision import load_model, resolve_model
 
     spec = settings.spec_draft_model
-    target = resolve_model(spec, settings.cache_dir, progress=log.info)
-    draft, draft_tokenizer = load_model(target, settings.cache_dir, progress=log.info,
-                                        dequantize=wants_dequantize(settings.dequantize, spec))
-    why = draft_model_problem(draft, len(tokenizer), len(draft_tokenizer))
+    try:
+        target = resolve_model(spec, settings.cache_dir, progress=log.info)
+        draft, draft_tokenizer = load_model(
+            target, settings.cache_dir, progress=log.info,
+            dequantize=wants_dequantize(settings.dequantize, spec))
+    except Exception as e:    # a damaged draft model costs its drafts, not the model
+        return None, f"it does not load ({type(e).__name__}: {e})"
+    why = draft_model_problem(draft, tokenizer, draft_tokenizer)
     if why:
-        log.warning("worker: draft model %s not used: %s", spec, why)
-        return None
+        return None, why
     log.info("worker: draft model %s loaded for speculative decoding", spec)
-    return draft
+    return draft, None
 
 
-def load_mtp(settings: WorkerSettings, model: Any, folder: str, alone: bool) -> Any:
-    """The model's own multi-token-prediction head (`spec_mtp`), or None: off, none in its
-    checkpoint, in a group (logged), or one that does not fit (logged)."""
+def load_mtp(settings: WorkerSettings, model: Any, folder: str, alone: bool
+             ) -> tuple[Any, str | None]:
+    """The model's own multi-token-prediction head (`spec_mtp`), or None and why the one its
+    checkpoint carries is not used: in a group, or one that does not fit the model or is not
+    all finite (`model/mtp.py`). None, None: off, or none in its checkpoint."""
     if not settings.spec_mtp or not settings.speculative:
-        return None
+        return None, None
     from prefixd.backends.mlx.engine.mtpdraft import MTP
     from prefixd.backends.mlx.model.mtp import load_head, parts
 
     head, why = load_head(model, folder)
-    if why:
-        log.warning("worker: the model's MTP head is not used: %s", why)
     found = parts(model)
     if head is None or found is None:
-        return None
+        return None, why
     if not alone:
-        log.warning("worker: the model's MTP head is not used by a group worker")
-        return None
+        return None, "a group worker does not draft with one"
     log.info("worker: the model's MTP head drafts for speculative decoding")
-    return MTP(head, found)
+    return MTP(head, found), None
+
+
+def refusals(settings: WorkerSettings, folder: str, draft_why: str | None,
+             mtp_why: str | None) -> dict[str, dict[str, str]]:
+    """The drafters asked for but not used, each named with why (`/v1/cache`
+    `speculative.refused`), each logged as a warning."""
+    out = {}
+    for kind, name, why in (("draft_model", settings.spec_draft_model or "", draft_why),
+                            ("mtp", folder, mtp_why)):
+        if why:
+            why = " ".join(why.split())   # one line (mlx's load errors span several)
+            out[kind] = {"name": name, "reason": why}
+            if kind == "draft_model":
+                log.warning("worker: draft model %s is not used: %s", name, why)
+            else:
+                log.warning("worker: the model's MTP head is not used: %s (in %s)", why, name)
+    return out
 
 
 def distribute(model: Any, group: Any, parallel: str) -> str:

@@ -14,7 +14,8 @@ its strict load), putting them in mlx's layout as mlx-lm's sanitize puts the mod
 layers (experts stacked into `switch_mlp` from each expert's projections or from Qwen3.5-MoE's
 fused ones, the zero-centred norms shifted by one: the layouts checkpoints ship), and
 building the head (`MTPHead`), which shares the model's embedding and output projection
-(`Parts`). Nothing here decodes: `engine/mtpdraft.py` drafts with it.
+(`Parts`), refusing weights that do not fit it or are not all finite (`checks.py`). Nothing
+here decodes: `engine/mtpdraft.py` drafts with it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+
+from prefixd.backends.mlx.model.checks import nonfinite
 
 log = logging.getLogger("prefixd.worker")
 
@@ -154,7 +157,7 @@ def new_head(model: Any) -> MTPHead:
 
 def build_head(model: Any, weights: dict[str, mx.array]) -> MTPHead:
     """The head for `model` with `weights` (checkpoint layout); raises ValueError when they do
-    not fit it."""
+    not fit it (a tensor missing, extra or of another shape) or are not all finite."""
     head = new_head(model)
     args = model_args(model)
     dtype = cast(Parts, parts(model)).inner.norm.weight.dtype
@@ -166,6 +169,9 @@ def build_head(model: Any, weights: dict[str, mx.array]) -> MTPHead:
     except ValueError as e:
         raise ValueError(f"its MTP weights do not fit the model: {e}") from e
     mx.eval(head.parameters())
+    bad = nonfinite(head)   # as it will run: after the cast, which can overflow to infinity
+    if bad:
+        raise ValueError(f"its MTP weights are not all finite: {bad}")
     head.eval()
     return head
 

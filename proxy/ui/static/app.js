@@ -72,10 +72,22 @@ function cacheCell(c) {
         (c.speculative.by_source || {})[k]).map(([k, name]) => ` · ${name} ` +
         `${num(c.speculative.by_source[k].accepted)} / ` +
         `${num(c.speculative.by_source[k].drafted)}`).join("")) : null,
+    refusedLine((c.speculative || {}).refused),
     misses ? el("div", { class: "muted small" }, `misses: ${misses}`) : null,
     c.group ? el("div", { class: "muted small" }, `group, ${c.group.parallel || DASH}-parallel: ` +
       (c.group.ranks || []).map((r) => `rank ${r.rank} ${r.host} ` +
         bytes((r.memory || {}).rss_bytes)).join(" · ")) : null);
+}
+
+// Drafters the worker was asked for and refused at load (a damaged head file, a draft model
+// whose tokenizer is not the served model's...), each with why: it serves without them.
+function refusedLine(refused) {
+  const all = Object.entries(refused || {});
+  if (!all.length) return null;
+  return el("div", { class: "error small", title: "speculative decoding: drafters refused at " +
+    "load (GET /v1/cache speculative.refused); prompt lookup still drafts" },
+    all.map(([k, r]) => `${k === "mtp" ? "MTP head" : "draft model"} not used: ${r.reason}`)
+      .join(" · "));
 }
 
 // A managed model's footprint against the memory budget (estimated until its worker measured
