@@ -7,6 +7,13 @@ cache budget of its own gets a share of the memory budget (`cache_shares`). Mode
 same `group` are never loaded together (llama-swap style). To make room, idle models are
 unloaded least recently used first; a pinned model is never unloaded, and a busy one
 (requests in flight or queued) is never unloaded: the new load waits for it instead.
+
+A worker that is a group of ranks (docs/DISTRIBUTED.md) is a process and a prompt cache per
+rank: a cache budget (PREFIXD_CACHE_BYTES) is each rank's. Its footprint is that of its ranks
+on this machine (`Ranks`), estimated and measured alike, and a share is split among them;
+the ranks on other hosts count against those hosts' memory. (Counting one process and one
+cache for a group that measures one per rank made every load of it unload its neighbours:
+issue 47.)
 """
 
 from __future__ import annotations
@@ -20,6 +27,27 @@ PROCESS_OVERHEAD = 300 * 2**20      # interpreter, mlx runtime, tokenizer: measu
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
 MIN_SHARE = 256 * 2**20  # a smaller cache share is not worth keeping models loaded together
 SHARED_PART = 0.75       # of what the weights leave: the rest absorbs the estimate's errors
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A worker's processes: `total` ranks (1: one process), `here` of them on this machine."""
+
+    total: int = 1
+    here: int = 1
+
+    @classmethod
+    def of(cls, hosts: list[str]) -> Ranks:
+        """A backend's `hosts` (none or one: a single process): the first host is this
+        machine, and so is every loopback one; the others run over ssh."""
+        if len(hosts) <= 1:
+            return cls()
+        return cls(len(hosts), sum(on_this_machine(h, hosts[0]) for h in hosts))
+
+
+def on_this_machine(host: str, first: str) -> bool:
+    """A group rank's host is this machine's: the group's first host, or a loopback one."""
+    return host == first or is_loopback(host)
 
 
 @dataclass(frozen=True)
@@ -89,19 +117,21 @@ def weights_bytes(model_dir: Path) -> int:
                if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
 
 
-def estimate_footprint(weights: int, cache_bytes: int) -> int:
-    """Before a model is loaded: its weights + its prompt-cache budget + process overhead."""
-    return weights + cache_bytes + PROCESS_OVERHEAD
+def estimate_footprint(weights: int, cache_bytes: int, ranks: Ranks = Ranks()) -> int:
+    """Before a model is loaded: its weights + its prompt-cache budget + process overhead; a
+    group's ranks on this machine: their part of the weights, and each its own process and
+    its own cache of `cache_bytes` (the budget is per rank)."""
+    return weights * ranks.here // ranks.total + ranks.here * (cache_bytes + PROCESS_OVERHEAD)
 
 
 def measured_footprint(info: dict | None) -> int | None:
     """A loaded model's footprint from its worker's GET /v1/cache: the memory it holds now
     (the larger of the process's resident set and MLX's live + cached buffers, which on Apple
     silicon need not all show in the resident set) plus the room its prompt cache may still
-    grow by (`bytes_budget - bytes_used`). A group worker's is that of its ranks on this
-    machine (the first host's and loopback ones; each holds a cache of that budget): the
-    others count against their own hosts' memory. None when the worker does not report its
-    memory."""
+    grow by (`bytes_budget - bytes_used`). A group worker's is the sum over its ranks on this
+    machine (`on_this_machine`) of what each rank holds and the room its own cache of that
+    budget has left (a follower reports its cache's bytes as `cache_bytes`); the others count
+    against their own hosts' memory. None when the worker does not report its memory."""
     if not isinstance(info, dict):
         return None
     group = info.get("group")
@@ -109,14 +139,14 @@ def measured_footprint(info: dict | None) -> int | None:
     hosts = group.get("hosts") if isinstance(group, dict) else None
     if isinstance(ranks, list) and ranks and isinstance(hosts, list) and hosts:
         local = [r for r in ranks if isinstance(r, dict) and
-                 (r.get("host") == hosts[0] or is_loopback(str(r.get("host"))))]
+                 on_this_machine(str(r.get("host")), str(hosts[0]))]
     else:
         local = [info]
     held = sum(_held(r.get("memory")) for r in local)
     if held <= 0:
         return None
-    room = max(0, _int(info.get("bytes_budget")) - _int(info.get("bytes_used")))
-    return held + room * len(local)
+    budget, used = _int(info.get("bytes_budget")), _int(info.get("bytes_used"))
+    return held + sum(max(0, budget - _int(r.get("cache_bytes", used))) for r in local)
 
 
 def _held(memory: object) -> int:
@@ -136,8 +166,9 @@ class CacheNeed:
 
     name: str
     weights: int            # bytes on disk (0 when unknown: a Hub id not yet downloaded)
-    cache: int | None       # its own cache budget; None: it gets a share
+    cache: int | None       # its own cache budget (each rank's); None: it gets a share
     group: str | None = None
+    ranks: Ranks = Ranks()
 
 
 def cache_shares(models: list[CacheNeed], budget: int) -> dict[str, int]:
@@ -150,8 +181,12 @@ def cache_shares(models: list[CacheNeed], budget: int) -> dict[str, int]:
     split evenly among them: all of them stay loaded together. Otherwise they take turns:
     each gets half of what the budget leaves beside its own weights and overhead (it fits
     alone, with room to spare for the estimate's errors).
+
+    A share is what a model's cache takes on this machine: a group's ranks here split it
+    (each rank's budget is the share over them), beside an overhead per rank counted in
+    what the models need before their shares.
     """
-    fixed = {m.name: m.weights + PROCESS_OVERHEAD + (m.cache or 0) for m in models}
+    fixed = {m.name: estimate_footprint(m.weights, m.cache or 0, m.ranks) for m in models}
     free = [m for m in models if m.cache is None]
     if not free:
         return {}
@@ -168,8 +203,8 @@ def cache_shares(models: list[CacheNeed], budget: int) -> dict[str, int]:
         sharers += any(m.cache is None for m in members)
     share = int((budget - used) * SHARED_PART) // sharers if budget > used else 0
     if share >= MIN_SHARE:
-        return {m.name: share for m in free}
-    return {m.name: max(0, budget - fixed[m.name]) // 2 for m in free}
+        return {m.name: share // m.ranks.here for m in free}
+    return {m.name: max(0, budget - fixed[m.name]) // 2 // m.ranks.here for m in free}
 
 
 def over_budget(slots: list[ModelSlot], budget: int, keep: str) -> list[str]:

@@ -2,13 +2,14 @@
 together, and the `load` stage that makes room and starts a request's worker.
 
 `ModelPool` owns the budget and each model's footprint: estimated before its first load
-(weights on disk + cache budget + process overhead), then measured by its worker
-(`measured_footprint`, read from GET /v1/cache after each load, before each plan and by
-/status). Before a managed backend starts its worker, `load()` asks the pure policy
-(`backends/budget.py`) for a plan: unload the least recently used idle models, or wait while
-a busy one (requests in flight or queued) is in the way — never unload it. A model that
-cannot fit even alone was refused at start-up (`check()`). A backend with no cache budget of
-its own (and no PREFIXD_CACHE_BYTES) gets a share of the memory budget (`cache_shares`).
+(weights on disk + cache budget + process overhead; a group's ranks on this machine: a cache
+budget and an overhead each), then measured by its worker (`measured_footprint`, read from
+GET /v1/cache after each load, before each plan and by /status). Before a managed backend
+starts its worker, `load()` asks the pure policy (`backends/budget.py`) for a plan: unload the
+least recently used idle models, or wait while a busy one (requests in flight or queued) is in
+the way — never unload it. A model that cannot fit even alone was refused at start-up
+(`check()`). A backend with no cache budget of its own (and no PREFIXD_CACHE_BYTES) gets a
+share of the memory budget (`cache_shares`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prefixd.backends.base import BackendUnavailable, Managed
 from prefixd.backends.budget import (
     CacheNeed,
     ModelSlot,
+    Ranks,
     cache_shares,
     estimate_footprint,
     measured_footprint,
@@ -70,13 +72,14 @@ class ModelPool:
                    for b in backends}
         caches = {b.name: b.cache_budget if b.cache_budget is not None else cache_bytes
                   for b in backends}
-        shares = cache_shares([CacheNeed(n, weights[n], caches[n], b.config.group)
+        ranks = {b.name: Ranks.of(b.config.hosts) for b in backends}
+        shares = cache_shares([CacheNeed(n, weights[n], caches[n], b.config.group, ranks[n])
                                for n, b in self.backends.items()], budget)
         for name, n in shares.items():
             caches[name] = n
             if share:
                 self.backends[name].set_cache_bytes(n)
-        self.footprints = {n: estimate_footprint(weights[n], caches[n] or 0)
+        self.footprints = {n: estimate_footprint(weights[n], caches[n] or 0, ranks[n])
                            for n in self.backends}
         self.measured: set[str] = set()     # footprints measured by a worker, not estimated
         self.last_used = {b.name: 0.0 for b in backends}

@@ -19,7 +19,9 @@ a body field `"fake": {"chunks": N, "delay": s}` one request's (`"stall_pid": P`
 with that PID sends the role chunk, then stalls, as in a long prefill). GET /stats counts requests.
 GET /v1/cache answers like the real worker's: `bytes_budget` is PREFIXD_CACHE_BYTES (what the
 proxy gave it), nothing used; with FAKE_WORKER_RSS=<bytes> it also reports that much memory
-(the real worker's "memory" object), so the proxy's pool measures its footprint.
+(the real worker's "memory" object), so the proxy's pool measures its footprint. Started as a
+group (PREFIXD_GROUP_HOSTS, a backend with `hosts`), it reports one rank per host as the real
+leader does, each holding FAKE_WORKER_RSS, with a cache of that budget (it starts no ranks).
 Like the real worker, it exits when PREFIXD_PARENT_PID is no longer its parent.
 """
 # ruff: noqa: E402  (the hang notice is printed before the slower imports)
@@ -113,6 +115,12 @@ async def cache(request: web.Request) -> web.Response:
                   "bytes_used": 0, "entries": [], "checkpoints": 0}
     if rss := os.environ.get("FAKE_WORKER_RSS"):
         body["memory"] = {"rss_bytes": int(rss), "rss_source": "fake"}
+    if hosts := os.environ.get("PREFIXD_GROUP_HOSTS"):
+        ranks = [{"rank": r, "host": h, "pid": os.getpid(), "memory": body.get("memory")}
+                 for r, h in enumerate(json.loads(hosts))]
+        for follower in ranks[1:]:          # with their heartbeats: their caches' bytes
+            follower["cache_bytes"] = 0
+        body["group"] = {"hosts": json.loads(hosts), "parallel": "pipeline", "ranks": ranks}
     return web.json_response(body)
 
 

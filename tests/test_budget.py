@@ -1,7 +1,8 @@
 """The memory-budget policy for managed models (issue 16), as tables: budget, footprints,
 what is loaded, busy, pinned or grouped -> what a load unloads, waits for, or whether it can
 ever fit; a worker's report -> its measured footprint; models without a cache budget -> the
-share each gets."""
+share each gets; a group of ranks (issue 47) -> estimated, shared and measured per rank on this
+machine, so that models whose shares fit together still fit once their workers measure them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from prefixd.backends.budget import (
     PROCESS_OVERHEAD,
     CacheNeed,
     ModelSlot,
+    Ranks,
     cache_shares,
     estimate_footprint,
     measured_footprint,
@@ -75,6 +77,22 @@ def test_footprint_estimate(tmp_path: Path):
     (tmp_path / "tokenizer.json").write_bytes(b"{}" * 100)
     assert weights_bytes(tmp_path) == 1000 and weights_bytes(tmp_path / "nope") == 0
     assert estimate_footprint(1000, 5000) == 1000 + 5000 + PROCESS_OVERHEAD
+    # a group's ranks here: their part of the weights, a process and a cache budget each
+    assert estimate_footprint(900, 5000, Ranks(2, 2)) == 900 + 2 * (5000 + PROCESS_OVERHEAD)
+    assert estimate_footprint(900, 5000, Ranks(3, 2)) == 600 + 2 * (5000 + PROCESS_OVERHEAD)
+
+
+@pytest.mark.parametrize(("hosts", "ranks"), [
+    ([], Ranks(1, 1)),
+    (["10.0.0.1"], Ranks(1, 1)),
+    (["127.0.0.1", "127.0.0.1"], Ranks(2, 2)),
+    (["mac1", "mac1", "mac1", "mac1"], Ranks(4, 4)),
+    (["10.0.0.1", "10.0.0.2"], Ranks(2, 1)),
+    (["10.0.0.1", "10.0.0.2", "localhost"], Ranks(3, 2)),
+])
+def test_ranks_on_this_machine(hosts, ranks):
+    """The first host is this machine, and so is every loopback one."""
+    assert Ranks.of(hosts) == ranks
 
 
 @pytest.mark.parametrize(("info", "footprint"), [
@@ -104,13 +122,87 @@ def test_measured_footprint(info, footprint):
     assert measured_footprint(info) == footprint
 
 
+def report(ranks: Ranks, held: list[int], budget: int, used: int = 0) -> dict:
+    """A worker's GET /v1/cache as the real one writes it: one process, or a group's leader
+    (rank 0) with its followers' memory and cache bytes from their heartbeats; `ranks.here`
+    of them on this machine (the first host and loopback ones), the others elsewhere."""
+    memory = [{"rss_bytes": h, "rss_source": "statm", "mlx_active_bytes": h // 100,
+               "mlx_cache_bytes": h // 200} for h in held]
+    info = {"bytes_budget": budget, "bytes_used": used, "memory": memory[0], "group": None}
+    if ranks.total > 1:
+        hosts = ["10.0.0.1", *["127.0.0.1"] * (ranks.here - 1),
+                 *[f"10.0.1.{i}" for i in range(ranks.total - ranks.here)]]
+        info["group"] = {"hosts": hosts, "parallel": "tensor", "ranks": [
+            {"rank": r, "host": h, "pid": 100 + r, "memory": memory[r],
+             **({"cache_bytes": used, "jobs": 0} if r else {})}
+            for r, h in enumerate(hosts)]}
+    return info
+
+
+def test_a_follower_counts_the_room_its_own_cache_has_left():
+    info = report(Ranks(2, 2), [5000, 5000], 1000, used=400)
+    info["group"]["ranks"][1]["cache_bytes"] = 900
+    assert measured_footprint(info) == 2 * 5000 + 600 + 100
+
+
+MB = 10**6
+
+
+def measured_alone(need: CacheNeed, share: dict[str, int], held: int) -> int | None:
+    """What `need`'s worker measures once loaded with its cache budget, nothing cached yet,
+    each rank holding `held` bytes: rank 0 its part of the weights besides."""
+    budget = need.cache if need.cache is not None else share[need.name]
+    part = need.weights // need.ranks.total
+    return measured_footprint(report(need.ranks, [held + part] * need.ranks.total, budget))
+
+
+@pytest.mark.parametrize("layout", [
+    # the outside check of issue 47: one worker and a two-rank group of a tiny model
+    [Ranks(), Ranks(2, 2)],
+    [Ranks(2, 2), Ranks(2, 2)],                 # a group beside a group
+    [Ranks(), Ranks(3, 2), Ranks(4, 4)],        # three ranks, one on another host; four
+    [Ranks(2, 1), Ranks()],                     # a group with one rank here
+])
+def test_a_group_beside_its_neighbours_fits_as_measured(layout: list[Ranks]):
+    """Issue 47: an 8 GB budget, a tiny model (a few MB) in each worker, every rank holding
+    what the outside check measured (~150 MB resident). Their shares fit them together, so
+    each measures no more than the pool estimated, the loaded ones stay within the budget and
+    a load of any of them beside the others unloads nothing. Before, a group's ranks each got
+    the group's whole share as their cache budget: the group measured twice its estimate and
+    its every load unloaded the single worker, and the worker's every load the group."""
+    budget = 8_000_000_000
+    needs = [CacheNeed(f"m{i}", 4 * MB, None, ranks=r) for i, r in enumerate(layout)]
+    shares = cache_shares(needs, budget)
+    estimates = {n.name: estimate_footprint(n.weights, shares[n.name], n.ranks) for n in needs}
+    assert sum(estimates.values()) <= budget              # the shares fit them together
+    measured = {n.name: measured_alone(n, shares, 150 * MB) for n in needs}
+    for n in needs:
+        assert measured[n.name] <= estimates[n.name], n.ranks
+    loaded = [ModelSlot(n, f, True, last_used=i) for i, (n, f) in enumerate(measured.items())]
+    for slot in loaded:
+        assert over_budget(loaded, budget, keep=slot.name) == []
+        others = [s if s is not slot else ModelSlot(s.name, estimates[s.name], False)
+                  for s in loaded]
+        assert plan_load(slot.name, others, budget).unload == []
+
+
+def test_an_own_cache_budget_is_each_ranks():
+    """A group's own `cache_bytes` (or PREFIXD_CACHE_BYTES) is each rank's budget: its ranks
+    here hold it once each, and the shares of the others leave room for all of them."""
+    needs = [CacheNeed("pair", 4 * MB, 2 * G, ranks=Ranks(2, 2)), CacheNeed("one", 4 * MB, None)]
+    shares = cache_shares(needs, 8 * G)
+    estimate = estimate_footprint(4 * MB, 2 * G, Ranks(2, 2))
+    assert measured_alone(needs[0], shares, OH) == estimate
+    assert estimate + estimate_footprint(4 * MB, shares["one"]) <= 8 * G
+
+
 OH = PROCESS_OVERHEAD
 
 
 def fits(shares: dict[str, int], needs: list[CacheNeed], together: list[str]) -> int:
-    """Bytes that the models `together` hold with their shares."""
+    """Bytes that the models `together` hold on this machine with their shares."""
     by = {n.name: n for n in needs}
-    return sum(by[n].weights + OH + (shares[n] if by[n].cache is None else by[n].cache)
+    return sum(estimate_footprint(by[n].weights, shares.get(n, by[n].cache or 0), by[n].ranks)
                for n in together)
 
 
@@ -152,17 +244,31 @@ def test_models_that_cannot_fit_together_take_turns_with_half_the_rest_each():
     assert cache_shares([CacheNeed("huge", 40 * G, None)], 32 * G) == {"huge": 0}
 
 
+RANKS = st.sampled_from([Ranks(), Ranks(2, 2), Ranks(2, 1), Ranks(3, 2), Ranks(4, 4)])
+
+
 @given(st.lists(st.tuples(st.integers(0, 40), st.one_of(st.none(), st.integers(0, 8)),
-                          st.sampled_from([None, "g", "h"])), min_size=1, max_size=5),
+                          st.sampled_from([None, "g", "h"]), RANKS), min_size=1, max_size=5),
        st.integers(1, 64))
 def test_every_model_that_fits_alone_still_fits_with_its_share(models, budget_gib):
-    needs = [CacheNeed(f"m{i}", w * G, None if c is None else c * G, g)
-             for i, (w, c, g) in enumerate(models)]
+    needs = [CacheNeed(f"m{i}", w * G, None if c is None else c * G, g, r)
+             for i, (w, c, g, r) in enumerate(models)]
     shares = cache_shares(needs, budget_gib * G)
     assert set(shares) == {n.name for n in needs if n.cache is None}
     for n in needs:
-        if n.weights + OH + (n.cache or 0) <= budget_gib * G:
+        if estimate_footprint(n.weights, n.cache or 0, n.ranks) <= budget_gib * G:
             assert fits(shares, needs, [n.name]) <= budget_gib * G
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), RANKS), min_size=1, max_size=4),
+       st.integers(1, 64))
+def test_models_whose_shares_fit_together_fit_together_as_measured(models, budget_gib):
+    """Whatever the ranks: if the shares let the models stay loaded together, their workers
+    measure (each rank holding a process's overhead, caches empty) no more than that."""
+    needs = [CacheNeed(f"m{i}", w * G, None, ranks=r) for i, (w, r) in enumerate(models)]
+    shares = cache_shares(needs, budget_gib * G)
+    if fits(shares, needs, [n.name for n in needs]) <= budget_gib * G:
+        assert sum(measured_alone(n, shares, OH) for n in needs) <= budget_gib * G
 
 
 @pytest.mark.parametrize(("slots", "unload"), [

@@ -263,3 +263,33 @@ async def test_a_request_for_a_model_being_unloaded_waits_for_the_pool(start, ht
         watcher.cancel()
     assert most == 1
     assert loaded(backends) == ["a"]
+
+
+async def test_groups_beside_a_single_worker_that_fit_together_stay_loaded(start, http):
+    """Issue 47: a group's ranks each run a process with a cache of the worker's budget. One
+    worker, a two-rank group and a three-rank group with a rank on another host (which counts
+    against that host), their ranks each holding a process's overhead: their shares of the
+    budget fit them together, so they all load and requests alternating between them unload
+    nothing; each measures, per rank here, a process and the budget its workers were given.
+    (Before, a group's ranks each took the group's whole share: it measured twice its
+    estimate, and every load of one model unloaded another.)"""
+    budget = 4 * 2**30
+    hosts = {"one": [], "pair": ["127.0.0.1"] * 2,
+             "trio": ["127.0.0.1", "127.0.0.1", "10.255.0.9"]}
+    s = Settings(_env_file=None, prefix_detect=False, use_system_blas=False,
+                 model_memory_bytes=budget, backends=[
+                     {"name": n, "kind": "mlx", "model": f"fake-{n}", "models": [n], "hosts": h,
+                      "worker_env": {"FAKE_WORKER_RSS": str(PROCESS_OVERHEAD)}}
+                     for n, h in hosts.items()])
+    unloads = {n: m.MODEL_UNLOADS.labels(n, "budget")._value.get() for n in hosts}
+    server, backends = await start(s)
+    for model in ("one", "pair", "trio", "one", "pair", "trio", "one"):
+        await ask(http, server, model)
+    assert loaded(backends) == ["one", "pair", "trio"]
+    assert {n: m.MODEL_UNLOADS.labels(n, "budget")._value.get() for n in hosts} == unloads
+    body = await status(http, server)
+    here = {"one": 1, "pair": 2, "trio": 2}
+    assert {b["name"]: (b["footprint_bytes"], b["footprint_source"]) for b in body["backends"]} \
+        == {b["name"]: (here[b["name"]] * (PROCESS_OVERHEAD + b["cache"]["budget"]), "measured")
+            for b in body["backends"]}
+    assert body["model_memory"]["loaded_bytes"] <= budget
