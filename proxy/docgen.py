@@ -1,5 +1,5 @@
-"""Generate the configuration reference (README) and `deploy/prefixd.env.example` from the
-Settings field descriptions, so the docs cannot drift from the code.
+"""Generate the configuration reference (docs/CONFIGURATION.md) and `deploy/prefixd.env.example`
+from the Settings field descriptions, so the docs cannot drift from the code.
 
     python -m prefixd.proxy.docgen          # check: exit 1 if a generated file is stale
     python -m prefixd.proxy.docgen --write  # rewrite them
@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from prefixd.proxy.settings import BackendConfig, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "CONFIGURATION.md"
 ENV_EXAMPLE = ROOT / "deploy" / "prefixd.env.example"
 START, END = "<!-- settings:start -->", "<!-- settings:end -->"
 BSTART, BEND = "<!-- backend-fields:start -->", "<!-- backend-fields:end -->"
@@ -72,14 +72,15 @@ def _splice(text: str, start: str, end: str, body: str) -> str:
     return text[:a] + "\n" + body + "\n" + text[b:]
 
 
-def render_readme(text: str) -> str:
+def render_reference(text: str) -> str:
     return _splice(_splice(text, START, END, settings_table()), BSTART, BEND, backend_table())
 
 
 def main(argv: list[str] | None = None) -> int:
     write = "--write" in (sys.argv[1:] if argv is None else argv)
     stale = []
-    for path, want in ((README, render_readme(README.read_text())), (ENV_EXAMPLE, env_example())):
+    for path, want in ((REFERENCE, render_reference(REFERENCE.read_text())),
+                       (ENV_EXAMPLE, env_example())):
         have = path.read_text() if path.exists() else ""
         if have != want:
             stale.append(path)

@@ -1,9 +1,9 @@
 """The one settings object. Built once (by the CLI or a test) and passed explicitly.
 
 Every option is spelled once: its env variable is `PREFIXD_<FIELD>`, its description is the
-configuration reference (README and `deploy/prefixd.env.example` are generated from it). The
-worker's own settings (`WorkerSettings`, in the worker's package) are inherited, so the proxy's
-env file configures its workers too.
+configuration reference (docs/CONFIGURATION.md and `deploy/prefixd.env.example` are generated
+from it). The worker's own settings (`WorkerSettings`, in the worker's package) are inherited,
+so the proxy's env file configures its workers too.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class Rule:
 
     name: str
     default: RuleMode
-    doc: str                        # the setting's description: README, env example, explain
+    doc: str                        # the setting's description: docs, env example, explain
     causes: tuple[str, ...]         # cause labels this rule keeps from breaking the prefix
     risky: bool = False             # hints suggest dry_run first
     # -- steps ------------------------------------------------------------------------------
