@@ -268,7 +268,7 @@ def build_app(proxy: Proxy) -> web.Application:
         app[OPERATOR_KEY] = operator
     for api in CLIENT_APIS:
         app.router.add_post(api.path, proxy.handler(api))
-    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens(proxy))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)

@@ -5,23 +5,29 @@ not serving: no routing decision is made or counted."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from prefixd.api.errors import ApiError
 from prefixd.api.reading import read_body
 from prefixd.api.schema import decode_json, validate
+from prefixd.proxy.pipeline import API_BY_PATH, Proxy
 from prefixd.proxy.translate.anthropic import count_tokens_request
 from prefixd.proxy.translate.base import TranslateError
 
 CHARS_PER_TOKEN = 4
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-async def count_tokens(request: web.Request) -> web.Response:
-    from prefixd.proxy.app import PROXY_KEY
-    from prefixd.proxy.pipeline import API_BY_PATH
+def count_tokens(proxy: Proxy) -> Handler:
+    """The route's handler for `proxy`."""
+    async def handle(request: web.Request) -> web.Response:
+        return await _count(proxy, request)
+    return handle
 
-    proxy = request.app[PROXY_KEY]
+
+async def _count(proxy: Proxy, request: web.Request) -> web.Response:
     api = API_BY_PATH["/v1/messages"]
     try:
         body = decode_json(await read_body(request, proxy.settings.body_timeout_s))

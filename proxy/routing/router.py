@@ -1,10 +1,10 @@
-"""The router the proxy owns: which backend serves a request, and everything routing knows.
+"""The router the proxy owns: the routing core (`core.py`) over `prefixd serve`'s backends and
+their queues, and what only the proxy can do besides.
 
-Owns, for every backend: the prefix index (`index.py`: which prompt prefixes it holds) and its
-predicted-vs-reported accounting (`truth`), conversation affinity, the requests it is computing
-now (`inflight.py`), transfer planning between prefixd workers, the llama-server slot planners
-(`slots.py`), and what `/status` shows of all that. The decision itself is pure policy
-(`policy.py`) over plain data.
+Owns, beside the core's state (endpoints, prefix index, affinity, truth): the backends' snapshots
+(taken from their status and queues at every request: `update`), the requests each backend is
+computing now (`inflight.py`), transfer planning between prefixd workers, the llama-server slot
+planners (`slots.py`), and what `/status` shows of all that.
 
 A request gets one `RouteView` (its model, lane, prefix chain, and what each backend holds of
 it: the index is read once per request); each attempt at serving it (`proxy/attempt.py`) gets a
@@ -16,137 +16,55 @@ forgotten.
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
-import functools
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from prefixd.api.errors import ApiError
-from prefixd.api.usage import Usage
 from prefixd.backends.base import Backend, BackendUnavailable
 from prefixd.metrics import proxy as m
 from prefixd.proxy.attempt import Attempt, TransferPlan
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.routing.index import Chain, PrefixIndex, Restorable
+from prefixd.proxy.routing.core import Endpoint, Reported, RouteView, RoutingCore
+from prefixd.proxy.routing.index import Chain
 from prefixd.proxy.routing.inflight import InFlight
-from prefixd.proxy.routing.policy import (
-    AffinityMap,
-    Balance,
-    Candidate,
-    Decision,
-    Policy,
-    alias_for,
-    decide,
-    models_index,
-    resolve_model,
-    transfer_source,
-)
+from prefixd.proxy.routing.policy import Balance, Decision, transfer_source
 from prefixd.proxy.routing.slots import SlotPlanner
 from prefixd.proxy.settings import Settings
 
-MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
-TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions",     # per backend, for /status
-         "transferred_tokens")
 WAIT_MIN_TOKENS = 256     # a shared prefix worth waiting for when transfers are off
 
-
-@dataclass(frozen=True)
-class RouteView:
-    """What routing knows of one request, computed once: its served model, its conversation
-    (lane), its prefix chain, and backend -> (tokens of that chain it holds, whether that
-    reaches past the chain's head)."""
-
-    model: str
-    lane: str | None
-    chain: Chain
-    held: dict[str, tuple[int, bool]]
+__all__ = ["RouteView", "Router"]
 
 
-class Router:
+class Router(RoutingCore):
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
                  settings: Settings) -> None:
+        super().__init__(Balance(settings.route_balance_slack, settings.route_balance_ratio,
+                                 settings.route_min_hit_tokens), settings.model_aliases,
+                         settings.route_index_entries, settings.route_index_ttl_s)
         self.backends, self.queues = backends, queues
-        self.index = models_index({n: b.models for n, b in backends.items()})
-        self.aliases = settings.model_aliases
-        self.balance = Balance(settings.route_balance_slack, settings.route_balance_ratio,
-                               settings.route_min_hit_tokens)
-        self.affinity = AffinityMap()
-        self.prefixes = PrefixIndex(settings.route_index_entries, settings.route_index_ttl_s)
         self.transfer_min_tokens = settings.route_transfer_min_tokens
         self.prefix_wait_s = settings.route_prefix_wait_s
         self.inflight = InFlight()                  # what each backend is computing now
-        self._seen: dict[str, tuple[int, bool]] = {}     # backend -> (generation, up)
         self._planners: dict[str, SlotPlanner] = {}      # llama-servers with slots
         self._incompatible: set[tuple[str, str]] = set()   # (source, target): other models
-        # model -> its tokens per estimated token (its tokenizer against 4 chars a token),
-        # from the last prompt a backend reported: puts prefixes in flight on the index's scale
-        self._scale: dict[str, float] = {}
-        # backend -> predicted / reported cached tokens and mispredictions, for /status
-        self.truth: dict[str, collections.Counter[str]] = collections.defaultdict(
-            collections.Counter)
-        # benchmarks swap in other policies (bench/routing.py)
-        self.policy: Policy = functools.partial(decide, policy=self.balance)
+        self.update(self._snapshots())
+
+    def _snapshots(self) -> list[Endpoint]:
+        out = []
+        for name, b in self.backends.items():
+            st, q = b.status(), self.queues[name]
+            out.append(Endpoint(name, tuple(b.models), st.available, q.waiting + q.in_flight,
+                                q.max_concurrency, st.generation, st.up))
+        return out
 
     # --- a request's view, and each attempt's decision ----------------------------------------
-    def model_for(self, requested: str | None) -> str:
-        """The served model for a request's `model`; 400/404 naming what is served."""
-        model = resolve_model(requested, self.index, self.aliases)
-        if model is not None:
-            return model
-        if requested is None:
-            raise ApiError(400, "'model' is required: this proxy serves "
-                           f"{sorted(self.index)}", param="model", code="missing_field")
-        if (alias := alias_for(requested, self.aliases)) is not None:
-            raise ApiError(404, f"model {requested!r} matches the alias {alias[0]!r}, whose "
-                           f"target {alias[1]!r} is not served here; available: "
-                           f"{sorted(self.index)}", param="model", code="model_not_found",
-                           type_="invalid_request_error")
-        raise ApiError(404, f"model {requested!r} is not served here; available: "
-                       f"{sorted(self.index)} (PREFIXD_MODEL_ALIASES maps other names)",
-                       param="model", code="model_not_found", type_="invalid_request_error")
-
     def view(self, model: str, lane: str | None, chain: Chain) -> RouteView:
-        for name in self.index[model]:
-            self._check_generation(name)
-        held = self.prefixes.longest(chain, time.monotonic()) if chain.bounds else {}
-        view = RouteView(model, lane, chain, held)
-        if held:
-            # no backend holds more of a prompt than the prompt: entries recorded for an
-            # earlier render (a reply re-rendered shorter, a stored reply's own tokens) are
-            # capped at this request's size
-            size = self.prompt_size(view) or 0
-            view = RouteView(model, lane, chain,
-                             {n: (min(t, size), own) for n, (t, own) in held.items()})
-        return view
-
-    def prompt_size(self, view: RouteView) -> int | None:
-        """The request's prompt tokens as estimated from its rendered size, on the model's
-        scale (its tokens per estimated token, learned from the backends' reports)."""
-        if not view.chain.bounds:
-            return None
-        return round(view.chain.bounds[-1].tokens * self._scale.get(view.model, 1.0))
+        self.update(self._snapshots())
+        return super().view(model, lane, chain)
 
     def decide(self, view: RouteView, exclude: list[str] | tuple[str, ...] = ()) -> Decision:
         """The backend for the next attempt (`exclude`: those that refused it already)."""
-        cands = []
-        for n in self.index[view.model]:
-            if n in exclude:
-                continue
-            q = self.queues[n]
-            tokens, own = view.held.get(n, (0, False))
-            cands.append(Candidate(n, self.backends[n].status().available,
-                                   q.waiting + q.in_flight, q.max_concurrency,
-                                   tokens if own else 0, tokens))
-        decision = self.policy(cands, self.affinity.get(view.lane),
-                               view.chain.key or str(view.lane))
-        if exclude:                       # sent again: the chosen backend refused it
-            decision = dataclasses.replace(decision, reason="failover")
-        self.affinity.set(view.lane, decision.name)
-        m.ROUTE_DECISIONS.labels(decision.name, decision.reason).inc()
-        m.ROUTE_PREDICTED_TOKENS.labels(decision.name).inc(decision.predicted)
-        return decision
+        self.update(self._snapshots())
+        return self.ranked(view, exclude)[0]
 
     def tokenizer_for(self, model: str) -> Backend:
         """A backend of `model` to count tokens with (count_tokens): not a routing decision,
@@ -272,49 +190,18 @@ class Router:
     # --- what the answer taught ---------------------------------------------------------------
     def learn(self, view: RouteView, attempt: Attempt) -> None:
         """The backend now holds this prompt; what it reported corrects the prediction."""
-        chain, decision, usage = view.chain, attempt.decision, attempt.usage or Usage()
-        if not chain.bounds:
-            return
-        predicted = max(decision.predicted, attempt.transferred)
-        truth = self.truth[decision.name]
-        truth["predicted_tokens"] += predicted
-        truth["reported_tokens"] += usage.cached or 0
-        if usage.cached is not None and usage.cached + MISPREDICT_SLACK < predicted:
-            m.ROUTE_MISPREDICTIONS.labels(decision.name).inc()
-            truth["mispredictions"] += 1
-            self.prefixes.forget(decision.name, chain, after_tokens=usage.cached)
-        now = time.monotonic()
-        if usage.prompt and chain.bounds[-1].tokens > 0:
-            self._scale[view.model] = usage.prompt / chain.bounds[-1].tokens
-        self.prefixes.record(decision.name, chain, now, usage.prompt or None,
-                             Restorable.from_digest(usage.worker), MISPREDICT_SLACK)
-        if view.lane:
-            self.prefixes.note(decision.name, view.lane,
-                               usage.prompt or chain.bounds[-1].tokens, now)
-        m.INDEX_ENTRIES.labels(decision.name).set(self.prefixes.size(decision.name))
-
-    def _check_generation(self, name: str) -> None:
-        """A backend that restarted or went down lost its cache: forget its entries."""
-        st = self.backends[name].status()
-        seen = (st.generation, st.up)
-        old = self._seen.get(name)
-        if old is not None and old != seen and (not st.up or seen[0] != old[0]):
-            self.forget(name)
-        self._seen[name] = seen
+        usage = attempt.usage
+        reported = Reported(usage.prompt, usage.cached, usage.worker) if usage else None
+        self.outcome(view, attempt.decision, reported, attempt.transferred)
 
     def forget(self, name: str) -> None:
         """`name` lost its cache (restarted, went down, refused a request)."""
-        self.prefixes.forget(name)
+        super().forget(name)
         self._incompatible = {p for p in self._incompatible if name not in p}
-        m.INDEX_ENTRIES.labels(name).set(0)
 
     def status(self, name: str, sees: Callable[[str], bool] = lambda lane: True) -> dict:
-        """What /status shows of routing for a backend: its index (entries, the conversations
-        `sees` lets the caller see and their tokens, the largest first), how its reported
-        cached tokens met the predictions, and a llama-server's slots."""
+        """What /status shows of routing for a backend: its index (`index_status`) and a
+        llama-server's slots."""
         planner = self.planner(name)
-        return {"index_entries": self.prefixes.size(name),
-                "index": {**self.prefixes.summary(name, time.monotonic(), sees=sees),
-                          **{k: self.truth[name][k] for k in TRUTH}},
+        return {**self.index_status(name, sees),
                 **(planner.status() if planner is not None else {})}
-
