@@ -27,7 +27,6 @@ from prefixd.api.structured import Constraint
 from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
-from prefixd.backends.mlx.engine import gapped
 from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.draft import (
@@ -644,28 +643,34 @@ def batch_words_model(request: pytest.FixtureRequest,
     return save_tiny_model(request.param, tmp_path_factory.mktemp("batch-words"), words=6)
 
 
-@pytest.mark.parametrize("sampling,max_gap,capture", [
-    (Sampling(temperature=0), gapped.MAX_GAP, None),
-    (Sampling(temperature=0.9, seed=3), gapped.MAX_GAP, None),
-    (Sampling(temperature=0), 2, None), (Sampling(temperature=0), gapped.MAX_GAP, 0)],
+# Replies long enough that a batch row's masked positions pass `gapped.MAX_GAP` (64) mid-batch:
+# here its gaps grow by about one position a verify pass (squeezed twice in 384 tokens).
+SQUEEZING_TOKENS = 384
+
+
+@pytest.mark.parametrize("sampling,tokens,capture", [
+    (Sampling(temperature=0), 48, None),
+    (Sampling(temperature=0.9, seed=3), 48, None),
+    (Sampling(temperature=0), SQUEEZING_TOKENS, None), (Sampling(temperature=0), 48, 0)],
     ids=["greedy", "seeded", "greedy-squeezed", "greedy-replayed"])
 async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pass(
-        batch_words_model: Path, sampling: Sampling, max_gap: int, capture: int | None,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        batch_words_model: Path, sampling: Sampling, tokens: int, capture: int | None) -> None:
     """Every cache kind: the decode batch's pass carries every member's draft (rows padded
     to the longest), each row goes back to its last accepted token (full-attention KV masked
     where it is, windows rolled into the row's padding, recurrent states those captured there
     in the pass); the replies and log-probabilities are each request's alone without drafts,
-    and their next turns warm equal cold. Squeezed: the masked positions squeezed out of the
-    batch every few passes, mid-batch. Replayed: recurrent states computed again for each row
-    where it needs them, none kept per drafted position."""
-    monkeypatch.setattr(gapped, "MAX_GAP", max_gap)
+    and their next turns warm equal cold. Squeezed: replies long enough that the masked
+    positions are squeezed out of the batch mid-batch (`/v1/cache` counts the passes that
+    did). Replayed: recurrent states computed again for each row where it needs them, none
+    kept per drafted position."""
     on = untimed(batch_words_model, **({} if capture is None else {"spec_capture_bytes": capture}))
     off = untimed(batch_words_model, speculative=False)
     try:
         prompts = _prompts(on, 12, 4)
-        alone = [await collect(_submit(off, p, sampling, namespace="a")) for p in prompts]
-        together = await asyncio.gather(*(collect(_submit(on, p, sampling, namespace="b"))
+        alone = [await collect(_submit(off, p, sampling, tokens, namespace="a"))
+                 for p in prompts]
+        together = await asyncio.gather(*(collect(_submit(on, p, sampling, tokens,
+                                                          namespace="b"))
                                           for p in prompts))
         assert on.loaded is not None
         info = on.loaded.engine.cache_info()
@@ -695,6 +700,12 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
     arch = json.loads((batch_words_model / "config.json").read_text())["model_type"]
     recurrent = arch not in ("qwen3", "gemma3_text")
     assert (info["speculative"]["recomputed_passes"] > 0) == (capture == 0 and recurrent)
+    # the masked positions squeezed out mid-batch, where the batch's full-attention KV is its
+    # own (`GappedKVCache`; falcon_h1's shares a layer with a Mamba state and is rolled back,
+    # mamba2 has none)
+    if tokens == SQUEEZING_TOKENS:
+        assert (info["speculative"]["squeezed_passes"] > 0) == \
+            (arch not in ("falcon_h1", "mamba2")), info["speculative"]
     # the longest draft: 16 where every layer trims, 8 where states are captured per position
     assert info["speculative"]["draft_max"] == (16 if arch == "qwen3" else 8)
 

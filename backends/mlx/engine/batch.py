@@ -208,13 +208,13 @@ class Batch:
                 kept.append(a + 1)
             for r, k in zip(members, kept, strict=True):
                 r.batched += len(members) * k
-            rows.back(self.cache, kept, width, captured)
+            squeezed = rows.back(self.cache, kept, width, captured)
             snapshot.evaluate(self.cache)
         except BaseException:
             self._break()
             raise
         self.passes.verify(len(members), sum(kept), "none" if recorder is None else
-                           "recomputed" if recorder.replay else "kept")
+                           "recomputed" if recorder.replay else "kept", squeezed)
         self.pace.observe(len(members), True, sum(kept), _timed(members, len(members) * width, t0))
         for r in members:
             r.broken = False

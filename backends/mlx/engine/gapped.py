@@ -35,15 +35,16 @@ class GappedKVCache(BatchKVCache):
         super().__init__(left_padding)
         self.gaps: mx.array | None = None
 
-    def drop(self, drops: list[int]) -> None:
+    def drop(self, drops: list[int]) -> bool:
         """Row i no longer holds its last `drops[i]` positions: all rows trimmed by the
-        fewest, the rest of each row's tail masked as a gap (no data moves)."""
+        fewest, the rest of each row's tail masked as a gap (no data moves). Whether the
+        gaps were then squeezed out (a row's passed `MAX_GAP`)."""
         least = min(drops)
         if least:
             self.trim(least)
         rest = [d - least for d in drops]
         if not any(rest):
-            return
+            return False
         gaps = np.zeros((len(rest), self._idx), dtype=bool)
         if self.gaps is not None:
             gaps[:, :self.gaps.shape[1]] = np.array(self.gaps[:, :self._idx])
@@ -51,8 +52,10 @@ class GappedKVCache(BatchKVCache):
             gaps[row, self._idx - r:self._idx] = r > 0
         self.gaps = mx.array(gaps)
         self.offset = self.offset - mx.array(rest)
-        if gaps.sum(axis=1).max() > MAX_GAP:
-            self.compact()
+        if gaps.sum(axis=1).max() <= MAX_GAP:
+            return False
+        self.compact()
+        return True
 
     def trim(self, n: int) -> int:
         n = super().trim(n)

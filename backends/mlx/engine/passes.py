@@ -3,7 +3,8 @@
 Owns: the totals since start by kind (a prefill pass: one request's slice; a decode pass: the
 pending tokens of every request it fed, `engine/batch.py`, or one request's token and the
 draft it verified, `engine/speculate.py`), the largest decode batch, the last one, the
-tokens drafted and accepted, and their Prometheus series (`metrics/worker.py`). Generation
+tokens drafted and accepted, the verify passes after which a batch squeezed its rows' gaps
+out (`engine/gapped.py`), and their Prometheus series (`metrics/worker.py`). Generation
 thread only, like the Engine that owns it; read for `GET /v1/cache` (`batch`,
 `speculative`) and the status page.
 """
@@ -21,7 +22,7 @@ class PassCounts:
         self.tokens = {"prefill": 0, "decode": 0}
         self.largest, self.last = 0, 0      # requests in a decode pass
         self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
-                     "largest_verify_batch": 0, "recomputed_passes": 0}
+                     "largest_verify_batch": 0, "recomputed_passes": 0, "squeezed_passes": 0}
         self.by_source: dict[str, dict[str, int]] = {}   # drafted, accepted per drafter
 
     def prefill(self, tokens: int) -> None:
@@ -33,14 +34,17 @@ class PassCounts:
         self.largest, self.last = max(self.largest, requests), requests
         self._count("decode", requests, requests if tokens is None else tokens)
 
-    def verify(self, requests: int, tokens: int, states: str = "none") -> None:
+    def verify(self, requests: int, tokens: int, states: str = "none",
+               squeezed: bool = False) -> None:
         """A decode pass of `requests` that verified drafts: `tokens` kept in all
         (`drafts` counts each request's); `states`: how it captured the recurrent and
         window states to go back ("kept" at each position, "recomputed" where needed:
-        `engine/captured.py`, "none": every layer trims)."""
+        `engine/captured.py`, "none": every layer trims); `squeezed`: the batch's KV rows
+        then had their gaps squeezed out (`engine/gapped.py`: one gather of every row)."""
         self.decode(requests, tokens)
         self.spec["verify_passes"] += 1
         self.spec["recomputed_passes"] += states == "recomputed"
+        self.spec["squeezed_passes"] += squeezed
         self.spec["largest_verify_batch"] = max(self.spec["largest_verify_batch"], requests)
         metrics.VERIFY_PASSES.labels(states).inc()
 

@@ -48,18 +48,20 @@ def in_order(cache: list[Any]) -> None:
 
 
 def back(cache: list[Any], kept: list[int], width: int, captured: Captured | None,
-         before: snapshot.Snapshot | None = None) -> None:
+         before: snapshot.Snapshot | None = None) -> bool:
     """Row i keeps the first `kept[i]` positions of the last pass (`width` long): its KV
     and window rows past them rolled into its padding, its recurrent and convolution
-    states those captured after them (`before` the pass for 0)."""
+    states those captured after them (`before` the pass for 0). Whether the batch's gaps
+    were squeezed out (`GappedKVCache.drop`)."""
     drops = [width - k for k in kept]
+    squeezed = False
     # each row's captured leaves at its position (a replayed state computed for that row)
     at = {row: captured.get(k, row) for row, k in enumerate(kept)
           if 0 < k < width and captured is not None}
     for i, leaf in enumerate(snapshot.leaves(cache)):
         kind = type(leaf)
         if kind is GappedKVCache:
-            leaf.drop(drops)     # masked where they are (`engine/gapped.py`)
+            squeezed |= leaf.drop(drops)     # masked where they are (`engine/gapped.py`)
         elif kind is BatchKVCache:
             drop(leaf, drops)
         elif kind is BatchRotatingKVCache:
@@ -72,6 +74,7 @@ def back(cache: list[Any], kept: list[int], width: int, captured: Captured | Non
                     for row, k in enumerate(kept)]
             leaf.cache = [mx.concatenate([src[e] for src in srcs])
                           for e in range(len(leaf.cache))]
+    return squeezed
 
 
 def drop(leaf: BatchKVCache, drops: list[int]) -> None:
