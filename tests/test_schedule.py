@@ -608,7 +608,7 @@ def test_a_short_job_is_admitted_beside_a_long_answer_and_not_padded_to_it() -> 
     (short,) = schedule.admit()
     assert not short.borrows
     _started(short, 12)
-    assert schedule.decoding(short) == [short, long]    # padded: 2 x 400 <= 1,000
+    assert schedule.decoding(short) == [long, short]    # padded: 2 x 400 <= 1,000
     _started(long, 520)
     assert schedule.decoding(short) == [short]          # padded: 2 x 520 > 1,000
     assert schedule.decoding(long) == [long]
@@ -617,7 +617,7 @@ def test_a_short_job_is_admitted_beside_a_long_answer_and_not_padded_to_it() -> 
         roomy.add(job)
     a, b = roomy.admit()
     _started(a, 400), _started(b, 12)
-    assert roomy.decoding(b) == [b, a]
+    assert roomy.decoding(b) == [a, b]
 
 
 def test_a_long_answer_pauses_for_a_short_job_borrowing_its_room() -> None:

@@ -103,12 +103,12 @@ class Room:
         shortest whose copy in the batch (every row padded to the longest of them) fits the
         budget beside what the others are charged. At least the shortest one (a pass of its
         own when no second fits)."""
-        ordered = sorted(rows, key=self.now)
-        total = sum(self.charge(s) for s in active)
-        best = ordered[:1]
-        for k in range(2, len(ordered) + 1):
-            inside, padded = ordered[:k], self.now(ordered[k - 1])
-            if total + sum(max(self.charge(s), padded) - self.charge(s) for s in inside) \
-                    <= self.budget:
-                best = inside
-        return best
+        now = {s: self.now(s) for s in rows}
+        ordered = sorted(rows, key=now.__getitem__)
+        charged = [self.charge(s) for s in ordered]
+        total = sum(self.charge(s) for s in active if s not in now) + sum(charged)
+        for k in range(len(ordered), 1, -1):     # the most first: all of them, usually
+            padded = now[ordered[k - 1]]
+            if total + sum(max(c, padded) - c for c in charged[:k]) <= self.budget:
+                return [s for s in rows if now[s] <= padded][:k]   # in their order
+        return ordered[:1]
