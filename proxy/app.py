@@ -16,8 +16,9 @@ from prefixd import metrics
 from prefixd.api.errors import ApiError, errors_middleware
 from prefixd.backends.base import BackendState
 from prefixd.metrics.federate import label_worker_metrics
+from prefixd.proxy.apis import API_BY_PATH, CLIENT_APIS
 from prefixd.proxy.keys import Viewer, is_key, viewer
-from prefixd.proxy.pipeline import API_BY_PATH, CLIENT_APIS, Proxy
+from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.tokens import count_tokens
 from prefixd.proxy.ui import add_routes as add_ui_routes
 

@@ -1,4 +1,4 @@
-"""`prefixd` command line: serve, config, explain, launch, worker, tiny-model, demo.
+"""`prefixd` command line: serve, picker, config, explain, launch, worker, tiny-model, demo.
 
 Settings are built here, once; a bad value exits with status 2 and names the variable.
 """
@@ -79,6 +79,20 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
 
 
+def _picker(args: argparse.Namespace) -> int:
+    try:
+        from prefixd.proxy.picker.server import serve
+    except ImportError as e:
+        raise ConfigError(f"prefixd picker needs the gateway extra (pip install "
+                          f"'prefixd[gateway]'): {e}") from None
+    from prefixd.proxy.logs import setup_logging
+
+    settings = load_settings(args.env_file, host=args.host, picker_port=args.port,
+                             picker_endpoints_file=args.endpoints)
+    setup_logging(settings.log_level, settings.log_format)
+    return asyncio.run(serve(settings))
+
+
 def _config(args: argparse.Namespace) -> int:
     settings = effective_backends(load_settings(args.env_file))
     print(json.dumps(redacted(settings), indent=2, default=str))
@@ -123,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--env-file", help="settings file (default: ./prefixd.env if present)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    k = sub.add_parser("picker", help="run the endpoint picker of a gateway (Envoy ext_proc, "
+                       "the Gateway API Inference Extension): docs/GATEWAY.md")
+    k.add_argument("--env-file", help="settings file (default: ./prefixd.env if present)")
+    k.add_argument("--host")
+    k.add_argument("--port", type=int, help="ext_proc and gRPC health (PREFIXD_PICKER_PORT)")
+    k.add_argument("--endpoints", help="endpoints file (PREFIXD_PICKER_ENDPOINTS_FILE)")
     c = sub.add_parser("config", help="print the effective configuration, secrets redacted")
     c.add_argument("--env-file")
     e = sub.add_parser("explain", help="print a conversation's last prefix reports from a "
@@ -167,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             return _explain(args)
         if args.command == "launch":
             return _launch(args)
+        if args.command == "picker":
+            return _picker(args)
         return _config(args)
     except ConfigError as e:
         print(f"prefixd: {e}", file=sys.stderr)

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from prefixd.api.errors import ApiError
-from prefixd.api.schema import CHAT_PATH, COMPLETIONS_PATH
 from prefixd.backends.base import Backend, Managed
 from prefixd.backends.config import BackendConfig
 from prefixd.proxy.exchange import ClientApi, Exchange
@@ -40,14 +39,8 @@ from prefixd.proxy.stages.transfer import TransferStage
 from prefixd.proxy.stages.translate import TranslateStage
 from prefixd.proxy.stages.window import WindowStage
 from prefixd.proxy.trace import RequestTrace
-from prefixd.proxy.translate import AnthropicTranslator, ResponsesTranslator
 
 log = logging.getLogger("prefixd.proxy")
-CLIENT_APIS = (ClientApi("chat", CHAT_PATH, "chat"),
-               ClientApi("completions", COMPLETIONS_PATH, "completion"),
-               ClientApi("anthropic", "/v1/messages", "chat", AnthropicTranslator()),
-               ClientApi("responses", "/v1/responses", "chat", ResponsesTranslator()))
-API_BY_PATH = {api.path: api for api in CLIENT_APIS}
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 

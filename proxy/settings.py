@@ -8,6 +8,7 @@ so the proxy's env file configures its workers too.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr, create_model, model_validator
@@ -128,6 +129,16 @@ class DeclaredSettings(WorkerSettings):
     route_index_ttl_s: float = Field(
         7200.0, gt=0, description="A prefix the routing index has not seen for this long is "
         "dropped (backends evict too).")
+    # --- the gateway's endpoint picker (`prefixd picker`, proxy/picker) -----------------
+    picker_port: int = Field(9002, ge=1, le=65535, description="`prefixd picker`: the port "
+                             "of its Envoy ext_proc gRPC service and gRPC health (on host).")
+    picker_endpoints_file: Path | None = Field(
+        None, description="`prefixd picker`: a JSON file of endpoints ({\"endpoints\": "
+        "[{\"address\": \"ip:port\", \"models\": [...], \"max_concurrency\": 1}]}), re-read "
+        "when it changes; beside the backends with a url (docs/GATEWAY.md).")
+    picker_probe_s: float = Field(2.0, gt=0, description="`prefixd picker`: seconds between "
+                                  "two probes of each endpoint's /v1/models (health, models) "
+                                  "and two reads of the endpoints file.")
     # --- prefix reports and canonicalization (proxy/prefix) -----------------------------
     prefix_detect: bool = Field(True, description="Diff each request against its lane's "
                                 "previous one and report prefix mutations.")

@@ -12,7 +12,8 @@ from aiohttp import web
 from prefixd.api.errors import ApiError
 from prefixd.api.reading import read_body
 from prefixd.api.schema import decode_json, validate
-from prefixd.proxy.pipeline import API_BY_PATH, Proxy
+from prefixd.proxy.apis import API_BY_PATH
+from prefixd.proxy.pipeline import Proxy
 from prefixd.proxy.translate.anthropic import count_tokens_request
 from prefixd.proxy.translate.base import TranslateError
 

@@ -19,7 +19,7 @@ import collections
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 from prefixd.api.errors import ApiError
 from prefixd.metrics import proxy as m
@@ -35,6 +35,9 @@ from prefixd.proxy.routing.policy import (
     models_index,
     resolve_model,
 )
+
+if TYPE_CHECKING:
+    from prefixd.proxy.settings import Settings
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
 TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions",     # per endpoint, for /status
@@ -78,6 +81,13 @@ class Reported:
     worker: dict[str, Any] | None = None
 
 
+def core_args(settings: Settings) -> tuple[Balance, dict[str, str], int, float]:
+    """`RoutingCore`'s arguments from the settings (`PREFIXD_ROUTE_*`, model aliases)."""
+    return (Balance(settings.route_balance_slack, settings.route_balance_ratio,
+                    settings.route_min_hit_tokens), settings.model_aliases,
+            settings.route_index_entries, settings.route_index_ttl_s)
+
+
 class RoutingCore:
     def __init__(self, balance: Balance, aliases: dict[str, str] | None = None,
                  index_entries: int = 100_000, index_ttl_s: float = 7200.0) -> None:
@@ -94,6 +104,10 @@ class RoutingCore:
             collections.Counter)
         # benchmarks swap in other policies (bench/routing.py)
         self.policy: Policy = lambda cands, lane, key: decide(cands, lane, key, self.balance)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        return cls(*core_args(settings))
 
     # --- the endpoints --------------------------------------------------------------------------
     def update(self, endpoints: Iterable[Endpoint]) -> None:

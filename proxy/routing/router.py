@@ -22,10 +22,10 @@ from prefixd.backends.base import Backend, BackendUnavailable
 from prefixd.metrics import proxy as m
 from prefixd.proxy.attempt import Attempt, TransferPlan
 from prefixd.proxy.queue import BackendQueue
-from prefixd.proxy.routing.core import Endpoint, Reported, RouteView, RoutingCore
+from prefixd.proxy.routing.core import Endpoint, Reported, RouteView, RoutingCore, core_args
 from prefixd.proxy.routing.index import Chain
 from prefixd.proxy.routing.inflight import InFlight
-from prefixd.proxy.routing.policy import Balance, Decision, transfer_source
+from prefixd.proxy.routing.policy import Decision, transfer_source
 from prefixd.proxy.routing.slots import SlotPlanner
 from prefixd.proxy.settings import Settings
 
@@ -37,9 +37,7 @@ __all__ = ["RouteView", "Router"]
 class Router(RoutingCore):
     def __init__(self, backends: dict[str, Backend], queues: dict[str, BackendQueue],
                  settings: Settings) -> None:
-        super().__init__(Balance(settings.route_balance_slack, settings.route_balance_ratio,
-                                 settings.route_min_hit_tokens), settings.model_aliases,
-                         settings.route_index_entries, settings.route_index_ttl_s)
+        super().__init__(*core_args(settings))
         self.backends, self.queues = backends, queues
         self.transfer_min_tokens = settings.route_transfer_min_tokens
         self.prefix_wait_s = settings.route_prefix_wait_s

@@ -7,7 +7,7 @@ Owns: request validation and translation (client body -> chat body), answer tran
 shapes of each API. Pure: no I/O, no aiohttp, no event loop; the pipeline wires it in.
 Must not touch: the prefix tracker, routing, forwarding (they see only the chat body).
 Contract: `base.Translator` / `base.StreamTranslator`; one class per API, wired to its route
-in `proxy/pipeline.py` (`CLIENT_APIS`).
+in `proxy/apis.py` (`CLIENT_APIS`).
 """
 
 from prefixd.proxy.translate.anthropic import AnthropicTranslator, count_tokens_request

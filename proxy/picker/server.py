@@ -1,0 +1,86 @@
+"""The picker's gRPC server: Envoy's ext_proc service (`envoy.service.ext_proc.v3.
+ExternalProcessor/Process`, one stream per HTTP request: `extproc.py`) and gRPC health on the
+same port, for "" (the server), `liveness`, `readiness` and the ext_proc service.
+
+Owns: the `Picker` (the settings, the routing core, the prefix tracker and the endpoints, one of
+each for the process) and the server's lifetime: it serves until SIGTERM / SIGINT, then
+stops taking streams and lets those under way end (`shutdown_timeout_s` at most).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from prefixd.proxy.picker.endpoints import Endpoints, from_backends
+from prefixd.proxy.picker.extproc import Exchange
+from prefixd.proxy.prefix.tracker import PrefixTracker
+from prefixd.proxy.routing.core import RoutingCore
+from prefixd.proxy.settings import Settings
+
+log = logging.getLogger("prefixd.picker")
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_NAMES = ("", "liveness", "readiness", SERVICE)
+
+
+class Picker(pbg.ExternalProcessorServicer):
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.core = RoutingCore.from_settings(settings)
+        self.tracker = PrefixTracker(settings)
+        self.endpoints = Endpoints(from_backends(settings.backends),
+                                   settings.picker_endpoints_file, settings.picker_probe_s)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The core's endpoints as known now (joins, leaves, health, load)."""
+        self.core.update(self.endpoints.snapshot())
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        async for response in Exchange(self).run(request_iterator):
+            yield response
+
+
+async def start(settings: Settings, host: str, port: int
+                ) -> tuple[grpc.aio.Server, Picker, int, asyncio.Task[None]]:
+    """A started picker server (its port: `port`, or the one bound for 0) and its endpoint
+    prober."""
+    picker = Picker(settings)
+    server = grpc.aio.server()
+    pbg.add_ExternalProcessorServicer_to_server(picker, server)
+    status = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(status, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in HEALTH_NAMES:
+        await status.set(name, health_pb2.HealthCheckResponse.SERVING)
+    prober = asyncio.create_task(picker.endpoints.run())
+    log.info("picker: ext_proc and gRPC health on %s:%d; %d endpoints", host, bound,
+             len(picker.endpoints.declared))
+    return server, picker, bound, prober
+
+
+async def serve(settings: Settings) -> int:
+    server, _, _, prober = await start(settings, settings.host, settings.picker_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("picker: stopping")
+    prober.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await prober
+    await server.stop(settings.shutdown_timeout_s)
+    return 0
