@@ -244,8 +244,7 @@ class Exchange:
         usage = scan.end()
         p = self.picker
         decision = self.decisions.get(served, Decision(served, "fallback", 0))
-        reported = Reported(usage.prompt, usage.cached, dict(usage.worker)
-                            if usage and usage.worker else None) if usage else None
+        reported = Reported(usage.prompt, usage.cached, usage.worker) if usage else None
         p.core.outcome(ask.view, decision, reported)
         if ask.prepared is not None:
             p.tracker.record_response(ask.prepared, None, usage)

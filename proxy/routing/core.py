@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Self
 
@@ -78,7 +78,7 @@ class Reported:
 
     prompt: int | None = None
     cached: int | None = None
-    worker: dict[str, Any] | None = None
+    worker: Mapping[str, Any] | None = None
 
 
 def core_args(settings: Settings) -> tuple[Balance, dict[str, str], int, float]:
