@@ -2,7 +2,8 @@
 
 Owns: metric names, label sets and buckets. Holds no business logic: callers observe.
 Modules: `proxy` (requests, queues, backends), `prefix` (mutation reports, canonicalization),
-`worker` (the mlx worker's prompt cache). All live in `REGISTRY`.
+`picker` (the gateway picker), `worker` (the mlx worker's prompt cache). All live in
+`REGISTRY`.
 Naming: `prefixd_` prefix, units in names, counters end in `_total`; labels take fixed values
 only (never session ids or prompts).
 """

@@ -136,6 +136,9 @@ class DeclaredSettings(WorkerSettings):
         None, description="`prefixd picker`: a JSON file of endpoints ({\"endpoints\": "
         "[{\"address\": \"ip:port\", \"models\": [...], \"max_concurrency\": 1}]}), re-read "
         "when it changes; beside the backends with a url (docs/GATEWAY.md).")
+    picker_metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="`prefixd picker`: serve Prometheus metrics "
+        "(/metrics) on this port (on host); unset: none.")
     picker_probe_s: float = Field(2.0, gt=0, description="`prefixd picker`: seconds between "
                                   "two probes of each endpoint's /v1/models (health, models) "
                                   "and two reads of the endpoints file.")

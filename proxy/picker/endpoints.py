@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from prefixd.backends.config import BackendConfig
+from prefixd.metrics import picker as m
 from prefixd.proxy.routing.core import Endpoint
 
 log = logging.getLogger("prefixd.picker")
@@ -156,6 +157,7 @@ class Endpoints:
             log.info("picker: endpoint %s (%s) is %s", d.name, d.address,
                      "up" if ok else "down")
         self.up[d.name] = ok
+        m.ENDPOINT_UP.labels(d.name).set(int(ok))
         if models is not None:
             self.models[d.name] = models
 

@@ -25,6 +25,7 @@ hint (`envoy.lb.subset_hint`) and, for tests, the request header
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from prefixd.api.errors import ApiError, error_body, status_type
+from prefixd.metrics import picker as m
 from prefixd.proxy.keys import cache_namespace
 from prefixd.proxy.picker.reading import Ask, UsageScan, api_for, read
 from prefixd.proxy.prefix.report import header
@@ -151,6 +153,7 @@ class Exchange:
 
     # --- the request ------------------------------------------------------------------------
     def pick(self) -> list[pb.ProcessingResponse]:
+        t0 = time.perf_counter()
         p = self.picker
         path = self.headers.get(":path", "/")
         try:
@@ -163,9 +166,11 @@ class Exchange:
                 else Ask(api_for(path))
             order = self.order(ask)
         except ApiError as e:
+            m.PICKS.labels(str(e.status)).inc()
             return [self.refuse(e)]
         self.picked = order[0]
         p.endpoints.inflight[self.picked] += 1
+        m.IN_FLIGHT.labels(self.picked).set(p.endpoints.inflight[self.picked])
         value = ",".join(p.core.endpoints[n].address for n in order)
         set_headers = {DESTINATION: value}
         body = bytes(self.body) if ask.body is None else ask.body
@@ -180,6 +185,8 @@ class Exchange:
         if self.body or ask.body is not None:
             out += _chunks(body, True, "request_body")
         self.body = bytearray()          # sent on: not held for the answer's time
+        m.PICKS.labels("picked").inc()
+        m.PICK_SECONDS.observe(time.perf_counter() - t0)
         return out
 
     def order(self, ask: Ask) -> list[str]:
@@ -242,6 +249,7 @@ class Exchange:
         if ask is None or ask.view is None or scan is None or served is None:
             return
         usage = scan.end()
+        m.LEARNED.labels("reported" if usage is not None else "none").inc()
         p = self.picker
         decision = self.decisions.get(served, Decision(served, "fallback", 0))
         reported = Reported(usage.prompt, usage.cached, usage.worker) if usage else None
@@ -251,7 +259,9 @@ class Exchange:
 
     def done(self) -> None:
         if self.picked is not None:
-            self.picker.endpoints.inflight[self.picked] -= 1
+            inflight = self.picker.endpoints.inflight
+            inflight[self.picked] -= 1
+            m.IN_FLIGHT.labels(self.picked).set(inflight[self.picked])
             self.picked = None
         if self.ask is not None and self.ask.prepared is not None and \
                 not self.ask.prepared.served:

@@ -2,6 +2,9 @@
 ExternalProcessor/Process`, one stream per HTTP request: `extproc.py`) and gRPC health on the
 same port, for "" (the server), `liveness`, `readiness` and the ext_proc service.
 
+Prometheus metrics (`prefixd_picker_*` and the routing core's `prefixd_route_*`) on
+`picker_metrics_port` when set.
+
 Owns: the `Picker` (the settings, the routing core, the prefix tracker and the endpoints, one of
 each for the process) and the server's lifetime: it serves until SIGTERM / SIGINT, then
 stops taking streams and lets those under way end (`shutdown_timeout_s` at most).
@@ -19,7 +22,9 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
+from prefixd.metrics import REGISTRY
 from prefixd.proxy.picker.endpoints import Endpoints, from_backends
 from prefixd.proxy.picker.extproc import Exchange
 from prefixd.proxy.prefix.tracker import PrefixTracker
@@ -73,6 +78,8 @@ async def start(settings: Settings, host: str, port: int
 
 async def serve(settings: Settings) -> int:
     server, _, _, prober = await start(settings, settings.host, settings.picker_port)
+    if settings.picker_metrics_port is not None:
+        start_http_server(settings.picker_metrics_port, settings.host, REGISTRY)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
