@@ -425,3 +425,18 @@ def test_usage_is_read_in_each_client_apis_stream() -> None:
         usage = scan.end()
         assert usage is not None and (usage.prompt, usage.cached) == (120, 100), name
     assert usage is not None
+
+
+async def test_a_mutated_turn_is_reported_on_its_answer(stand_ins: list[str],
+                                                        picker_for: Any) -> None:
+    """The system prompt's date changed between two turns: the answer to the second carries
+    prefixd's report of where and why its prefix broke, as `prefixd serve`'s does."""
+    running = await picker_for(stand_ins)
+    first = "You are a coding agent.\nToday's date: 2026-11-28.\n" + "Be careful. " * 40
+    await exchange(running, chat("Fix the test.", system=first), answer=usage_answer(300, 0))
+    second = first.replace("2026-11-28", "2026-11-29")
+    got = await exchange(running, chat("Run it.", system=second, history=[
+        {"role": "user", "content": "Fix the test."}, {"role": "assistant", "content": "ok"}]),
+        answer=usage_answer(320, 0))
+    report = dict(part.split("=", 1) for part in got.response_set["x-prefixd-prefix"].split(";"))
+    assert report["verdict"] != "NEW" and "date" in report["cause"]

@@ -111,6 +111,7 @@ class Exchange:
         self.served: str | None = None
         self.scan: UsageScan | None = None
         self.too_big = False
+        self.detected = False
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]
                   ) -> AsyncIterator[pb.ProcessingResponse]:
@@ -118,6 +119,7 @@ class Exchange:
             async for r in requests:
                 for out in self.handle(r):
                     yield out
+                self.detect()
         finally:
             self.done()
 
@@ -162,8 +164,7 @@ class Exchange:
                                "bytes (max_body_bytes)", code="request_too_large")
             namespace = cache_namespace(self.headers, p.settings.cache_isolation)
             self.ask = ask = read(path, bytes(self.body), self.headers, p.core, p.tracker,
-                                  namespace, p.settings.prefix_detect) if self.body \
-                else Ask(api_for(path))
+                                  namespace) if self.body else Ask(api_for(path))
             order = self.order(ask)
         except ApiError as e:
             m.PICKS.labels(str(e.status)).inc()
@@ -213,6 +214,14 @@ class Exchange:
             raise ApiError(429, "every endpoint of this model is full: retry later",
                            code="overloaded", type_="rate_limit_error")
         return [n for n in names if n in room] + [n for n in names if n not in room]
+
+    def detect(self) -> None:
+        """The request's mutation report, once its pick went out (not on its way)."""
+        ask = self.ask
+        if ask is not None and ask.prepared is not None and not self.detected \
+                and self.picked is not None and self.picker.settings.prefix_detect:
+            self.detected = True
+            self.picker.tracker.detect(ask.prepared)
 
     def refuse(self, e: ApiError) -> pb.ProcessingResponse:
         api = self.ask.api if self.ask is not None else api_for(self.headers.get(":path", "/"))

@@ -46,8 +46,9 @@ def api_for(path: str) -> ClientApi | None:
 
 
 def read(path: str, raw: bytes, headers: Mapping[str, str], core: RoutingCore,
-         tracker: PrefixTracker, namespace: str, detect: bool) -> Ask:
-    """Read a request (ApiError: a 4xx in the client API's shape, `Ask.api` to shape it)."""
+         tracker: PrefixTracker, namespace: str) -> Ask:
+    """Read a request (ApiError: a 4xx in the client API's shape, `Ask.api` to shape it). Its
+    mutation report is not made here: after the pick (`extproc.Exchange.detect`)."""
     api = api_for(path)
     if api is None:
         return Ask(None)
@@ -58,8 +59,6 @@ def read(path: str, raw: bytes, headers: Mapping[str, str], core: RoutingCore,
     req = validate(api.kind, chat)
     model = core.model_for(req.model)
     prepared = tracker.canonicalize(chat, headers, namespace)
-    if detect:
-        tracker.detect(prepared)
     view = core.view(model, prepared.lane, boundaries(prepared.segments, namespace=namespace))
     # a rewrite goes back in the client's own form: OpenAI's APIs only (the translated form
     # of another API is not what its backend reads)
