@@ -12,7 +12,7 @@ import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import pytest
@@ -25,11 +25,17 @@ from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter
 from prefixd.backends.mlx.model import mtp
-from prefixd.backends.mlx.model.tiny import model_from_config, save_tiny_model, tiny_config
+from prefixd.backends.mlx.model.tiny import (
+    model_from_config,
+    restrict_output,
+    save_tiny_model,
+    tiny_config,
+)
 from prefixd.backends.mlx.scheduler.generator import Generator
 from tests.engine_steps import generate, turn_for
 from tests.worker_fixtures import collect, on_and_off, untimed
 
+WORDS = [5, 6, 7, 8]
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
        "shared_expert_intermediate_size": 32}
 
@@ -86,11 +92,11 @@ def test_a_checkpoints_mtp_weights_load_into_the_head(arch: str, over: dict) -> 
 
 
 def _reference(model: Any, head: mtp.MTPHead, context: list[int], first: int,
-               k: int) -> tuple[list[int], mx.array]:
+               k: int, guesses: bool = False) -> tuple[list[int], mx.array]:
     """The head's `k` greedy drafts after `context`, from scratch, and the keys its one layer
-    holds for the pairs it was fed: the served model's hidden states over the context (a fresh
-    cache), the head fed (hidden state at i, token i + 1) for every i from `first` on, then its
-    own output and guess."""
+    holds for the pairs it was fed (with `guesses`, and for its guesses fed back): the served
+    model's hidden states over the context (a fresh cache), the head fed (hidden state at i,
+    token i + 1) for every i from `first` on, then its own output and guess."""
     parts = mtp.parts(model)
     assert parts is not None
     end = len(context) - 1
@@ -104,32 +110,51 @@ def _reference(model: Any, head: mtp.MTPHead, context: list[int], first: int,
         token = mx.argmax(parts.project(out[:, -1:, :]), axis=-1)
         drafts.append(int(token.item()))
         if len(drafts) == k:
-            return drafts, keys
+            return drafts, cache.keys[..., :cache.offset, :] if guesses else keys
         out = head(out[:, -1:, :], parts.embed(token), cache)
 
 
-Proposal = tuple[list[int], int, list[int], mx.array]
+class Proposal(NamedTuple):
+    context: list[int]      # the request's tokens it drafted after
+    k: int                  # the draft's length
+    keys: mx.array          # its head's layer's: every pair it was fed, then every guess
+    verified: int           # the draft's tokens its verify pass checked (a batch may cut it)
+    accepted: int           # of those, the ones equal to the served model's
 
 
-@pytest.fixture
-def proposals(monkeypatch: pytest.MonkeyPatch) -> list[Proposal]:
-    """Every draft the MTP drafters propose: (context, length, drafted, the keys its head's
-    layer holds for the pairs it was fed, from where it began)."""
-    seen: list[Proposal] = []
-    propose = MTPDrafter.propose
+class Drafts:
+    """Every draft the requests' MTP heads proposed, read off each request's drafter after
+    each of its steps: a step drafts at most once, and its drafter's head cache holds what it
+    was fed and guessed until its next draft (`MTPDrafter.next`: the position drafted after)."""
 
-    def spy(self: MTPDrafter, context: list[int], k: int) -> list[int]:
-        out = propose(self, context, k)
-        fed = self.cache.offset - self.guessed
-        seen.append((list(context), k, list(out), self.cache.keys[..., :fed, :]))
-        return out
+    def __init__(self) -> None:
+        self.seen: list[Proposal] = []
+        self._last: dict[int, tuple[MTPDrafter, int, int, int]] = {}
 
-    monkeypatch.setattr(MTPDrafter, "propose", spy)
-    return seen
+    def look(self, turn: Any) -> None:
+        run = turn.run
+        spec = run.spec if run is not None else None
+        drafter = spec.model if spec is not None else None
+        if not isinstance(drafter, MTPDrafter) or not drafter.next:   # none, or let go
+            return
+        _, at, drafted, accepted = self._last.get(id(drafter), (drafter, 0, 0, 0))
+        self._last[id(drafter)] = (drafter, drafter.next, spec.model_drafted,
+                                   spec.model_accepted)
+        if drafter.next != at:
+            keys = drafter.cache.keys[..., :drafter.cache.offset, :]
+            mx.eval(keys)
+            self.seen.append(Proposal((run.prompt + run.fed)[:drafter.next + 1],
+                                      drafter.passes, keys, spec.model_drafted - drafted,
+                                      spec.model_accepted - accepted))
 
 
-def _engines(arch: str) -> tuple[Any, mtp.MTPHead, Engine, Engine]:
+def _engines(arch: str, words: list[int] | None = None
+             ) -> tuple[Any, mtp.MTPHead, Engine, Engine]:
+    """The served model (writing only `words`, if given: its head, which shares its output
+    projection, then guesses right now and then), its head, and engines with and without it."""
     model = _model(arch)
+    if words is not None:
+        restrict_output(model, words)
     head = mtp.new_head(model)
     mx.eval(head.parameters())
     parts = mtp.parts(model)
@@ -142,16 +167,19 @@ def _engines(arch: str) -> tuple[Any, mtp.MTPHead, Engine, Engine]:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
-def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(
-        arch: str, proposals: list[Proposal]) -> None:
+def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(arch: str) -> None:
     """Alone and in a decode batch, every draft equals the head's fed from scratch with the
     served model's hidden states at every position from where the request's last prefill pass
     began (what the head sees of the prompt) and the tokens after them; the replies are those
-    without speculation."""
-    model, head, on, off = _engines(arch)
+    without speculation. Each draft is read off its request's drafter (what its head was fed
+    and guessed) and off its verify pass (how many of its tokens the served model drew: the
+    model writes four tokens, so the head's guesses are right now and then)."""
+    model, head, on, off = _engines(arch, WORDS)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(40 + 9 * i)] for i in range(3)]
     firsts: dict[tuple[int, ...], int] = {}   # where each prompt's last prefill pass began
+    replies: dict[tuple[int, ...], list[int]] = {}
+    drafts = Drafts()
 
     def began(p: list[int], turn: Any) -> None:
         assert turn.stats is not None
@@ -159,37 +187,49 @@ def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(
 
     for p in prompts:       # alone
         turn = turn_for(on)
-        got = list(generate(on, p, sampler=_greedy, max_tokens=40, turn=turn))
+        got = []
+        for token in generate(on, p, sampler=_greedy, max_tokens=40, turn=turn):
+            got.append(token)
+            drafts.look(turn)
         assert got == list(generate(off, p, sampler=_greedy, max_tokens=40))
         assert turn.stats is not None and turn.stats.speculative is not None
         assert turn.stats.speculative["model_drafted"] > 0
         began(p, turn)
+        replies[tuple(p)] = got
     together = [[9, *p] for p in prompts]
     turns = [turn_for(on) for _ in together]
     steps = [generate(on, p, sampler=_greedy, max_tokens=30, turn=t)
              for p, t in zip(together, turns, strict=True)]
     got = [[next(s)] for s in steps]
-    batched = len(proposals)
-    for _ in range(29):
-        runs = [t.run for t in turns]
-        on.batch.step(runs)
-        for s, out, run in zip(steps, got, runs, strict=True):
-            out.append(next(s))
-            while run is not None and run.ahead and len(out) < 30:
-                out.append(next(s))
+    batched = len(drafts.seen)
+    while live := [i for i, out in enumerate(got) if len(out) < 30]:
+        on.batch.step([turns[i].run for i in live])
+        for i in live:
+            drafts.look(turns[i])
+            got[i].append(next(steps[i]))
+            while (run := turns[i].run) is not None and run.ahead and len(got[i]) < 30:
+                got[i].append(next(steps[i]))
+            drafts.look(turns[i])
     for s, p, t in zip(steps, together, turns, strict=True):
         s.close()
         began(p, t)
     for p, out in zip(together, got, strict=True):
         assert out[:30] == list(generate(off, p, sampler=_greedy, max_tokens=30))
-    assert len(proposals) > batched > 3
-    for context, k, drafted, keys in proposals:
-        first = next(f for p, f in firsts.items() if tuple(context[:len(p)]) == p)
-        want, want_keys = _reference(model, head, context, first, k)
-        assert drafted == want, (len(context), k)
-        # every pair it was fed, each position's own hidden state and token
-        assert keys.shape == want_keys.shape
-        assert mx.allclose(keys, want_keys, atol=1e-4).item(), (len(context), k)
+        replies[tuple(p)] = out[:30]
+    assert len(drafts.seen) > batched > 3
+    assert sum(d.accepted for d in drafts.seen) > 0
+    for d in drafts.seen:
+        p = next(p for p in firsts if tuple(d.context[:len(p)]) == p)
+        want, want_keys = _reference(model, head, d.context, firsts[p], d.k, guesses=True)
+        # every pair it was fed, each position's own hidden state and token, and its guesses
+        # fed back (its draft but the last token)
+        assert d.keys.shape == want_keys.shape, (len(d.context), d.k)
+        assert mx.allclose(d.keys, want_keys, atol=1e-4).item(), (len(d.context), d.k)
+        # the draft as verified: its accepted tokens those of the head's that equal the reply
+        reply = [*p, *replies[p]][len(d.context):len(d.context) + d.verified]
+        differ = (i for i, (a, b) in enumerate(zip(want[:d.verified], reply, strict=True))
+                 if a != b)
+        assert d.accepted == next(differ, d.verified), (len(d.context), d.k)
 
 
 def test_a_draft_cut_before_its_verify_pass_is_not_counted() -> None:
@@ -292,24 +332,30 @@ def test_a_head_is_used_only_where_it_fits_and_is_asked_for(
             gen.close()
 
 
-def test_a_drafter_not_drafting_for_long_keeps_a_bounded_span(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_drafter_not_drafting_for_long_keeps_a_bounded_span() -> None:
     """Hidden states kept one pass at a time, a verify pass's rejected positions replaced by the
-    next pass's: past `HELD` positions since its last draft the drafter keeps the latest ones and
-    its draft is the head's fed from there."""
-    monkeypatch.setattr(MTPDrafter, "HELD", 16)
+    next pass's: past `HELD` positions since its last draft (here 59 more) the drafter keeps
+    the latest ones and its draft is the head's fed from there."""
     model = _model("qwen3_next")
     head = mtp.new_head(model)
     mx.eval(head.parameters())
     parts = mtp.parts(model)
     assert parts is not None
+    held = MTPDrafter.HELD
+    seen = held + 50     # positions seen one pass each, then a verify pass's 9
+    end = seen + 9
     rng = random.Random(3)
-    context = [rng.randrange(3, 1000) for _ in range(60)]
-    hidden = parts.inner(mx.array(context[:59])[None], cache=make_prompt_cache(model))[0]
+    context = [rng.randrange(3, 1000) for _ in range(end + 1)]
+    hidden = parts.inner(mx.array(context[:end])[None], cache=make_prompt_cache(model))[0]
     drafter = MTPDrafter(MTP(head, parts))
-    for pos in range(0, 50):
+    for pos in range(seen):
         drafter.saw(pos, hidden[None, pos:pos + 1])
-    drafter.saw(50, mx.zeros((2, 5, hidden.shape[1])), 1)   # a verify pass, later rejected
-    drafter.saw(50, hidden[None, 50:59])
-    assert drafter.held <= 16
-    assert drafter.propose(context, 3) == _reference(model, head, context, 59 - 16, 3)[0]
+    drafter.saw(seen, mx.zeros((2, 5, hidden.shape[1])), 1)   # a verify pass, later rejected
+    drafter.saw(seen, hidden[None, seen:end])
+    assert drafter.held == held
+    want, want_keys = _reference(model, head, context, end - held, 3)
+    assert drafter.propose(context, 3) == want
+    # the head was fed the latest `held` positions' pairs, each its own
+    keys = drafter.cache.keys[..., :drafter.cache.offset - drafter.guessed, :]
+    assert keys.shape == want_keys.shape
+    assert mx.allclose(keys, want_keys, atol=1e-4).item()
