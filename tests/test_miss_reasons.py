@@ -8,7 +8,10 @@ copied out of a decode batch) and stores the reply up to the stop string; where 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +20,6 @@ import pytest
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
-from prefixd.backends.mlx.engine.run import Run
 from prefixd.backends.mlx.model.tiny import save_tiny_model
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.settings import WorkerSettings
@@ -65,10 +67,13 @@ def _first_seen(text: str, start: int, n: int) -> int | None:
                  == len(" " + " ".join(words[:i]))), None)
 
 
-async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]], company: int = 0
-                          ) -> tuple[list[int], str]:
-    """A prompt and its reply cut by a stop string (three words of its greedy reply, first
-    seen at least 8 words in); with `company`, that many longer requests decode beside it."""
+async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]],
+                          caplog: pytest.LogCaptureFixture, company: int = 0
+                          ) -> tuple[list[int], str, float]:
+    """A prompt, its reply cut by a stop string (three words of its greedy reply, first
+    seen at least 8 words in), and the mean decode batch it ran in (the worker's log line for
+    it); with `company`, that many longer requests decode beside it, still decoding when it
+    ends."""
     for seed in range(40):
         prompt, text = await _probe(gen, encode, seed)
         i = _first_seen(text, 8, 3)
@@ -76,36 +81,37 @@ async def _stop_mid_reply(gen: Generator, encode: Callable[[str], list[int]], co
             words = text.split()
             stop = " " + " ".join(words[i:i + 3])
             rng = random.Random(seed)
-            others = [gen.submit(Prompt(encode(" ".join(rng.choice(POOL) for _ in range(30))),
-                                        []), Sampling(temperature=0), 80, namespace="company")
-                      for _ in range(company)]
-            cut, _, end = await collect(gen.submit(
-                Prompt(prompt, []), Sampling(temperature=0, stop=(stop,)), 40,
-                namespace=f"turns{company}"))
-            for other in others:
-                await collect(other)
+            others = [asyncio.ensure_future(collect(gen.submit(
+                Prompt(encode(" ".join(rng.choice(POOL) for _ in range(30))), []),
+                Sampling(temperature=0), 120, namespace="company"))) for _ in range(company)]
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="prefixd.worker"):
+                cut, _, end = await collect(gen.submit(
+                    Prompt(prompt, []), Sampling(temperature=0, stop=(stop,)), 40,
+                    namespace=f"turns{company}"))
+            outlasted = not any(other.done() for other in others)
+            await asyncio.gather(*others)
+            assert outlasted, "the company ended first"
             assert end.finish_reason == "stop" and cut == text[:text.find(stop)]
-            return prompt, cut
+            line = next(r.getMessage() for r in caplog.records
+                        if r.getMessage().startswith(f"worker: prompt {len(prompt)} tokens"))
+            batch = re.search(r"decode batch ([0-9.]+)", line)
+            assert batch is not None, line
+            return prompt, cut, float(batch[1])
     raise AssertionError("no reply to cut")
 
 
 @pytest.mark.parametrize("company", [0, 2], ids=["alone", "in-a-batch"])
 async def test_the_next_turn_after_a_stop_string_restores_the_reply_or_names_the_miss(
-        worker: tuple[str, Generator], company: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Alone or decoding in a batch with two others when its stop string comes."""
+        worker: tuple[str, Generator], company: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Alone or decoding in a batch with two others when its stop string comes (they decode
+    longer: it ran in their batch, which it leaves only at its end)."""
     arch, gen = worker
     assert gen.loaded is not None
     encode = gen.loaded.tokenizer.encode
-    batched: list[bool] = []
-    end_at_stop = Run.end_at_stop
-
-    def spy(run: Run, at: int) -> None:
-        batched.append(run.batch is not None)
-        end_at_stop(run, at)
-
-    monkeypatch.setattr(Run, "end_at_stop", spy)
-    prompt, reply = await _stop_mid_reply(gen, encode, company)
-    assert batched[-1] is (company > 0)
+    prompt, reply, batch = await _stop_mid_reply(gen, encode, caplog, company)
+    # the requests each of its decode passes fed, on average: about one alone, three beside two
+    assert (batch > 2) is (company > 0), batch
     follow = [*prompt, *encode(reply), *encode(" and then more words here")]
     shared = len(prompt) + len(encode(reply))
     warm, _, end = await collect(gen.submit(Prompt(follow, []), Sampling(temperature=0), 8,
