@@ -347,24 +347,25 @@ def test_a_group_stopped_as_a_whole_keeps_every_ranks_records(
         messages.append(answer["choices"][0]["message"])
 
 
-# Put on the ranks' path (PYTHONPATH): the rank named by TEST_GROUP_FAULT_RANK (0: the leader)
-# fails one prefill pass, once, when the flag file exists (an error on one rank only: the
-# others' passes went fine).
+# Put on the ranks' path (PYTHONPATH): on the rank named by TEST_GROUP_FAULT_RANK (0: the
+# leader) the model (mlx-lm's, the worker's outer boundary) fails its next forward pass, once,
+# when the flag file exists: the first request's prefill (an error on one rank only: the others'
+# passes went fine).
 FAULT_SITE = '''
 import os
 rank = os.environ.get("PREFIXD_GROUP_RANK", "0")
 if os.environ.get("PREFIXD_GROUP_HOSTS") and os.environ.get("TEST_GROUP_FAULT") and \\
         rank == os.environ.get("TEST_GROUP_FAULT_RANK"):
-    import prefixd.backends.mlx.engine.run as run
-    flag, original = os.environ["TEST_GROUP_FAULT"], run.Run._pass
+    from mlx_lm.models import qwen3_next
+    flag, original = os.environ["TEST_GROUP_FAULT"], qwen3_next.Model.__call__
 
-    def _pass(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         if os.path.exists(flag):
             os.unlink(flag)
             raise RuntimeError(f"a fault injected on rank {rank}")
-        return (yield from original(self, *args, **kwargs))
+        return original(self, *args, **kwargs)
 
-    run.Run._pass = _pass
+    qwen3_next.Model.__call__ = __call__
 '''
 
 
