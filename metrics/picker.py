@@ -1,5 +1,6 @@
 """The gateway picker's own metrics (`prefixd picker`); its routing decisions and index are
-counted by the routing core's metrics in `proxy` (`prefixd_route_*`, `prefixd_index_entries`)."""
+counted by the routing core's metrics in `proxy` (`prefixd_route_*`, the index's
+`prefixd_route_index_entries` among them)."""
 
 from prometheus_client import Counter, Gauge, Histogram
 

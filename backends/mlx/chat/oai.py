@@ -249,7 +249,7 @@ def extract_tool_calls(text: str, fmt: ToolFormat = ToolFormat(), tools: Any = N
                        ) -> tuple[str, list[dict[str, Any]]]:
     """Split the tool calls out of generated text, as OpenAI `tool_calls`. A block that does
     not parse (e.g. cut by max_tokens) stays in the text; a call that repeats an earlier one
-    exactly (same name and arguments: a model looping, `grammar_run.CallRepeats`) is
+    exactly (same name and arguments: a model looping, `grammar/matcher.py`'s `CallRepeats`) is
     dropped."""
     calls: list[dict[str, Any]] = []
     seen: set[tuple[str, str]] = set()

@@ -67,7 +67,7 @@ class DiskTier:
         self.writer = DiskWriter(self)
 
     def start(self) -> None:
-        """Start the writer (after `diskindex.index_directory` has filled the index)."""
+        """Start the writer (after `rebuild.index_directory` has filled the index)."""
         self.writer.start()
 
     def _write_manifest(self) -> None:

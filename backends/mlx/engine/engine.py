@@ -61,7 +61,7 @@ class Engine(Checkpointing):
         self.refused = refused or {}
         self.config = config
         self.lockstep = lockstep = lockstep or Lockstep()
-        # what identifies the model's weights (`disktier.model_fingerprint`): states move
+        # what identifies the model's weights (`tierglue.model_fingerprint`): states move
         # only between workers of the same one (`engine/bundle.py`)
         self.model_id = model_id or (disk.model_id if disk else None)
         self._reference: list[Any] | None = None

@@ -3,11 +3,12 @@
 Owns: routes, the optional per-start token (`PREFIXD_WORKER_TOKEN`: every route but /health then
 needs `Authorization: Bearer <token>`), every body read within `body_timeout_s` (`api/reading.py`),
 the transfer secret the state-move endpoints sign and check bundles with (`server/cacheio.py`),
-reading requests (the shared schema `api.schema`, then `chat.gen_request`), building prompts beside
-generation, and noticing a client that went away. Answers are written by `server/respond.py`;
-everything mlx lives on the scheduler's generation thread (`scheduler/generator.py`). A handler
-never raises to aiohttp: client mistakes are 4xx OpenAI errors (`ApiError`), a generation failure is
-a 500 or, once a stream has started, an SSE error event.
+reading requests (the shared schema `api.schema`, then `chat/request.py`'s `gen_request`),
+building prompts beside generation, and noticing a client that went away. Answers are written by
+`server/respond.py`; everything mlx lives on the scheduler's generation thread
+(`scheduler/generator.py`). A handler never raises to aiohttp: client mistakes are 4xx OpenAI
+errors (`ApiError`), a generation failure is a 500 or, once a stream has started, an SSE error
+event.
 """
 
 from __future__ import annotations
