@@ -63,6 +63,10 @@ Timeouts and failure:
   the body, and the request continues without it, round robin over the pool (the first request
   that finds it gone is still a 500). Under FailClose the answer is 500 (details
   `ext_proc_error_gRPC_error_14{...}`).
+- An ORIGINAL_DST pool (`original_dst_lb_config{use_http_header: true, http_header_name:
+  x-gateway-destination-endpoint}`) routes a single `ip:port`, but a list (what the picker
+  sends: the pick, then its fallbacks) or no header at all (FailOpen, the picker down) is a 503
+  `no_healthy_upstream` (flag UH). Hence the override_host pool:
 - override_host (the pool's policy): the metadata's `ip:port,...` list is tried in order, each
   retry (connect-failure) the next; entries not in the pool are skipped; none left, or no
   metadata at all, is round robin over the pool. (This config reads the metadata only: a
