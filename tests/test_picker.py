@@ -440,3 +440,39 @@ async def test_a_mutated_turn_is_reported_on_its_answer(stand_ins: list[str],
         answer=usage_answer(320, 0))
     report = dict(part.split("=", 1) for part in got.response_set["x-prefixd-prefix"].split(";"))
     assert report["verdict"] != "NEW" and "date" in report["cause"]
+
+
+ANSWERS = {   # (request path, body, answer's content type, answer) in each client API's shape
+    "chat": ("/v1/chat/completions", {"model": "m", "stream": True, "messages": [
+        {"role": "user", "content": "Explain the scheduler."}]}, "text/event-stream",
+        b'data: {"choices":[{"delta":{"content":"ok"}}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":50,"completion_tokens":1,'
+        b'"prompt_tokens_details":{"cached_tokens":0}}}\n\ndata: [DONE]\n\n'),
+    "anthropic": ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Explain the scheduler."}]}, "application/json",
+        json.dumps({"type": "message", "content": [{"type": "text", "text": "ok"}],
+                    "usage": {"input_tokens": 50, "output_tokens": 1}}).encode()),
+    "responses": ("/v1/responses", {"model": "m", "input": "Explain the scheduler.",
+                                    "stream": True}, "text/event-stream",
+                  b'event: response.completed\ndata: {"type":"response.completed","response":'
+                  b'{"usage":{"input_tokens":50,"output_tokens":1,'
+                  b'"input_tokens_details":{"cached_tokens":0}}}}\n\n'),
+}
+
+
+@pytest.mark.parametrize("api", list(ANSWERS))
+async def test_the_index_learns_from_each_client_apis_answer(
+        api: str, stand_ins: list[str], picker_for: Any) -> None:
+    """A complete answer records the request's prefix for the endpoint that served it (not
+    for the others); an answer that failed records nothing."""
+    running = await picker_for(stand_ins)
+    path, body, content_type, answer = ANSWERS[api]
+    prefixes, raw = running.picker.core.prefixes, json.dumps(body).encode()
+    got = await exchange(running, raw, path=path, answer=answer, content_type=content_type)
+    served = running.picker.endpoints.by_address(got.destination[0])
+    sizes = {n: prefixes.size(n) for n in ("e0", "e1", "e2")}
+    assert sizes.pop(served) > 0 and set(sizes.values()) == {0}
+    fresh = await picker_for(stand_ins)
+    failed = await exchange(fresh, raw, path=path, answer=None)
+    assert failed.kinds[:1] == ["request_headers"]
+    assert all(fresh.picker.core.prefixes.size(n) == 0 for n in ("e0", "e1", "e2"))

@@ -36,7 +36,8 @@ def _socket(address: str) -> dict:
 
 def render(listen: str, picker: str, pool: list[str], *, fail_open: bool = False,
            admin: str | None = None, message_timeout_s: int = 600, idle_timeout_s: int = 3600,
-           retries: int = 2, body_buffer_bytes: int = 32 * 2**20) -> str:
+           retries: int = 2, body_buffer_bytes: int = 32 * 2**20,
+           subset_header: str | None = None) -> str:
     """The config as YAML text. `listen`, `picker`, each of `pool` and `admin` are ip:port (port
     0: any free one, for tests); `pool` is every endpoint the picker may pick (the picker's
     endpoints file lists the same): a pick outside it, or none, is served round robin over it.
@@ -44,7 +45,10 @@ def render(listen: str, picker: str, pool: list[str], *, fail_open: bool = False
     Envoy's admin interface, None for none (it has no authentication: keep it on loopback).
     `idle_timeout_s`: a request with no byte either way for that long is ended (0: never);
     `retries`: further endpoints of the pick's list tried when one refuses the connection, for
-    a body of at most `body_buffer_bytes` (prefixd's own limit, max_body_bytes, by default)."""
+    a body of at most `body_buffer_bytes` (prefixd's own limit, max_body_bytes, by default).
+    `subset_header`: a request header whose value (ip:port[,...]) becomes the subset hint
+    (`envoy.lb.subset_hint` metadata: the picker picks only from it), as a Gateway API
+    implementation sets it; None: none (the hint comes only from Envoy's own filters)."""
     if not pool:
         raise ValueError("the pool needs at least one endpoint")
     listen_host, listen_port = split_address(listen)
@@ -59,7 +63,19 @@ def render(listen: str, picker: str, pool: list[str], *, fail_open: bool = False
         pool_endpoints=json.dumps([_socket(a) for a in pool]),
         failure_mode_allow="true" if fail_open else "false",
         message_timeout_s=int(message_timeout_s), idle_timeout_s=int(idle_timeout_s),
-        retries=int(retries), body_buffer_bytes=int(body_buffer_bytes))
+        retries=int(retries), body_buffer_bytes=int(body_buffer_bytes),
+        subset_filter=_subset_filter(subset_header) if subset_header else "")
+
+
+def _subset_filter(header: str) -> str:
+    """A header-to-metadata filter: `header`'s value as the subset hint (then removed)."""
+    rule = {"header": header, "remove": True, "on_header_present": {
+        "metadata_namespace": "envoy.lb.subset_hint",
+        "key": "x-gateway-destination-endpoint-subset", "type": "STRING"}}
+    config = {"@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata"
+                       ".v3.Config", "request_rules": [rule]}
+    return ("\n          - name: envoy.filters.http.header_to_metadata\n"
+            f"            typed_config: {json.dumps(config)}")
 
 
 def main(argv: list[str] | None = None) -> int:

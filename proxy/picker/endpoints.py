@@ -8,7 +8,8 @@ this picker has in flight there. `snapshot()` gives the routing core its `Endpoi
 
 The file is JSON: `{"endpoints": [{"address": "10.0.0.7:8000", "models": ["qwen3"],
 "name": "a", "max_concurrency": 1, "queue_depth": 64}, ...]}` (or the list alone); only
-`address` (ip:port, as Envoy's original-destination cluster needs) is required. A file that
+`address` (ip:port: the pick names endpoints by IP, as Envoy's override_host policy and
+its STATIC pool list them) is required. A file that
 does not parse is logged and the endpoints stay as they were.
 """
 

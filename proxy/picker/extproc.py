@@ -157,6 +157,7 @@ class Exchange:
     def pick(self) -> list[pb.ProcessingResponse]:
         t0 = time.perf_counter()
         p = self.picker
+        p.refresh()       # models an endpoint's probe found, health, load: before the read
         path = self.headers.get(":path", "/")
         try:
             if self.too_big:
@@ -193,7 +194,6 @@ class Exchange:
     def order(self, ask: Ask) -> list[str]:
         """The endpoints to try, the pick first (ApiError 503 / 429: none / all full)."""
         p = self.picker
-        p.refresh()
         addresses = {n: e.address for n, e in p.core.endpoints.items()}
         among = {n for n, a in addresses.items() if self.subset is None or a in self.subset}
         chosen = _selected(self.headers.get(SELECTION), addresses)
