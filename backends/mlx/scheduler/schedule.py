@@ -35,8 +35,8 @@ Policy, between passes:
   (`AGE_LIMIT` x `prefill_slice_ms`: 2 s by default; with `prefill_slice_ms` 0, `AGE_LIMIT`
   passes) runs next, the longest kept first, and its pass then runs to its end (it never pauses
   for a newcomer). So between two passes of an admitted job that may run (not held for room,
-  nor waiting for another job's prefix: those are not picked, and age only once they may run
-  again) there are at most that much of other jobs' passes plus one pass of each other job
+  nor waiting for another job's prefix: those are not picked, but the time counts, so they
+  run first once they may) there are at most that much of other jobs' passes plus one pass of each other job
   (`max_active` - 1 passes): nobody starves. A
   paused pass's own time does not count as its run: it ages on. Counted in time, a run of cheap
   decode steps does not age a long prefill as fast as its own expensive slices would;
