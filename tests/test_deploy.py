@@ -1,6 +1,9 @@
 """The daemon files in deploy/ parse, agree with each other and with the code: they run
 `prefixd serve --env-file ...`, restart on failure but not on a configuration error, need no
-pre-created user, and alert once per problem on metrics prefixd really exports."""
+pre-created user, and alert once per problem on metrics prefixd really exports. The Kubernetes
+manifests (deploy/kubernetes/) run `prefixd picker` with the flags, port, health names and
+settings the code has, mount the endpoints file the settings name, and route the Gateway's
+traffic to the InferencePool whose picker that is."""
 
 from __future__ import annotations
 
@@ -123,3 +126,104 @@ def test_alert_rules_pass_promtool():
     out = subprocess.run([tool, "check", "rules", str(DEPLOY / "prefixd.rules.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- deploy/kubernetes: `prefixd picker` as an InferencePool's endpoint picker ------------------
+KUBE = DEPLOY / "kubernetes"
+
+
+def _manifests() -> dict[tuple[str, str], dict]:
+    """Every object of deploy/kubernetes/*.yaml by (kind, name)."""
+    yaml = pytest.importorskip("yaml")
+    objects = {}
+    for path in sorted(KUBE.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None and doc.get("kind") != "Kustomization":
+                objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def _picker_container(objects: dict[tuple[str, str], dict]) -> dict:
+    pod = objects[("Deployment", "prefixd-picker")]["spec"]["template"]["spec"]
+    return pod["containers"][0]
+
+
+def test_kubernetes_manifests_parse_and_the_kustomization_lists_them():
+    yaml = pytest.importorskip("yaml")
+    objects = _manifests()
+    assert {kind for kind, _ in objects} == {"ConfigMap", "Deployment", "Service", "InferencePool",
+                                            "HTTPRoute", "Gateway"}
+    listed = yaml.safe_load((KUBE / "kustomization.yaml").read_text())["resources"]
+    assert all((KUBE / f).is_file() for f in listed)
+    assert set(listed) == {p.name for p in KUBE.glob("*.yaml")} - {"kustomization.yaml",
+                                                                    "gateway.yaml"}
+
+
+def test_the_picker_container_runs_the_cli_on_the_port_the_pool_and_probes_use(tmp_path,
+                                                                               monkeypatch):
+    from prefixd.proxy.cli import build_parser, load_settings
+    from prefixd.proxy.settings import Settings
+
+    server = pytest.importorskip("prefixd.proxy.picker.server")   # the gateway extra
+    objects = _manifests()
+    container = _picker_container(objects)
+    assert container["command"] == ["prefixd"]
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "picker" and args.host == "0.0.0.0"
+    # the container's settings: its ConfigMap as environment, no env file, the args on top
+    # (as `prefixd picker` builds them)
+    for key, value in objects[("ConfigMap", "prefixd-picker-settings")]["data"].items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings(args.env_file, host=args.host, picker_port=args.port,
+                             picker_endpoints_file=args.endpoints)
+    port = settings.picker_port
+    assert port == Settings.model_fields["picker_port"].default == 9002
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["grpc"] == port and ports["metrics"] == settings.picker_metrics_port
+    for probe, name in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+        assert container[probe]["grpc"] == {"port": port, "service": name}
+        assert name in server.HEALTH_NAMES
+    service = objects[("Service", "prefixd-picker")]["spec"]
+    grpc = next(p for p in service["ports"] if p["targetPort"] == "grpc")
+    assert grpc["port"] == port and grpc["appProtocol"] == "kubernetes.io/h2c"
+    pod = objects[("Deployment", "prefixd-picker")]["spec"]["template"]
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    ref = objects[("InferencePool", "qwen3-pool")]["spec"]["endpointPickerRef"]
+    assert (ref["kind"], ref["name"], ref["port"]["number"]) == ("Service", "prefixd-picker", port)
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    # answers under way may finish before the pod is killed
+    assert pod["spec"]["terminationGracePeriodSeconds"] > settings.shutdown_timeout_s
+
+
+def test_the_endpoints_configmap_is_the_file_the_settings_name():
+    from prefixd.proxy.picker.endpoints import from_file
+
+    objects = _manifests()
+    settings = objects[("ConfigMap", "prefixd-picker-settings")]["data"]
+    container = _picker_container(objects)
+    pod = objects[("Deployment", "prefixd-picker")]["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v.get("configMap", {}).get("name")
+                  == "prefixd-picker-endpoints")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    assert "subPath" not in mount                    # a subPath mount is never updated
+    file = Path(settings["PREFIXD_PICKER_ENDPOINTS_FILE"])
+    assert file.parent == Path(mount["mountPath"])
+    text = objects[("ConfigMap", "prefixd-picker-endpoints")]["data"][file.name]
+    endpoints = from_file(text)
+    pool = objects[("InferencePool", "qwen3-pool")]["spec"]
+    target_ports = {p["number"] for p in pool["targetPorts"]}
+    assert endpoints and all(int(e.address.rsplit(":", 1)[1]) in target_ports for e in endpoints)
+    assert pool["selector"]["matchLabels"]
+
+
+def test_the_route_sends_the_gateways_traffic_to_the_inference_pool():
+    objects = _manifests()
+    route = objects[("HTTPRoute", "qwen3-route")]["spec"]
+    parent = route["parentRefs"][0]
+    assert ("Gateway", parent["name"]) in objects and parent["kind"] == "Gateway"
+    backend = route["rules"][0]["backendRefs"][0]
+    assert (backend["group"], backend["kind"]) == ("inference.networking.k8s.io", "InferencePool")
+    assert ("InferencePool", backend["name"]) in objects
+    assert objects[("InferencePool", backend["name"])]["apiVersion"] == \
+        "inference.networking.k8s.io/v1"
