@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg  # noqa
 from google.protobuf import struct_pb2  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from prefixd.proxy.picker.reading import UsageScan  # noqa: E402
+from prefixd.proxy.picker.reading import UsageScan, UsageStrip  # noqa: E402
 from prefixd.proxy.picker.server import HEALTH_NAMES, Picker, start  # noqa: E402
 from prefixd.proxy.settings import Settings  # noqa: E402
 from tests.worker_process import free_port  # noqa: E402
@@ -121,10 +121,11 @@ async def exchange(running: Running, body: bytes | None, path: str = "/v1/chat/c
         hint.update({"x-gateway-destination-endpoint-subset": subset})
         meta.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
     queue.put_nowait(pb.ProcessingRequest(
-        request_headers=_headers({":path": path, ":method": "POST" if body else "GET",
+        request_headers=_headers({":path": path,
+                                  ":method": "GET" if body is None else "POST",
                                   "content-type": "application/json", **(headers or {})},
                                  end=body is None), metadata_context=meta))
-    for i in range(0, len(body or b""), 50_000):
+    for i in range(0, max(1, len(body)) if body is not None else 0, 50_000):
         assert body is not None
         queue.put_nowait(pb.ProcessingRequest(request_body=pb.HttpBody(
             body=body[i:i + 50_000], end_of_stream=i + 50_000 >= len(body))))
@@ -476,3 +477,86 @@ async def test_the_index_learns_from_each_client_apis_answer(
     failed = await exchange(fresh, raw, path=path, answer=None)
     assert failed.kinds[:1] == ["request_headers"]
     assert all(fresh.picker.core.prefixes.size(n) == 0 for n in ("e0", "e1", "e2"))
+
+
+async def test_an_empty_body_is_answered_and_ends_the_request(stand_ins: list[str],
+                                                              picker_for: Any) -> None:
+    """A POST whose body is empty comes as headers then one empty chunk that ends it: that
+    chunk is answered (Envoy sends the request on only once a body answer ends it); to a
+    client API's path it is a 400, as from `prefixd serve`."""
+    running = await picker_for(stand_ins)
+    got = await exchange(running, b"", path="/v1/embeddings")
+    assert got.kinds[:2] == ["request_headers", "request_body"]
+    assert got.body_chunks == [b""]
+    refused = await exchange(running, b"", path="/v1/chat/completions")
+    assert refused.immediate is not None and refused.immediate.status.code == 400
+
+
+async def test_a_stream_is_asked_for_its_usage_and_the_client_gets_none(
+        stand_ins: list[str], picker_for: Any) -> None:
+    """A streamed chat request that did not ask for usage: the picker asks on its behalf (the
+    answer's usage, and a prefixd worker's digest, teach the index), and takes the usage out
+    of the answer again, event by event, however the bytes are cut; a stream that asked keeps
+    it, its body untouched."""
+    running = await picker_for(stand_ins)
+    answer = (b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+              b'"usage":{"prompt_tokens":300,"completion_tokens":1,'
+              b'"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
+              b': a comment\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":1,'
+              b'"prompt_tokens_details":{"cached_tokens":0}},"prefixd":{"restorable":'
+              b'{"positions":[64],"prefix_to":0,"any_prefix":false}}}\n\n'
+              b'data: [DONE]\n\n')
+    body = chat("Stream this, please.", stream=True)
+    got = await exchange(running, body, answer=answer, content_type="text/event-stream")
+    sent = json.loads(b"".join(got.body_chunks))
+    assert sent["stream_options"] == {"include_usage": True}
+    assert got.set["content-length"] == str(len(b"".join(got.body_chunks)))
+    client = b"".join(got.response_chunks)
+    assert b"usage" not in client and b"prefixd" not in client
+    assert client == (b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+                      b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+                      b': a comment\n\ndata: [DONE]\n\n')
+    name = running.picker.endpoints.by_address(got.destination[0])
+    held = running.picker.core.view("m", None, _chain(running, body)).held
+    assert held[name] == (64, True)                    # the digest taught the index
+    asked = chat("Stream this too.", stream=True, stream_options={"include_usage": True})
+    kept = await exchange(running, asked, answer=answer, content_type="text/event-stream")
+    assert b"".join(kept.body_chunks) == asked and "content-length" not in kept.set
+    assert b"".join(kept.response_chunks) == answer
+    for size in (1, 7, 64):                            # cut anywhere, CRLF line ends too
+        for raw in (answer, answer.replace(b"\n", b"\r\n")):
+            strip = UsageStrip()
+            parts = [raw[i:i + size] for i in range(0, len(raw), size)]
+            out = b"".join(strip.feed(p, end=i == len(parts) - 1)
+                           for i, p in enumerate(parts))
+            assert b"usage" not in out and out.count(b"data: ") == 3, (size, raw[:20])
+
+
+def test_backends_are_named_by_ip_and_port() -> None:
+    from prefixd.backends.config import BackendConfig
+    from prefixd.proxy.picker.endpoints import from_backends
+
+    got = from_backends([BackendConfig(name="a", url="http://localhost:8000/v1", models=["m"]),
+                         BackendConfig(name="b", url="https://10.0.0.7/v1", models=["m"]),
+                         BackendConfig(name="c", url="http://[::1]:9000", models=["m"]),
+                         BackendConfig(name="d", kind="mlx", model="x")])
+    assert [(d.name, d.address) for d in got] == [
+        ("a", "127.0.0.1:8000"), ("b", "10.0.0.7:443"), ("c", "[::1]:9000")]
+
+
+def test_an_endpoint_at_another_address_is_another_server() -> None:
+    from prefixd.proxy.routing.core import Endpoint, RoutingCore
+    from prefixd.proxy.routing.index import Boundary, Chain
+    from prefixd.proxy.routing.policy import Balance
+
+    core = RoutingCore(Balance())
+    core.update([Endpoint("a", ("m",), address="10.0.0.1:80")])
+    chain = Chain([Boundary("k1", 100), Boundary("k2", 200)], 2)
+    core.outcome(core.view("m", None, chain), core.ranked(core.view("m", None, chain))[0])
+    assert core.view("m", None, chain).held["a"][0] == 200
+    core.update([Endpoint("a", ("m",), address="10.0.0.1:80", load=3)])    # only busier
+    assert core.view("m", None, chain).held["a"][0] == 200
+    core.update([Endpoint("a", ("m",), address="10.0.0.2:80")])            # moved
+    assert core.view("m", None, chain).held.get("a", (0, False))[0] == 0

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
 import json
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,16 +50,25 @@ class Declared:
 
 def from_backends(configs: list[BackendConfig]) -> list[Declared]:
     """The settings' backends that have a URL (managed workers have none: a picker does not
-    start model servers)."""
+    start model servers). A host name is resolved once, here: the pick names an IP."""
     out = []
     for c in configs:
-        if c.url is None:
-            continue
-        parts = urlsplit(c.url)
+        parts = urlsplit(c.url or "")
         if parts.hostname is None:
             continue
-        out.append(Declared(c.name, f"{parts.hostname}:{parts.port or 80}", tuple(c.models),
-                            c.concurrency, c.queue_depth))
+        try:
+            ip = ipaddress.ip_address(parts.hostname)
+        except ValueError:
+            try:
+                ip = ipaddress.ip_address(socket.getaddrinfo(
+                    parts.hostname, None, proto=socket.IPPROTO_TCP)[0][4][0])
+            except OSError as e:
+                log.error("picker: backend %s (%s) not used: %s", c.name, c.url, e)
+                continue
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host = f"[{ip}]" if ip.version == 6 else str(ip)
+        out.append(Declared(c.name, f"{host}:{port}", tuple(c.models), c.concurrency,
+                            c.queue_depth))
     return out
 
 

@@ -37,7 +37,7 @@ from google.protobuf import struct_pb2
 from prefixd.api.errors import ApiError, error_body, status_type
 from prefixd.metrics import picker as m
 from prefixd.proxy.keys import cache_namespace
-from prefixd.proxy.picker.reading import Ask, UsageScan, api_for, read
+from prefixd.proxy.picker.reading import Ask, UsageScan, UsageStrip, api_for, read
 from prefixd.proxy.prefix.report import header
 from prefixd.proxy.routing.core import Reported
 from prefixd.proxy.routing.policy import Decision
@@ -110,7 +110,9 @@ class Exchange:
         self.decisions: dict[str, Decision] = {}   # the order sent, by endpoint
         self.served: str | None = None
         self.scan: UsageScan | None = None
+        self.strip: UsageStrip | None = None
         self.too_big = False
+        self.has_body = False       # Envoy sent body messages (an empty one ends a bodiless POST)
         self.detected = False
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]
@@ -130,6 +132,7 @@ class Exchange:
             self.subset = _subset(r)
             return self.pick() if r.request_headers.end_of_stream else []
         if kind == "request_body":
+            self.has_body = True
             if not self.too_big:
                 self.body += r.request_body.body
                 self.too_big = len(self.body) > self.picker.settings.max_body_bytes
@@ -141,13 +144,13 @@ class Exchange:
             return [self.respond(_headers(r.response_headers),
                                  r.response_headers.end_of_stream)]
         if kind == "response_body":
-            chunk = r.response_body.body
+            chunk, end = r.response_body.body, r.response_body.end_of_stream
             if self.scan is not None:
                 self.scan.feed(chunk)
-            if r.response_body.end_of_stream:
+            if end:
                 self.learn()
-            return [pb.ProcessingResponse(response_body=_body(
-                chunk, r.response_body.end_of_stream))]
+            sent = chunk if self.strip is None else self.strip.feed(chunk, end)
+            return [pb.ProcessingResponse(response_body=_body(sent, end))]
         if kind == "response_trailers":
             self.learn()
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -165,7 +168,7 @@ class Exchange:
                                "bytes (max_body_bytes)", code="request_too_large")
             namespace = cache_namespace(self.headers, p.settings.cache_isolation)
             self.ask = ask = read(path, bytes(self.body), self.headers, p.core, p.tracker,
-                                  namespace) if self.body else Ask(api_for(path))
+                                  namespace) if self.has_body else Ask(api_for(path))
             order = self.order(ask)
         except ApiError as e:
             m.PICKS.labels(str(e.status)).inc()
@@ -184,7 +187,7 @@ class Exchange:
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
                 clear_route_cache=True, header_mutation=_set(set_headers))),
             dynamic_metadata=meta)]
-        if self.body or ask.body is not None:
+        if self.has_body:                # every body message Envoy sent is answered
             out += _chunks(body, True, "request_body")
         self.body = bytearray()          # sent on: not held for the answer's time
         m.PICKS.labels("picked").inc()
@@ -238,7 +241,11 @@ class Exchange:
         served = headers.get(SERVED, "").split(",")[0].strip()
         self.served = p.endpoints.by_address(served) or self.picked
         ok = headers.get(":status", "200").startswith("2")
-        self.scan = UsageScan(headers.get("content-type", "")) if ok else None
+        content_type = headers.get("content-type", "")
+        self.scan = UsageScan(content_type) if ok else None
+        if self.ask is not None and self.ask.strip_usage and \
+                content_type.startswith("text/event-stream"):
+            self.strip = UsageStrip()
         add = {}
         if self.served is not None:
             add[SERVED_TEST] = p.core.endpoints[self.served].address \

@@ -9,6 +9,7 @@ Owns nothing between calls but what one request carries (`Ask`) and one answer's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ class Ask:
     view: RouteView | None = None
     prepared: Prepared | None = None
     body: bytes | None = None
-    stream: bool = False
+    strip_usage: bool = False   # a stream asked for usage on its behalf (`UsageStrip`)
 
 
 def api_for(path: str) -> ClientApi | None:
@@ -60,11 +61,21 @@ def read(path: str, raw: bytes, headers: Mapping[str, str], core: RoutingCore,
     model = core.model_for(req.model)
     prepared = tracker.canonicalize(chat, headers, namespace)
     view = core.view(model, prepared.lane, boundaries(prepared.segments, namespace=namespace))
-    # a rewrite goes back in the client's own form: OpenAI's APIs only (the translated form
-    # of another API is not what its backend reads)
-    rewritten = json.dumps(prepared.body, ensure_ascii=False).encode() \
-        if prepared.changed and api.translator is None else None
-    return Ask(api, view, prepared, rewritten, bool(body.get("stream")))
+    if api.translator is not None:   # a rewrite goes back in the client's own form: OpenAI's
+        return Ask(api, view, prepared)  # APIs only (the translated form is not what it sent)
+    out, strip = prepared.body, False
+    options = out.get("stream_options")
+    if out.get("stream") is True and not (isinstance(options, dict)
+                                          and options.get("include_usage") is True):
+        # a stream reports its usage (and a prefixd worker what it can restore) only when
+        # asked: asked here, and taken out of the answer again (`UsageStrip`), as `prefixd
+        # serve` does
+        out = {**out, "stream_options": {**(options if isinstance(options, dict) else {}),
+                                         "include_usage": True}}
+        strip = True
+    rewritten = json.dumps(out, ensure_ascii=False).encode() \
+        if prepared.changed or strip else None
+    return Ask(api, view, prepared, rewritten, strip)
 
 
 def usage_of(obj: Any) -> Usage | None:
@@ -98,6 +109,53 @@ def usage_of(obj: Any) -> Usage | None:
     prompt = (inputs or 0) + (read_ or 0) + (created or 0)
     return Usage(prompt, count(usage.get("output_tokens")), read_,
                  worker if isinstance(worker, dict) else None)
+
+
+class UsageStrip:
+    """An OpenAI event stream without the usage the picker asked for on the client's behalf:
+    a usage-only event is dropped, a usage beside choices removed; every other byte passes as
+    it came, each event as soon as it is whole (a partial event waits for its end, nothing
+    else). An event past `MAX_SCAN` bytes ends the stripping: the rest passes untouched."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.off = False
+
+    def feed(self, chunk: bytes, end: bool = False) -> bytes:
+        if self.off:
+            return chunk
+        self._buf += chunk
+        cut = max(self._buf.rfind(b"\n\n"), self._buf.rfind(b"\r\n\r\n"))
+        if end:
+            cut = len(self._buf)
+        elif cut < 0:
+            if len(self._buf) > MAX_SCAN:
+                self.off, out = True, bytes(self._buf)
+                self._buf.clear()
+                return out
+            return b""
+        else:
+            cut += 4 if self._buf[cut:cut + 4] == b"\r\n\r\n" else 2
+        ready = bytes(self._buf[:cut])
+        del self._buf[:cut]
+        return b"".join(_without_usage(e) for e in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", ready))
+
+
+def _without_usage(event: bytes) -> bytes:
+    lines = event.splitlines(keepends=True)
+    data = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+    if len(data) != 1:
+        return event
+    obj = _loads(lines[data[0]][5:].strip())
+    if not isinstance(obj, dict) or "usage" not in obj:
+        return event
+    if not obj.get("choices"):
+        return b""                       # the usage chunk the client did not ask for
+    del obj["usage"]
+    obj.pop("prefixd", None)
+    ending = b"\r\n" if lines[data[0]].endswith(b"\r\n") else b"\n"
+    lines[data[0]] = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + ending
+    return b"".join(lines)
 
 
 class UsageScan:

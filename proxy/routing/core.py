@@ -74,7 +74,8 @@ class RouteView:
 @dataclass(frozen=True)
 class Reported:
     """What an endpoint reported of a request it answered in full: its prompt tokens, the
-    cached ones, a prefixd worker's digest of what it can restore (`usage.prefixd`)."""
+    cached ones, a prefixd worker's digest of what it can restore (its answer's `prefixd`
+    object, beside `usage`)."""
 
     prompt: int | None = None
     cached: int | None = None
@@ -112,12 +113,13 @@ class RoutingCore:
     # --- the endpoints --------------------------------------------------------------------------
     def update(self, endpoints: Iterable[Endpoint]) -> None:
         """The endpoints as they are now (the whole set): new ones join, missing ones leave
-        (forgotten), one whose cache was lost (another generation, or no longer alive) is
-        forgotten."""
+        (forgotten), one whose cache was lost (another generation, no longer alive) or that is
+        another server now (another address) is forgotten."""
         now = {e.name: e for e in endpoints}
         for name, old in self.endpoints.items():
             new = now.get(name)
-            if new is None or new.generation != old.generation or (old.alive and not new.alive):
+            if new is None or new.generation != old.generation or new.address != old.address \
+                    or (old.alive and not new.alive):
                 self.forget(name)
         if [e.models for e in now.values()] != [e.models for e in self.endpoints.values()] \
                 or now.keys() != self.endpoints.keys():
