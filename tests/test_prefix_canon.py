@@ -223,3 +223,21 @@ def test_stage_sequences_are_deterministic_and_settled(seq: list[dict]) -> None:
     lane = stages[1].store.get(p.lane)          # p: the last stage's (lane ids are keyed)
     again = C.canonicalize(p.body, lane.canon, stages[1].live)
     assert json.dumps(again.body) == json.dumps(p.body)
+
+
+_PIECES = ["alpha ", "Today's date: ", "2026-11-29", " 14:05:33", " msg_", "abcdef123456",
+           "Working directory: /home/u", "x-anthropic-billing-header: cch=1;", "٣", "DATE ",
+           "cwd", " 550e8400-e29b-41d4-a716-446655440000", "deadbeef0123", "\t", " tools "]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(_PIECES), max_size=6).map("".join), max_size=8))
+def test_volatile_lines_are_the_lines_any_volatile_pattern_matches(lines: list[str]) -> None:
+    """The quick pre-check before the patterns (`_MAYBE_VOLATILE`) drops no line a pattern
+    would match: the result is the lines none of the patterns matches."""
+    from prefixd.proxy.prefix.patterns import _LINE_LABELS, strip_volatile_lines
+
+    text = "\n".join(lines)
+    expected = [line for line in text.splitlines()
+                if not any(VOLATILE[n].search(line) for n in _LINE_LABELS)]
+    assert strip_volatile_lines(text) == "\n".join(expected)

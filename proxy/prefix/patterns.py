@@ -175,13 +175,19 @@ def mask(text: str, labels: tuple[str, ...]) -> str:
     return text
 
 
+_LINE_LABELS = ("anthropic_billing_header", *DATE_LABELS, *TIME_LABELS, "todays_date_line",
+                "uuid", "prefixed_id", "hex_id", "cwd_line")
+# What every one of `_LINE_LABELS` needs in a line to match it: a digit (dates, times, ids),
+# `_` (a prefixed id) or one of these words; a line without any is searched no further
+_MAYBE_VOLATILE = re.compile(r"\d|_|(?i:date|today|director|cwd|x-anthropic-billing)")
+
+
 def strip_volatile_lines(text: str) -> str:
     """`text` without lines carrying volatile values; used for content fingerprints."""
     keep = []
     for line in text[:8192].splitlines():
-        if any(VOLATILE[n].search(line) for n in
-               ("anthropic_billing_header", *DATE_LABELS, *TIME_LABELS, "todays_date_line",
-                "uuid", "prefixed_id", "hex_id", "cwd_line")):
+        if _MAYBE_VOLATILE.search(line) is not None and \
+                any(VOLATILE[n].search(line) for n in _LINE_LABELS):
             continue
         keep.append(line)
     return "\n".join(keep)
