@@ -89,6 +89,9 @@ class Generator:
         self.loaded = load(self.settings, spec, self.lockstep)
         self.lockstep.arm()
         self.status.refresh(self.loaded.engine)
+        # a group's Engine ran its reference pass on every rank; one process's runs it now
+        self.status.kv_bytes_per_token = kv_bytes_per_token(
+            self.loaded.engine.reference_leaves())
         return self.loaded
 
     async def persist(self, timeout: float) -> bool:
@@ -170,6 +173,13 @@ class Generator:
             raise WorkerClosed("the worker is shutting down") from None
         return await future
 
+    def jobs(self) -> tuple[int, int]:
+        """(waiting, running): the jobs submitted and not admitted yet, and those admitted and
+        not ended, as the loop last reported them (`status.Status.scheduled`); from any
+        thread."""
+        running = self.status.under_way.running
+        return max(0, len(self._pending) - running), running
+
     def cancel_all(self) -> None:
         """Cancel the running job and every queued one (each still gets its last event)."""
         for job in list(self._pending):
@@ -191,7 +201,7 @@ class Generator:
                                       bool(engine.spec and engine.spec.leaves)))
         batched = s.batch_decode and not engine.unbatchable
         drive(plan, self._take, self._start, self._end, self._arrived,
-              self._batch if batched else None)
+              self._batch if batched else None, self.status.scheduled)
 
     def _batch(self, tasks: list[Task], stops: list[bool]) -> list[Step]:
         """Decode steps of several jobs in one pass (`active.step_batch`)."""

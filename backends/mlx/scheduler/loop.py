@@ -22,7 +22,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
           start: Callable[[Job, Callable[[], bool] | None], Task],
           end: Callable[[Job, Finished | Failed], None],
           arrived: Callable[[], Sequence[Job]] = lambda: (),
-          batch: Batched | None = None) -> None:
+          batch: Batched | None = None,
+          report: Callable[[Schedule], None] = lambda schedule: None) -> None:
     """Run jobs until none is admitted or waiting (on the generation thread). Between two
     passes: `take(idle)`, the jobs submitted since, or None to stop (only when `idle` and none
     was submitted: the caller decides that under its lock, so a job submitted then starts a
@@ -32,7 +33,9 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
     result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
     taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each
-    decode step is a pass of its own)."""
+    decode step is a pass of its own). `report(schedule)`: what is under way now (the worker's
+    status), after each admission (before the waiting are told their place) and after each
+    pass (before the ends of the jobs it ended are sent)."""
 
     def admit(jobs: Sequence[Job]) -> None:
         for job in jobs:
@@ -41,6 +44,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
             end(job, Finished("cancelled", 0, 0))
         for slot in schedule.admit():
             slot.job.queue_s = time.perf_counter() - slot.job.submitted
+        report(schedule)
         for i, job in enumerate(schedule.waiting, 1):   # the rest: their place in line
             if job.position != i:
                 job.position = i
@@ -82,7 +86,10 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
         if len(group) == 1:
             schedule.published(slot)
-        for member, step in zip(group, steps, strict=True):
-            if isinstance(step, Finished | Failed):
-                schedule.remove(member)
-                end(member.job, step)
+        ended = [(m, step) for m, step in zip(group, steps, strict=True)
+                 if isinstance(step, Finished | Failed)]
+        for member, _ in ended:
+            schedule.remove(member)
+        report(schedule)      # before the ends are sent: whoever saw one sees the job gone
+        for member, step in ended:
+            end(member.job, step)

@@ -35,7 +35,7 @@ from prefixd.backends.mlx.engine.loading import Loaded
 from prefixd.backends.mlx.model.memory import memory_info
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import WorkerClosed
-from prefixd.backends.mlx.server import cacheio
+from prefixd.backends.mlx.server import cacheio, scrape
 from prefixd.backends.mlx.server.respond import Reply
 from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.metrics import CONTENT_TYPE, render
@@ -264,4 +264,6 @@ async def _import(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    """Every metric of this process, the load under vLLM's names set now (`scrape.py`)."""
+    scrape.observe(request.app[GENERATOR], request.app[MODEL_NAME])
     return web.Response(body=render(), headers={"Content-Type": CONTENT_TYPE})
