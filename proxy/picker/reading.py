@@ -23,7 +23,6 @@ from prefixd.proxy.exchange import ClientApi
 from prefixd.proxy.prefix.tracker import PrefixTracker, Prepared
 from prefixd.proxy.routing.core import RouteView, RoutingCore
 from prefixd.proxy.routing.index import boundaries
-from prefixd.proxy.stages.translate import translate_request
 
 MAX_SCAN = 16 * 2**20   # bytes of a non-streamed answer read for its usage, at most
 
@@ -56,7 +55,7 @@ def read(path: str, raw: bytes, headers: Mapping[str, str], core: RoutingCore,
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
-    chat = body if api.translator is None else translate_request(api.translator, body)
+    chat = body if api.translator is None else api.translator.chat_request(body)
     req = validate(api.kind, chat)
     model = core.model_for(req.model)
     prepared = tracker.canonicalize(chat, headers, namespace)

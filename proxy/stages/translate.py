@@ -15,13 +15,12 @@ import asyncio
 import json
 import time
 
-from prefixd.api.errors import ApiError
 from prefixd.api.schema import ChatRequest, Parsed, validate
 from prefixd.api.structured import check, constraint
 from prefixd.metrics.proxy import GRAMMAR_CHECK
 from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.stages import Next
-from prefixd.proxy.translate.base import TranslateError, Translator
+from prefixd.proxy.translate.base import Translator
 
 
 class TranslateStage:
@@ -33,7 +32,7 @@ class TranslateStage:
             ex.parsed = Parsed(api.kind, ex.raw, ex.client_body,
                                validate(api.kind, ex.client_body))
         else:
-            body = translate_request(api.translator, ex.client_body)
+            body = api.translator.chat_request(ex.client_body)
             ex.parsed = Parsed(api.kind, json.dumps(body, ensure_ascii=False).encode(), body,
                                validate(api.kind, body))
         req = ex.parsed.req
@@ -65,10 +64,3 @@ def check_structured(parsed: Parsed, translator: Translator | None, client_body:
     parallel = req.parallel_tool_calls if isinstance(req, ChatRequest) else None
     check(constraint(fmt, tools if isinstance(tools, list) else None, choice, parallel, where),
           where)
-
-
-def translate_request(translator: Translator, body: dict) -> dict:
-    try:
-        return translator.request(body)
-    except TranslateError as e:
-        raise ApiError(400, e.message, param=e.param, code="invalid_request") from None

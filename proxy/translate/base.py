@@ -13,6 +13,8 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
+from prefixd.api.errors import ApiError
+
 
 class TranslateError(Exception):
     """A client mistake in a request body; `param` names the field, e.g. `messages.3.content`."""
@@ -53,6 +55,13 @@ class Translator(ABC):
     def request(self, body: dict) -> dict:
         """Client body -> /v1/chat/completions body ("model" and "stream" carried over; streams
         always ask for usage). Raises `TranslateError` on bad input."""
+
+    def chat_request(self, body: dict) -> dict:
+        """`request`, its bad input a 400 in the API's error vocabulary (`ApiError`)."""
+        try:
+            return self.request(body)
+        except TranslateError as e:
+            raise ApiError(400, e.message, param=e.param, code="invalid_request") from None
 
     @abstractmethod
     def response(self, chat: dict, client: dict | None = None) -> dict:
