@@ -36,10 +36,10 @@ Policy, between passes:
   passes) runs next, the longest kept first, and its pass then runs to its end (it never pauses
   for a newcomer). So between two passes of an admitted job that may run (not held for room,
   nor waiting for another job's prefix: those are not picked, but the time counts, so they
-  run first once they may) there are at most that much of other jobs' passes plus one pass of each other job
-  (`max_active` - 1 passes): nobody starves. A
-  paused pass's own time does not count as its run: it ages on. Counted in time, a run of cheap
-  decode steps does not age a long prefill as fast as its own expensive slices would;
+  run first once they may) there are at most that much of other jobs' passes plus one pass of
+  each other job (`max_active` - 1 passes): nobody starves. A paused pass's own time does not
+  count as its run: it ages on. Counted in time, a run of cheap decode steps does not age a
+  long prefill as fast as its own expensive slices would;
 - a prefill pass is a slice of about `prefill_slice_ms`: as many tokens as the job's own last
   pass ran in that time (its rate at its depth in the prompt, which falls as the prompt grows;
   the worker's measured prefill rate for its first pass; `prefill_slice` tokens before any is
