@@ -40,8 +40,9 @@ from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.scheduler.loop import drive
 from prefixd.backends.mlx.scheduler.replay import job_record
-from prefixd.backends.mlx.scheduler.schedule import Schedule, Task
+from prefixd.backends.mlx.scheduler.schedule import Schedule
 from prefixd.backends.mlx.scheduler.sizing import kv_bytes_per_token, request_bytes
+from prefixd.backends.mlx.scheduler.slots import Task
 from prefixd.backends.mlx.scheduler.status import Status
 from prefixd.backends.mlx.scheduler.steps import Step
 from prefixd.backends.mlx.settings import WorkerSettings

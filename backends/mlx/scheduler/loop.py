@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from prefixd.backends.mlx.scheduler.jobs import Job, Queued
-from prefixd.backends.mlx.scheduler.schedule import Batched, Schedule, Slot, Task
+from prefixd.backends.mlx.scheduler.schedule import Schedule
+from prefixd.backends.mlx.scheduler.slots import Batched, Slot, Task
 from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished, Paused
 
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from prefixd.backends.mlx.scheduler.jobs import Job
 
 if TYPE_CHECKING:
-    from prefixd.backends.mlx.scheduler.schedule import Slot
+    from prefixd.backends.mlx.scheduler.slots import Slot
 
 PASS_LIMIT = 8  # later jobs admitted before a waiting one that does not fit, at most
 
