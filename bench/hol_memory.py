@@ -218,7 +218,7 @@ def run_config(config: str, model_dir: Path, longs: list[Req], shorts: list[Req]
     finally:
         stop(live)
     logs = args.out / "interactive-logs" / f"{model_dir.name}-{config}-burst"
-    out = {"first_token_s": first, "peak_rss": live.hwm,
+    out = {"first_token_s": first, "peak_rss": live.hwm, "load": os.getloadavg()[0],
            "waited": waited(logs, len(longs) + len(shorts)),
            "requests": [_row(r, solo.get(r.label)) for r in [*longs, *shorts]]}
     s = [r for r in out["requests"] if r["role"] == "short"]
@@ -250,7 +250,7 @@ def summary_table(model: str, rates: dict[str, Any], by_config: dict[str, Any]) 
              f"{mib(rates['short'])}.", "",
              "| server | short TTFT s median / max | short total s median / max | vs alone, "
              "median (TTFT / total) | longs' total s (long1 alone) | worker queue wait max s, "
-             "shorts / longs (log `waited`) | failed |", "|---|---|---|---|---|---|---|"]
+             "shorts / longs (log `waited`) | failed | load, 1 min |", "|---" * 8 + "|"]
     for config, run in by_config.items():
         rows = [r for r in run["requests"] if not r["error"]]
         s, lg = [r for r in rows if r["role"] == "short"], run["requests"][:3]
@@ -265,7 +265,7 @@ def summary_table(model: str, rates: dict[str, Any], by_config: dict[str, Any]) 
         lines.append(
             f"| {config} | {_m(tt)} / {_x(tt)} | {_m(tot)} / {_x(tot)} | {_m(rt, 'x')} / "
             f"{_m(rl, 'x')} | {totals} ({lg[0]['alone']['total']:.1f}) | {q[0]} / {q[1]} "
-            f"({w[0]} / {w[1]}) | {len(run['requests']) - len(rows)} |")
+            f"({w[0]} / {w[1]}) | {len(run['requests']) - len(rows)} | {run['load']:.1f} |")
     return "\n".join(lines)
 
 
