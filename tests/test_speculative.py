@@ -59,6 +59,11 @@ from tests.worker_fixtures import collect, on_and_off, untimed
 
 ALPHABET = [5, 6, 7, 8]
 LOGPROB_TOLERANCE = 1e-4
+# a reply of hundreds of tokens decoded in batched passes: each row's keys and values were
+# computed in passes of other shapes than alone, and the rounding adds up along the reply
+# (measured with Debian's OpenBLAS, as CI runs: up to 2.1e-4 at log-probabilities near -2
+# over 384 tokens, tokens identical; 0 with MLX's bundled BLAS)
+LONG_LOGPROB_TOLERANCE = 5e-4
 
 
 # --- drafting policy (pure) --------------------------------------------------------------------
@@ -693,7 +698,8 @@ async def test_requests_decoding_together_verify_their_drafts_in_one_batched_pas
     assert [t for t, _, _ in together] == [t for t, _, _ in alone]
     for (_, got, _), (_, want, _) in zip(together, alone, strict=True):
         assert len(got) == len(want)
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOGPROB_TOLERANCE
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= \
+            (LONG_LOGPROB_TOLERANCE if tokens > 48 else LOGPROB_TOLERANCE)
     assert info["speculative"]["largest_verify_batch"] >= 2
     assert info["speculative"]["accepted"] > 0
     # recurrent states computed again where needed, not kept per position: only when asked
