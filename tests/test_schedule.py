@@ -621,22 +621,24 @@ def test_a_short_job_is_admitted_beside_a_long_answer_and_not_padded_to_it() -> 
 
 
 def test_a_long_answer_pauses_for_a_short_job_borrowing_its_room() -> None:
-    """A long answer reserved past the budget (alone, as one job always runs): a short job
-    borrows the room it leaves now; the long one is held while its next step would eat into
-    the short one's reservation, and runs again when it ends. A second long answer never
-    borrows in place of the first."""
+    """A long answer reserved past the budget (alone, as one job always runs: the budget is
+    its reservation while it runs): a short job borrows the room it leaves now, even once it
+    holds more than the budget; the long one is held while its next step would eat into the
+    short one's reservation, and runs again when it ends. A second long answer never borrows
+    in place of the first."""
     schedule = Schedule(4, 256, 512, 1000, 1)
     schedule.add(_job([1] * 100, max_tokens=1400))      # 1,500 bytes: alone only
     (long,) = schedule.admit()
-    _started(long, 700)
+    assert long.alone
+    _started(long, 1100)                                # past the budget, within its own
     schedule.add(_job([1] * 100, max_tokens=1400))      # as long: waits
-    schedule.add(_job([1] * 10, max_tokens=200))        # 210 <= 1,000 - 700
+    schedule.add(_job([1] * 10, max_tokens=200))        # 210 <= 1,500 - 1,100
     (short,) = schedule.admit()
     assert short.borrows and len(schedule.waiting) == 1
     _started(short, 10)
     schedule.pick()
-    assert not schedule.waits                           # 700 + 210 + 1 <= 1,000: no hold yet
-    _started(long, 790)                                 # 790 + 210 + 1 > 1,000
+    assert not schedule.waits                           # 1,100 + 210 + 1 <= 1,500: no hold
+    _started(long, 1290)                                # 1,290 + 210 + 1 > 1,500
     for _ in range(3):
         assert schedule.pick() is short and schedule.waits == {long}
         schedule.ran(short)
@@ -651,10 +653,10 @@ def test_nobody_borrows_while_a_held_job_has_aged() -> None:
     has waited its aging limit, newcomers that would fit beside what the others hold wait
     too, so it runs as soon as the borrowers end."""
     schedule = Schedule(4, 256, 512, 1000, 1)
-    schedule.add(_job([1] * 3700))                      # 3,704 bytes: alone only
+    schedule.add(_job([1] * 1000))                      # 1,004 bytes: alone only
     (long,) = schedule.admit()
-    long.task = FakeTask(3000, length=700)              # prefilling, 700 in its live cache
-    schedule.add(_job([1] * 10, max_tokens=150))        # 700 + 160 <= 1,000
+    long.task = FakeTask(300, length=700)               # prefilling, 700 in its live cache
+    schedule.add(_job([1] * 10, max_tokens=150))        # 700 + 160 <= 1,004
     (short,) = schedule.admit()
     _started(short, 10)
     for _ in range(AGE_LIMIT):                          # 700 + 160 + a 256-token slice

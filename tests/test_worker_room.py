@@ -2,9 +2,10 @@
 real worker thread and a tiny qwen3_next under a live-cache budget too small for two long
 answers: short requests sent while a long answer decodes run beside it and end before it does,
 whether the long one takes over half the budget (a decode batch padding a short row to it
-would not fit: the short ones decode in passes of their own) or more than all of it (alone
-only: the short ones borrow the room it leaves now); a second long answer waits; every reply
-equals the one it gives alone."""
+would not fit: the short ones decode in passes of their own), more than all of it (alone
+only: the short ones borrow the room it leaves now), or holds more than the budget already
+with its prompt (the short ones borrow within what it may reach alone); a second long answer
+waits; every reply equals the one it gives alone."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ async def _alone(gen: Generator, tokens: list[int], max_tokens: int) -> str:
     return await _collect(_submit(gen, tokens, max_tokens, "alone"), "alone", [])
 
 
-@pytest.mark.parametrize("share", ["padded", "borrowed"])
+@pytest.mark.parametrize("share", ["padded", "borrowed", "over"])
 async def test_short_requests_run_beside_a_long_answer_under_a_small_budget(
         gen: Generator, share: str) -> None:
     room = _room(gen)
@@ -94,8 +95,10 @@ async def test_short_requests_run_beside_a_long_answer_under_a_small_budget(
     # a short row padded to it, once it is long); borrowed: it takes more than the whole
     # budget (alone only), the short ones fit beside what it holds when they come
     budget = {"padded": long_cost + SHORTS * short_cost + room.bytes(0),
-              "borrowed": room.bytes(LONG + 400) + SHORTS * short_cost}[share]
+              "borrowed": room.bytes(LONG + 400) + SHORTS * short_cost,
+              "over": room.bytes(LONG) // 2}[share]
     assert 2 * long_cost > budget and (share == "padded") == (long_cost < budget)
+    assert (share == "over") == (room.bytes(LONG) > budget)
     _budget(gen, budget)
     longs = [_prompt(1, LONG), _prompt(2, LONG)]
     shorts = [_prompt(10 + i, SHORT) for i in range(SHORTS)]

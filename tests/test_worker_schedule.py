@@ -151,17 +151,19 @@ async def test_a_state_call_runs_between_passes(gen: Generator) -> None:
 
 async def test_a_job_waiting_for_room_is_told_its_place(
         tiny_model_dir: Callable[[str], Path]) -> None:
-    """With no room for a second live cache (active_kv_share tiny), jobs wait to be admitted
-    one after another, each told its place in line as it moves up, before any output."""
+    """With no room for a second live cache (active_kv_share tiny: each job alone passes the
+    budget, and none is short enough to borrow room beside another as long), jobs wait to be
+    admitted one after another, each told its place in line as it moves up, before any
+    output."""
     import asyncio
 
     g = Generator(_settings(3).model_copy(update={"active_kv_share": 1e-12}))
     loaded(g, str(tiny_model_dir("qwen3")))
     try:
-        long, short = _prompts()
+        long, _ = _prompts()
         orders: list[list[str]] = [[], [], []]
-        jobs = [_submit(g, [13, *long], "room"), _submit(g, [13, *short], "room"),
-                _submit(g, [14, *short], "room")]
+        jobs = [_submit(g, [13, *long], "room"), _submit(g, [14, *long], "room"),
+                _submit(g, [15, *long], "room")]
         ends = await asyncio.gather(*(_collect(j, "j", o) for j, o in zip(jobs, orders,
                                                                             strict=True)))
         assert [e.finish_reason for _, e in ends] == ["length"] * 3

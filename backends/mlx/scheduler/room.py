@@ -24,7 +24,11 @@ A job is admitted (besides the count, `max_active`) when:
    borrowers less than their reservations: the long answer pauses for the short one and goes
    on when it ends (its cache kept as it is). No job borrows while a held job has been kept
    waiting `AGE_LIMIT` slices (it runs again as soon as the borrowers end);
-3. or it is alone (one job alone always runs, whatever its reservation).
+3. or it is alone (one job alone always runs, whatever its reservation). A job admitted alone
+   whose reservation passes the budget raises the budget to its reservation while it is under
+   way (`limit`): the memory it may reach alone anyway. So short jobs borrow beside it too (rule
+   2), and it is held while they would take the room back: together they never hold more than
+   it alone could.
 
 So a newcomer waits for memory only while the jobs under way fill the budget by what they
 already hold, or while it is as long as what they still have to write; and admission skips a
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from prefixd.backends.mlx.scheduler.jobs import Job
 
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     from prefixd.backends.mlx.scheduler.slots import Slot
 
 PASS_LIMIT = 8  # later jobs admitted before a waiting one that does not fit, at most
+Admission = Literal["plain", "borrow", "alone"]   # by rule 1, 2 or 3 (the module docstring)
 
 
 @dataclass(frozen=True)
@@ -72,20 +77,26 @@ class Room:
         the others what they hold now."""
         return slot.kv_bytes if slot.borrows else self.now(slot)
 
+    def limit(self, active: Sequence[Slot]) -> int:
+        """The budget, or the reservation of a job admitted alone past it (rule 3)."""
+        return max([self.budget, *(s.kv_bytes for s in active if s.alone)])
+
     def fits(self, job: Job, active: Sequence[Slot], max_active: int,
-             starving: bool = False) -> bool | None:
-        """Whether `job` may be admitted beside `active`: False as it is plain (rule 1, or
-        alone), True if it borrows (rule 2), None if it does not fit. `starving`: a held job
-        has waited its aging limit (nobody borrows)."""
+             starving: bool = False) -> Admission | None:
+        """How `job` may be admitted beside `active` (rule 1, 2 or 3), None if it does not
+        fit. `starving`: a held job has waited its aging limit (nobody borrows)."""
         if len(active) >= max_active:
             return None
         cost = self.cost(job)
-        if not active or sum(s.kv_bytes for s in active) + cost <= self.budget:
-            return False
-        if starving or sum(self.charge(s) for s in active) + cost > self.budget:
+        if not active:
+            return "alone" if cost > self.budget else "plain"
+        limit = self.limit(active)
+        if sum(s.kv_bytes for s in active) + cost <= limit:
+            return "plain"
+        if starving or sum(self.charge(s) for s in active) + cost > limit:
             return None
         ahead = max((s.kv_bytes - self.now(s) for s in active if not s.borrows), default=0)
-        return True if cost < ahead else None
+        return "borrow" if cost < ahead else None
 
     def held(self, active: Sequence[Slot], growth: Callable[[Slot], int]) -> set[Slot]:
         """The jobs whose next pass waits for room: with a borrower under way, every job that
@@ -94,9 +105,9 @@ class Room:
         reservations."""
         if not any(s.borrows for s in active):
             return set()
-        charged = sum(self.charge(s) for s in active)
+        charged, limit = sum(self.charge(s) for s in active), self.limit(active)
         return {s for s in active if not s.borrows and not s.job.cancelled
-                and charged + growth(s) > self.budget}
+                and charged + growth(s) > limit}
 
     def batch_rows(self, rows: Sequence[Slot], active: Sequence[Slot]) -> list[Slot]:
         """Of the decoding `rows`, those whose decode steps share a pass: the most of the
@@ -107,8 +118,9 @@ class Room:
         ordered = sorted(rows, key=now.__getitem__)
         charged = [self.charge(s) for s in ordered]
         total = sum(self.charge(s) for s in active if s not in now) + sum(charged)
+        limit = self.limit(active)
         for k in range(len(ordered), 1, -1):     # the most first: all of them, usually
             padded = now[ordered[k - 1]]
-            if total + sum(max(c, padded) - c for c in charged[:k]) <= self.budget:
+            if total + sum(max(c, padded) - c for c in charged[:k]) <= limit:
                 return [s for s in rows if now[s] <= padded][:k]   # in their order
         return ordered[:1]

@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 
 from prefixd.backends.mlx.cache.placement import common_prefix
 from prefixd.backends.mlx.scheduler.jobs import Job
-from prefixd.backends.mlx.scheduler.room import PASS_LIMIT, Room
+from prefixd.backends.mlx.scheduler.room import PASS_LIMIT, Admission, Room
 from prefixd.backends.mlx.scheduler.slots import Slot
 
 SHARE_MIN = 256  # tokens of a prefix being computed worth waiting for instead of computing it
@@ -128,9 +128,9 @@ class Schedule:
             return s.kept >= AGE_LIMIT * self.slice_ms / 1000
         return s.skipped >= AGE_LIMIT
 
-    def _fits(self, job: Job, active: Sequence[Slot]) -> bool | None:
-        """Room for `job` beside `active` (`room.Room.fits`): False plain, True borrowing,
-        None none."""
+    def _fits(self, job: Job, active: Sequence[Slot]) -> Admission | None:
+        """Room for `job` beside `active` (`room.Room.fits`: how it is admitted; None: it
+        does not fit)."""
         return self.room.fits(job, active, self.max_active,
                               any(self._aged(s) for s in self.waits))
 
@@ -143,15 +143,16 @@ class Schedule:
             if len(self.active) >= self.max_active or \
                     any(self._passed.get(j, 0) >= PASS_LIMIT for j in skipped):
                 break
-            borrows = self._fits(job, self.active)
-            if borrows is None:
+            how = self._fits(job, self.active)
+            if how is None:
                 skipped.append(job)
                 continue
             self.waiting.remove(job)
             self._passed.pop(job, None)
             for j in skipped:
                 self._passed[j] = self._passed.get(j, 0) + 1
-            slot = Slot(job, self.room.cost(job), borrows, cached=self._estimate(job))
+            slot = Slot(job, self.room.cost(job), how == "borrow", how == "alone",
+                        cached=self._estimate(job))
             self.active.append(slot)
             out.append(slot)
         return out
@@ -266,10 +267,11 @@ class Schedule:
         for job in [*self.waiting, *arrived]:
             if job.cancelled:
                 continue
-            borrows = self._fits(job, active)
-            if borrows is None:
+            how = self._fits(job, active)
+            if how is None:
                 return False
-            newcomer = Slot(job, self.room.cost(job), borrows, cached=self._estimate(job))
+            newcomer = Slot(job, self.room.cost(job), how == "borrow", how == "alone",
+                            cached=self._estimate(job))
             if self._rank(newcomer)[0] < mine:
                 return True
             active.append(newcomer)

@@ -51,6 +51,7 @@ class Slot:
     job: Job
     kv_bytes: int
     borrows: bool = False   # admitted on the room the others leave now (`room.py`)
+    alone: bool = False     # admitted alone past the budget: the budget is its while it runs
     task: Task | None = None
     last: int = 0      # the tick of its last pass
     skipped: int = 0   # other jobs' passes since its last
