@@ -547,14 +547,15 @@ def test_backends_are_named_by_ip_and_port() -> None:
 
 
 def test_an_endpoint_at_another_address_is_another_server() -> None:
-    from prefixd.proxy.routing.core import Endpoint, RoutingCore
+    from prefixd.proxy.routing.core import Endpoint, Reported, RoutingCore
     from prefixd.proxy.routing.index import Boundary, Chain
     from prefixd.proxy.routing.policy import Balance
 
     core = RoutingCore(Balance())
     core.update([Endpoint("a", ("m",), address="10.0.0.1:80")])
     chain = Chain([Boundary("k1", 100), Boundary("k2", 200)], 2)
-    core.outcome(core.view("m", None, chain), core.ranked(core.view("m", None, chain))[0])
+    core.outcome(core.view("m", None, chain), core.ranked(core.view("m", None, chain))[0],
+                 Reported(prompt=200))
     assert core.view("m", None, chain).held["a"][0] == 200
     core.update([Endpoint("a", ("m",), address="10.0.0.1:80", load=3)])    # only busier
     assert core.view("m", None, chain).held["a"][0] == 200

@@ -8,6 +8,7 @@ old and new text of a span that actually changed, widened to whole lines, so bro
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 
@@ -184,8 +185,15 @@ _MAYBE_VOLATILE = re.compile(r"\d|_|(?i:date|today|director|cwd|x-anthropic-bill
 
 def strip_volatile_lines(text: str) -> str:
     """`text` without lines carrying volatile values; used for content fingerprints."""
+    return _strip_head(text[:8192])
+
+
+@functools.lru_cache(maxsize=128)
+def _strip_head(text: str) -> str:
+    """Each turn of a conversation sends the same system prompt and first user message: their
+    fingerprints are made once (at most 8 KiB each, 128 kept)."""
     keep = []
-    for line in text[:8192].splitlines():
+    for line in text.splitlines():
         if _MAYBE_VOLATILE.search(line) is not None and \
                 any(VOLATILE[n].search(line) for n in _LINE_LABELS):
             continue
