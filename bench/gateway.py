@@ -68,7 +68,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 from envoy_fixtures import STAND_IN_HOSTS, Envoy, StandIn, envoy_binary, free_port, render  # noqa: E402,I001
 from routing import OUT, SYSTEM, Req, StreamFailed, Upstreams, ideal_computed  # noqa: E402
 from routing import read_stream, start_replicas, start_upstreams, start_workers  # noqa: E402
-from routing import WORKER_OPTS, tokens_of, user_turn  # noqa: E402
+from routing import tokens_of, user_turn  # noqa: E402
 
 CANON = {"PREFIXD_CANON_RELOCATE_CLOCK_TIME": "on", "PREFIXD_CANON_FREEZE_DATE": "on"}
 CLOCK = dt.datetime(2026, 11, 30, 14, 5)
@@ -617,9 +617,6 @@ def tables(rows: list[dict], lat: dict | None, mem: dict | None) -> str:
 
 async def main(args: argparse.Namespace) -> int:
     skip = set(args.skip.split(","))
-    # remote prefixd workers move prefix state only when their owner gives them one secret
-    # (routing.py's workers have none: `prefixd serve` could not copy between them)
-    WORKER_OPTS.prefixd_env["PREFIXD_TRANSFER_SECRET"] = os.urandom(16).hex()
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     for setup in (s for s in args.setups.split(";") if s):

@@ -36,6 +36,7 @@ import collections
 import contextlib
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
@@ -162,8 +163,11 @@ class Upstreams:
 WORKER_ARCH = "qwen3_next"
 
 
-WORKER_OPTS = argparse.Namespace(out=OUT, prefixd_env={"PREFIXD_LOG_LEVEL": "WARNING"},
-                                 kv_bits=None)
+# the workers share one transfer secret (prefix states move only between workers that hold
+# the same one: the "prefixd + transfers" rows), a new one per run
+WORKER_OPTS = argparse.Namespace(out=OUT, prefixd_env={
+    "PREFIXD_LOG_LEVEL": "WARNING", "PREFIXD_TRANSFER_SECRET": os.urandom(16).hex()},
+    kv_bits=None)
 
 
 async def start_workers(n: int) -> Upstreams:
