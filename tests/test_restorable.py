@@ -140,3 +140,33 @@ def test_a_digest_drops_what_an_earlier_record_claimed() -> None:
                restorable=Restorable((150, 200)), slack=16)
     assert idx.longest(Chain(BOUNDS[:2], 1), now=1.0)["a"] == (0, False)
     assert idx.longest(Chain(BOUNDS, 1), now=1.0)["a"] == (200, True)
+
+
+def test_an_estimated_boundary_is_credited_no_further_than_the_workers_message_mark() -> None:
+    """The gateway bench's misprediction: a ~1,900-token system prompt of rules, then turns of
+    code; scaled by the whole prompt's tokens per character, the system prompt's boundary is
+    estimated at 1,980 tokens where it ends at 1,916, and the worker's checkpoint of a later
+    turn at 1,980 was credited to every conversation sharing the system prompt. With the
+    worker's message marks (`boundaries` in its digest) it is credited 1,916; without them
+    (an older worker) as before."""
+    positions = tuple(range(71, 1916, 64)) + (1916, 1980, 2044, 3679)
+    chain = Chain([Boundary("system", 884), Boundary("turn 5", 1609)], 1)
+    other = Chain([Boundary("system", 884), Boundary("other", 995)], 1)
+    for marks, system in (((1916, 3679), 1916), ((), 1980)):
+        idx = PrefixIndex()
+        idx.record("b0", chain, 0.0, 3679, Restorable(positions, 0, marks), 16)
+        assert idx.longest(other, 0.0)["b0"] == (system, True)
+        assert idx.longest(chain, 0.0)["b0"] == (3679, True)      # the exact end: as it was
+    digest = Restorable.from_digest({"restorable": {"positions": list(positions),
+                                                    "prefix_to": 0, "boundaries": [1916, 3679]}})
+    assert digest is not None and digest.boundaries == (1916, 3679)
+
+
+def test_the_digest_names_the_message_marks_not_the_interval_marks() -> None:
+    store = CheckpointStore(10_000)
+    entry = store.begin(T[:195])
+    for pos, interval in ((40, False), (104, True), (168, True), (190, False)):
+        store.add_checkpoint(entry, pos, f"ckpt{pos}", 1, interval=interval)
+    store.finish(entry, T[:200], "kv", 10, False, _end)
+    d = restorable(store, store.latest)
+    assert d["positions"] == [40, 104, 168, 190, 200] and d["boundaries"] == [40, 190]

@@ -30,6 +30,7 @@ from prefixd.api.values import count
 from prefixd.proxy.prefix.segments import Segment
 
 MAX_DIGEST = 1024         # positions read of a worker's restorable digest (a worker sends 64)
+NEAR = 0.1                # an estimated boundary lies within this share of the true one
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,7 @@ class Restorable:
 
     positions: tuple[int, ...]
     prefix_to: int = 0
+    boundaries: tuple[int, ...] = ()   # where its messages start or end (a newer worker's)
 
     @classmethod
     def from_digest(cls, worker: Mapping[str, Any] | None) -> Restorable | None:
@@ -94,15 +96,28 @@ class Restorable:
         prefix_to = count(digest.get("prefix_to", 0))
         if prefix_to is None or any(c is None for c in counts):
             return None
-        return cls(tuple(sorted(c for c in counts if c)), prefix_to)
+        marks = digest.get("boundaries", [])
+        marks = [count(m) for m in marks] if isinstance(marks, list) and \
+            len(marks) <= MAX_DIGEST else []
+        return cls(tuple(sorted(c for c in counts if c)), prefix_to,
+                   tuple(sorted(m for m in marks if m)))
 
-    def at(self, tokens: int, slack: int) -> int:
-        """The tokens restorable for a boundary estimated at `tokens`: all of them up to
-        `prefix_to`, else the largest position at or below `tokens + slack` (estimates are off
-        by a few tokens, e.g. a re-rendered tail), else `prefix_to`; 0: nothing."""
+    def at(self, tokens: int, slack: int, estimated: bool = False) -> int:
+        """The tokens restorable for a boundary at `tokens`: all of them up to `prefix_to`,
+        else the largest position at or below `tokens + slack` (a few tokens off, e.g. a
+        re-rendered tail), else `prefix_to`; 0: nothing. `estimated`: the count is an estimate
+        (not the prompt's reported end), which lies past the true boundary where that part of
+        the prompt tokenizes more sparsely than the whole; a message mark of the worker's
+        within `NEAR` below it is where the boundary really is, and nothing past it is
+        credited (a checkpoint of the turns after a shared system prompt is not the system
+        prompt's)."""
         if tokens <= self.prefix_to:
             return tokens
-        i = bisect_right(self.positions, tokens + slack)
+        top = tokens + slack
+        if estimated:
+            marks = [m for m in self.boundaries if tokens * (1 - NEAR) <= m <= top]
+            top = max(marks, default=top)
+        i = bisect_right(self.positions, top)
         return max(self.positions[i - 1] if i else 0, self.prefix_to)
 
 
@@ -131,13 +146,12 @@ class PrefixIndex:
         prompt's size, corrects the estimates (the last boundary is exact)."""
         table = self._by_backend.setdefault(backend, OrderedDict())
         bounds = chain.bounds
-        scale = 1.0
-        if exact_tokens is not None and exact_tokens > 0 and bounds and bounds[-1].tokens > 0:
-            scale = exact_tokens / bounds[-1].tokens
-        for b in bounds:
+        exact = bool(exact_tokens) and bool(bounds) and bounds[-1].tokens > 0
+        scale = exact_tokens / bounds[-1].tokens if exact and exact_tokens else 1.0
+        for i, b in enumerate(bounds):
             tokens = round(b.tokens * scale)
             if restorable is not None:
-                tokens = restorable.at(tokens, slack)
+                tokens = restorable.at(tokens, slack, not (exact and i == len(bounds) - 1))
                 if tokens <= 0:
                     table.pop(b.key, None)
                     continue

@@ -13,8 +13,10 @@ store's own rules (`CheckpointStore.lookup`):
   one above the shared prefix serves the shared prefix itself.
 
 The digest: `positions` (ascending token counts; the `MAX_POSITIONS` highest), `prefix_to`
-(every prefix up to it restores too: a trimmable state) and `any_prefix` (`prefix_to` reaches the
-highest position: a pure-KV model, whose positions are then just the stored length).
+(every prefix up to it restores too: a trimmable state), `any_prefix` (`prefix_to` reaches the
+highest position: a pure-KV model, whose positions are then just the stored length) and
+`boundaries` (the positions of its message marks, its checkpoints at message starts and ends
+rather than inside a message: where a proxy's estimated boundary most likely really is).
 
 RAM only. The disk tier (when on) is written from these same RAM entries and checkpoints (after
 the write delay, or when the RAM budget evicts them), so it will hold these positions and
@@ -75,8 +77,13 @@ def restorable(store: CheckpointStore, entry: Entry | None) -> dict[str, Any]:
                 points += _points(e, tokens, common_prefix(e.tokens, tokens))
     prefix_to = max((p for p, trims in points if trims), default=0)
     positions = sorted({p for p, _ in points if p > 0})[-MAX_POSITIONS:]
+    # where the request's messages start or end (its checkpoints there, not its in-message
+    # interval marks): what a proxy's boundary estimate is snapped to
+    marks = sorted(p for p, c in entry.checkpoints.items() if not c.interval) \
+        if entry is not None else []
     return {"positions": positions, "prefix_to": prefix_to,
-            "any_prefix": bool(positions) and prefix_to >= positions[-1]}
+            "any_prefix": bool(positions) and prefix_to >= positions[-1],
+            "boundaries": marks[-MAX_POSITIONS:]}
 
 
 def digest(store: CheckpointStore, entry: Entry | None) -> dict[str, Any] | None:
