@@ -149,7 +149,7 @@ def test_an_estimated_boundary_is_credited_no_further_than_the_workers_message_m
     turn at 1,980 was credited to every conversation sharing the system prompt. With the
     worker's message marks (`boundaries` in its digest) it is credited 1,916; without them
     (an older worker) as before."""
-    positions = tuple(range(71, 1916, 64)) + (1916, 1980, 2044, 3679)
+    positions = (*range(71, 1916, 64), 1916, 1980, 2044, 3679)
     chain = Chain([Boundary("system", 884), Boundary("turn 5", 1609)], 1)
     other = Chain([Boundary("system", 884), Boundary("other", 995)], 1)
     for marks, system in (((1916, 3679), 1916), ((), 1980)):
