@@ -157,11 +157,17 @@ async def test_fail_open_serves_while_the_picker_is_gone_and_picks_again_once_ba
     envoy = await start_envoy(picker, pool, fail_open=True)
     assert SERVED_TEST in (await post(envoy, chat()))[1]
     await pickers.stop(picker)
-    # The request that finds the picker gone has sent it its body: Envoy fails it (500), and
-    # takes the picker out of its cluster (outlier detection); the next is served without it.
-    first, (status, headers, _) = (await post(envoy, chat()))[0], await post(envoy, chat())
-    assert first in (200, 500)
-    assert status == 200 and SERVED_TEST not in headers
+    # A request that finds the picker gone has sent it its body: Envoy fails it (500), and
+    # takes the picker out of its cluster (outlier detection, after one refused connection or
+    # two: the one under way may be reset first); the next ones are served without it.
+    statuses: list[int] = []
+    for _ in range(5):
+        status, headers, _ = await post(envoy, chat())
+        statuses.append(status)
+        if status == 200:
+            break
+    assert status == 200 and SERVED_TEST not in headers, statuses
+    assert set(statuses[:-1]) <= {500} and len(statuses) <= 3, statuses
     await pickers.start(pool, port=int(picker.rsplit(":", 1)[1]))
     await until_picked(envoy)
 
