@@ -23,6 +23,7 @@ from prefixd.proxy.exchange import ClientApi
 from prefixd.proxy.prefix.tracker import PrefixTracker, Prepared
 from prefixd.proxy.routing.core import RouteView, RoutingCore
 from prefixd.proxy.routing.index import boundaries
+from prefixd.proxy.sse import loads
 
 MAX_SCAN = 16 * 2**20   # bytes of a non-streamed answer read for its usage, at most
 
@@ -145,7 +146,7 @@ def _without_usage(event: bytes) -> bytes:
     data = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
     if len(data) != 1:
         return event
-    obj = _loads(lines[data[0]][5:].strip())
+    obj = loads(lines[data[0]][5:].strip())
     if not isinstance(obj, dict) or "usage" not in obj:
         return event
     if not obj.get("choices"):
@@ -188,11 +189,11 @@ class UsageScan:
             data = b"".join(line[5:].lstrip() for line in event.split(b"\n")
                             if line.startswith(b"data:"))
             if data and data != b"[DONE]":
-                self._merge(_loads(data))
+                self._merge(loads(data))
 
     def end(self) -> Usage | None:
         if not self.sse and not self._too_big:
-            self._merge(_loads(bytes(self._buf)))
+            self._merge(loads(bytes(self._buf)))
         else:
             self.feed(b"\n\n")
         return self.usage
@@ -205,10 +206,3 @@ class UsageScan:
         self.usage = Usage(new.prompt or old.prompt, new.completion or old.completion,
                            new.cached if new.cached is not None else old.cached,
                            new.worker or old.worker)
-
-
-def _loads(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError):
-        return None
