@@ -68,6 +68,16 @@ class BackendConfig(BaseModel):
     parallel: Parallel = Field(
         "auto", description="mlx (with hosts): how the model is split across them. Unset: "
         "PREFIXD_PARALLEL")
+    kv_events: str | None = Field(
+        None, description="the backend's KV event stream in vLLM's format (ZMQ), which the "
+        "router follows to learn what it holds: mlx, the endpoint its worker publishes on "
+        "(e.g. tcp://127.0.0.1:5557, bound by the worker); openai/prefixd, the endpoint a "
+        "remote server (a prefixd worker, vLLM, SGLang) publishes on (docs/KV_EVENTS.md)")
+    kv_events_replay: str | None = Field(
+        None, description="the stream's replay endpoint (vLLM's ZMQ ROUTER), asked for "
+        "batches a gap lost; mlx: its worker binds it")
+    kv_events_topic: str = Field("", description="the topic prefix to subscribe to (all: "
+                                 "empty)")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")
 

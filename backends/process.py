@@ -48,6 +48,8 @@ CommandBuilder = Callable[[int], list[str]]
 # A worker's group is its backend's (`config.with_group` settled it), never copied from the
 # proxy's own settings: a managed worker gets these from its BackendConfig only.
 GROUP_FIELDS = frozenset({"group_hosts", "parallel"})
+# One stream per worker: a backend's own `kv_events` / `kv_events_replay`, never the proxy's
+PER_BACKEND = frozenset({"kv_events", "kv_events_replay", "kv_events_topic"})
 
 
 def worker_command(model: str, port: int, served_name: str | None = None) -> list[str]:
@@ -91,7 +93,7 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
            if not k.startswith("PREFIXD_")}
     for field in worker_fields():
         value = getattr(settings, field)
-        if value is not None and field not in GROUP_FIELDS:
+        if value is not None and field not in GROUP_FIELDS | PER_BACKEND:
             env[f"PREFIXD_{field.upper()}"] = _env_value(value)
     cache = config.cache_bytes if config.cache_bytes is not None else cache_bytes
     if cache is not None:
@@ -101,6 +103,10 @@ def worker_env(config: BackendConfig, settings: WorkerSettings,
     if len(config.hosts) > 1:           # a group worker: it starts and stops its ranks
         env["PREFIXD_GROUP_HOSTS"] = json.dumps(config.hosts)     # the backend's (`with_group`)
         env["PREFIXD_PARALLEL"] = config.parallel
+    if config.kv_events:                # the worker binds it (a local address: docs/KV_EVENTS.md)
+        env["PREFIXD_KV_EVENTS"] = config.kv_events
+        if config.kv_events_replay:
+            env["PREFIXD_KV_EVENTS_REPLAY"] = config.kv_events_replay
     if settings.transfer_secret is None:
         env[TRANSFER_SECRET_ENV] = run_transfer_secret()
     env = _with_blas(settings.use_system_blas, env)

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "api": set(),
     "metrics": set(),
-    "backends": {"api", "metrics"},
-    "proxy": {"api", "backends", "metrics"},
+    "kvevents": set(),
+    "backends": {"api", "kvevents", "metrics"},
+    "proxy": {"api", "backends", "kvevents", "metrics"},
 }
 
 
@@ -46,9 +47,10 @@ ROOMS = {
     "group": set(),
     "model": set(),
     "disk": {"cache"},
+    "events": {"cache", "disk"},
     "grammar": {"chat"},
     "engine": {"cache", "chat", "disk", "group", "model"},
-    "scheduler": {"cache", "chat", "engine", "grammar", "group", "model"},
+    "scheduler": {"cache", "chat", "engine", "events", "grammar", "group", "model"},
     "server": {"cache", "chat", "engine", "grammar", "model", "scheduler"},
 }
 WORKER = ROOT / "backends" / "mlx"

@@ -135,6 +135,7 @@ async def _serve(args: argparse.Namespace, settings: WorkerSettings, generator: 
         log.error("worker: cannot listen on %s: %s", site.name, e)
         await runner.cleanup()
         return 2, True
+    generator.kv_topic = settings.kv_events_topic or f"kv@{args.host}:{args.port}@{name}"
     log.info("worker: listening on %s; loading %s; %s", site.name, spec,
              "imports prefix states signed with its transfer secret" if settings.transfer_secret
              else "no transfer secret (PREFIXD_TRANSFER_SECRET): imports no prefix states")

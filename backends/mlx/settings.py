@@ -207,6 +207,25 @@ class WorkerSettings(BaseSettings):
         "its own, and none without one. The proxy gives the workers it starts this value, or "
         "one it generates per run when unset; give a remote `prefixd worker` the value of the "
         "workers it exchanges states with (at least 16 characters).")
+    kv_events: str | None = Field(
+        None, description="Worker: publish KV events in vLLM's format on this ZMQ endpoint "
+        "(e.g. tcp://*:5557): blocks as they become restorable, in RAM (medium GPU) and on "
+        "disk (DISK), removed when they stop being; on hybrid models only where a "
+        "checkpoint restores the whole state (docs/KV_EVENTS.md). Bound when its host is *, "
+        "this machine's or ipc://, else connected to. A managed backend's `kv_events` sets "
+        "it. Unset: no events.")
+    kv_events_replay: str | None = Field(
+        None, description="Worker: the replay endpoint (ZMQ ROUTER, bound) of the KV event "
+        "stream, e.g. tcp://*:5558: a subscriber that missed batches asks for them from a "
+        "sequence number (vLLM's replay). Unset: no replay.")
+    kv_events_topic: str | None = Field(
+        None, description="Worker: the KV event stream's topic. Unset: "
+        "`kv@<host>:<port>@<served model>`, the form llm-d reads the pod and model from.")
+    kv_events_encoding: Literal["map", "array"] = Field(
+        "map", description="Worker: how KV events are encoded: maps with a `type` key, what "
+        "vLLM emits since 2026-06 (PR #42892), or the positional arrays of vLLM before it.")
+    kv_events_buffer: int = Field(10_000, ge=1, description="Worker: KV event batches kept "
+                                  "for replay.")
 
 
 def worker_fields() -> list[str]:

@@ -85,6 +85,7 @@ class CheckpointStore:
         self.evicted_entries = 0
         self.evicted_checkpoints = 0
         self.rejected = 0
+        self.version = 0       # bumped by every change of what is stored (KV event publishing)
         # The last request's entry, even once dropped (its tokens then; `engine/restorable.py`)
         self.latest: Entry | None = None
         # Told what leaves the store: (entry, why: merged | discarded | rejected | evicted),
@@ -163,6 +164,7 @@ class CheckpointStore:
             return False
         entry.checkpoints[pos] = Checkpoint(pos, payload, nbytes, interval, trimmable)
         self.bytes_used += nbytes
+        self.version += 1
         return True
 
     def finish(self, entry: Entry, tokens: Sequence[int], payload: Any, nbytes: int,
@@ -191,6 +193,7 @@ class CheckpointStore:
             return False
         entry.payload, entry.nbytes = payload, nbytes
         self.bytes_used += nbytes
+        self.version += 1
         return True
 
     def discard(self, entry: Entry) -> None:
@@ -203,6 +206,7 @@ class CheckpointStore:
         # a checkpoint at entry's very end would duplicate entry's own end state: keep it
         for pos in [p for p in other.checkpoints if p <= lcp and p < len(entry.tokens)]:
             ckpt = other.checkpoints.pop(pos)
+            self.version += 1
             if pos in entry.checkpoints:
                 self.bytes_used -= ckpt.nbytes
             else:
@@ -290,9 +294,11 @@ class CheckpointStore:
 
     def _drop_checkpoint(self, entry: Entry, pos: int) -> None:
         self.bytes_used -= entry.checkpoints.pop(pos).nbytes
+        self.version += 1
 
     def _remove(self, entry: Entry, why: str) -> None:
         self.entries.remove(entry)
+        self.version += 1
         self.bytes_used -= entry.nbytes + sum(c.nbytes for c in entry.checkpoints.values())
         self.on_remove(entry, why)
         if why in ("rejected", "discarded"):  # never stored: `latest` keeps no snapshots alive

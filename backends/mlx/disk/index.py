@@ -59,6 +59,7 @@ class DiskTier:
         self.counters = collections.Counter[str]()   # written_bytes, evicted, rejected, ...
         self.skipped = collections.Counter[str]()    # files never loaded, by reason
         self._pinned: collections.Counter[str] = collections.Counter()
+        self.version = 0      # bumped by every record added or dropped (KV event publishing)
         self.lock = threading.Lock()             # the index, and the writer's queue
         for sub in ("", "blocks", "records"):      # real directories (a link is removed)
             diskfs.claim_dir(root / sub, self.skipped)
@@ -226,6 +227,7 @@ class DiskTier:
         for key in self._keys(rec):
             self._by_key.setdefault(key, {})[rec.rid] = rec
         self.bytes_used += rec.nbytes
+        self.version += 1
         for b in rec.blocks:
             self.blocks[b].refs += 1
 
@@ -239,6 +241,7 @@ class DiskTier:
         return list(r.blocks[:whole]) if r.trimmable else [r.blocks[whole - 1]]
 
     def _unindex(self, r: Record) -> None:
+        self.version += 1
         for key in self._keys(r):
             bucket = self._by_key.get(key)
             if bucket is not None:

@@ -32,6 +32,8 @@ from typing import Any, cast
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.loading import Loaded, load
+from prefixd.backends.mlx.events.announcer import Announcer
+from prefixd.backends.mlx.events.announcer import start as start_announcer
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
 from prefixd.backends.mlx.group.leader import Leader
 from prefixd.backends.mlx.group.lockstep import Lockstep
@@ -67,6 +69,8 @@ class Generator:
         self._driving = False            # a `_drive` loop is queued or running
         self._ticker: asyncio.Task[None] | None = None
         self._ids = 0
+        self.kv_topic = ""                    # the KV event stream's topic (set before load)
+        self.announcer: Announcer | None = None   # with PREFIXD_KV_EVENTS
 
     @property
     def grouped(self) -> bool:
@@ -88,6 +92,9 @@ class Generator:
             self.lockstep = Leader(self.settings.group_hosts, ["--model", spec],
                                    self.settings.group_watchdog_s)
         self.loaded = load(self.settings, spec, self.lockstep)
+        if self.settings.kv_events:
+            self.announcer = start_announcer(self.settings, self.loaded.engine, spec,
+                                             self.kv_topic)
         self.lockstep.arm()
         self.status.refresh(self.loaded.engine)
         # a group's Engine ran its reference pass on every rank; one process's runs it now
@@ -160,6 +167,7 @@ class Generator:
                 return fn(engine)
             finally:
                 self.status.refresh(engine)
+                self._observe()
 
         between: Future[Any] = Future()
         with self._lock:           # a loop under way runs it between two passes
@@ -201,8 +209,17 @@ class Generator:
                         request_bytes(leaves, engine.logits_bytes, width,
                                       bool(engine.spec and engine.spec.leaves)))
         batched = s.batch_decode and not engine.unbatchable
+        def report(schedule: Schedule) -> None:
+            self.status.scheduled(schedule)
+            self._observe()
+
         drive(plan, self._take, self._start, self._end, self._arrived,
-              self._batch if batched else None, self.status.scheduled)
+              self._batch if batched else None, report)
+
+    def _observe(self) -> None:
+        """Between two passes: the KV event stream learns of a change of the RAM store."""
+        if self.announcer is not None and self.loaded is not None:
+            self.announcer.observe(self.loaded.engine.store)
 
     def _batch(self, tasks: list[Task], stops: list[bool]) -> list[Step]:
         """Decode steps of several jobs in one pass (`active.step_batch`)."""
@@ -251,6 +268,7 @@ class Generator:
             except Exception:
                 log.exception("worker: submitting disk writes failed")
             self.status.refresh(self.loaded.engine)
+            self._observe()
         job.emit(result)
 
     async def drain(self, timeout: float) -> bool:
@@ -269,6 +287,8 @@ class Generator:
         self.lockstep.close()
         if self._ticker is not None:
             self._ticker.cancel()
+        if self.announcer is not None:   # the model goes: AllBlocksCleared
+            self.announcer.close()
         if self.loaded is not None:  # stop the disk writer without waiting (persist waits)
             self._executor.submit(self.loaded.engine.close, 0.0)
         self._executor.shutdown(wait=False)

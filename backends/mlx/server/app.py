@@ -217,7 +217,9 @@ async def _cache(request: web.Request) -> web.Response:
         "hosts": generator.settings.group_hosts, "parallel": loaded.parallel,
         "ranks": [{"rank": 0, "host": generator.settings.group_hosts[0], "pid": os.getpid(),
                    "memory": memory_info(status.memory)}, *generator.lockstep.ranks()]}
+    events = generator.announcer.info() if generator.announcer is not None else None
     return web.json_response({**status.cache_info, "disk": loaded.engine.tiers.info(),
+                              "kv_events": events,
                               "worker": dict(status.stats), "group": group,
                               "memory": memory_info(status.memory)})
 

@@ -1,0 +1,164 @@
+"""The subscriber's side, pure: what one model server announced, token by token.
+
+Each `BlockStored` block is placed on its parent (the event's `parent_block_hash`, a block
+announced before; None: a prompt's start) and its prefix is rebuilt from the token ids, so a
+prompt's own token ids find every announced prefix of it (`held`): nothing about the
+publisher's hash function or block size is assumed, as llm-d rebuilds its keys. A block whose
+parent was never seen cannot be placed (counted `unplaced`, dropped).
+
+Honest by construction:
+- a block removed from every medium takes the blocks placed below it along (a KV block after
+  a missing one is useless to vLLM; prefixd's publisher re-announces what still restores);
+- a publisher that splits its cache into groups (vLLM's hybrid models: full attention,
+  Mamba, sliding window, each with `group_idx`) is credited, for a prompt, the least any
+  group holds of it: a prefix counts when every part of the model state holds it, not when
+  the attention KV alone does (Dynamo drops the non-attention groups; SGLang publishes only
+  attention blocks);
+- a prompt is credited at most its length minus one (the last token is always computed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefixd.kvevents.prefix import CHUNK, Path, next_key, seed_key, token_bytes
+from prefixd.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+DEFAULT_MEDIUM = "GPU"      # vLLM's MEDIUM_GPU: what an event without `medium` means
+_SEED = seed_key("prefixd-subscriber")
+_CHUNK_BYTES = 4 * CHUNK
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    group: int | None
+    block: int
+    pos: int
+    key: bytes              # the key of its prefix's whole chunks
+    tail: bytes             # its tokens past them
+    parent: _Node | None
+    media: set[str] = field(default_factory=set)
+    children: list[_Node] = field(default_factory=list)
+
+
+class Held:
+    """One server's announced blocks, by group."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple[int | None, int], _Node] = {}
+        self._by_key: dict[tuple[int | None, bytes], list[_Node]] = {}
+        self.groups: set[int | None] = set()
+        self.counts: Counter[str] = Counter()     # stored, removed, unplaced, malformed, cleared
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, BlockStored):
+            self._stored(event)
+        elif isinstance(event, BlockRemoved):
+            medium = event.medium or DEFAULT_MEDIUM
+            for h in event.block_hashes:
+                node = self._nodes.get((event.group_idx, h))
+                if node is not None:
+                    node.media.discard(medium)
+                    if not node.media:
+                        self._drop(node)
+                    self.counts["removed"] += 1
+        elif isinstance(event, AllBlocksCleared):
+            self.clear()
+            self.counts["cleared"] += 1
+
+    def clear(self) -> None:
+        self._nodes.clear()
+        self._by_key.clear()
+        self.groups.clear()
+
+    def _stored(self, e: BlockStored) -> None:
+        group, medium = e.group_idx, e.medium or DEFAULT_MEDIUM
+        n = len(e.block_hashes)
+        if n == 0 or e.block_size <= 0 or len(e.token_ids) != n * e.block_size:
+            self.counts["malformed"] += 1
+            return
+        parent: _Node | None = None
+        if e.parent_block_hash is not None:
+            parent = self._nodes.get((group, e.parent_block_hash))
+            if parent is None:
+                self.counts["unplaced"] += n
+                return
+        self.groups.add(group)
+        key, tail, pos = (parent.key, parent.tail, parent.pos) if parent else (_SEED, b"", 0)
+        raw = token_bytes(e.token_ids)
+        span = 4 * e.block_size
+        for i, h in enumerate(e.block_hashes):
+            data = tail + raw[i * span:(i + 1) * span]
+            whole = len(data) // _CHUNK_BYTES
+            for c in range(whole):
+                key = next_key(key, data[c * _CHUNK_BYTES:(c + 1) * _CHUNK_BYTES])
+            tail, pos = data[whole * _CHUNK_BYTES:], pos + e.block_size
+            node = self._nodes.get((group, h))
+            if node is None:
+                node = _Node(group, h, pos, key, tail, parent)
+                self._nodes[(group, h)] = node
+                self._by_key.setdefault((group, key), []).append(node)
+                if parent is not None:
+                    parent.children.append(node)
+            node.media.add(medium)
+            self.counts["stored"] += 1
+            parent = node
+
+    def _drop(self, node: _Node) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if self._nodes.pop((n.group, n.block), None) is None:
+                continue
+            bucket = self._by_key.get((n.group, n.key))
+            if bucket is not None:
+                bucket.remove(n)
+                if not bucket:
+                    del self._by_key[(n.group, n.key)]
+            stack.extend(n.children)
+        if node.parent is not None and node in node.parent.children:
+            node.parent.children.remove(node)
+
+    def held(self, prompt: Sequence[int], path: Path | None = None) -> int:
+        """The tokens of `prompt` this server holds: per group, the furthest announced
+        position on its path (at most `len(prompt) - 1`); the least of the groups."""
+        limit = len(prompt) - 1
+        if limit <= 0 or not self.groups:
+            return 0
+        path = path if path is not None and path.n == len(prompt) else Path(_SEED, prompt)
+        if path.keys[0] != _SEED:
+            path = Path(_SEED, prompt)
+        path.key(limit // CHUNK)
+        return min(self._furthest(group, path, limit) for group in self.groups)
+
+    def _furthest(self, group: int | None, path: Path, limit: int) -> int:
+        for j in range(limit // CHUNK, -1, -1):
+            bucket = self._by_key.get((group, path.keys[j]))
+            if not bucket:
+                continue
+            best = 0
+            for node in bucket:
+                if node.pos <= limit and node.pos > best and \
+                        path.raw[j * _CHUNK_BYTES:4 * node.pos] == node.tail:
+                    best = node.pos
+            if best:
+                return best
+        return 0
+
+    def media(self) -> dict[str, int]:
+        """Blocks held per medium (what /status shows)."""
+        out: Counter[str] = Counter()
+        for node in self._nodes.values():
+            out.update(node.media)
+        return dict(out)
+
+
+def path_for(prompt: Sequence[int]) -> Path:
+    """A prompt's path with the subscriber's seed: computed once per request, read by every
+    server's `Held.held`."""
+    return Path(_SEED, prompt)
