@@ -81,10 +81,15 @@ class Announced:
         """The events from what was announced to what `holdings` restore (empty: no change)."""
         want = plan(holdings)
         gone = [h for h in self.nodes if h not in want]
-        moved = [h for h, (n, _) in want.items() if h in self.nodes and self.nodes[h] != n]
+        moved = {h for h, (n, _) in want.items() if h in self.nodes and self.nodes[h] != n}
+        # a consumer drops what hangs below a removed block: what still restores below a
+        # moved one is stored again too
+        for h, (n, _) in sorted(want.items(), key=lambda kv: kv[1][0].pos):
+            if h in self.nodes and n.parent in moved:
+                moved.add(h)
         events: list[Event] = []
         if gone or moved:
-            events.append(BlockRemoved(tuple(gone + moved), self.medium))
+            events.append(BlockRemoved(tuple(gone + sorted(moved)), self.medium))
         for h in gone:
             del self.nodes[h]
         fresh = sorted((want[h][0].pos, h) for h in want if h not in self.nodes or h in moved)

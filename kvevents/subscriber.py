@@ -52,6 +52,7 @@ class Feed:
         self.status = FeedState()
         self.counts: Counter[str] = Counter()   # batches, events, gaps, replays, restarts, bad
         self.on_batch = on_batch
+        self.starts = 0                          # streams heard from their batch 0
         self._task: asyncio.Task[None] | None = None
         self._ctx = zmq.asyncio.Context.instance()
 
@@ -116,6 +117,8 @@ class Feed:
         for seq, payload in [*before, (seq_of(frames[1]), frames[2])]:
             batch = decode(payload)
             self.status.last_seq = seq
+            if seq == 0:
+                self.starts += 1
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
                     self.status.state = "complete"    # from here on the index is the server's

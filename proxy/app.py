@@ -19,6 +19,7 @@ from prefixd.metrics.federate import label_worker_metrics
 from prefixd.proxy.apis import API_BY_PATH, CLIENT_APIS
 from prefixd.proxy.keys import Viewer, is_key, viewer
 from prefixd.proxy.pipeline import Proxy
+from prefixd.proxy.routing.follow import streams_of
 from prefixd.proxy.tokens import count_tokens
 from prefixd.proxy.ui import add_routes as add_ui_routes
 
@@ -245,9 +246,11 @@ async def _start_backends(app: web.Application) -> None:
     app[WARMUPS_KEY] = [asyncio.create_task(warm(n)) for n in names]
     if proxy.pool is not None:
         app[WARMUPS_KEY].append(asyncio.create_task(proxy.pool.warm()))
+    await proxy.router.follow.set(streams_of(proxy.settings.backends))   # their KV events
 
 
 async def _stop_backends(app: web.Application) -> None:
+    await app[PROXY_KEY].router.follow.close()
     for task in app.get(WARMUPS_KEY, []):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -72,6 +72,7 @@ class Exchange:
     model: str | None = None            # the served model it resolved to
     prepared: Prepared | None = None    # lane, canonicalized body, prefix report
     namespace: str = ""                 # its cache partition (PREFIXD_CACHE_ISOLATION=per_key)
+    prompt_ids: list[int] | None = None  # its token ids, when routing follows KV events
     attempt: Attempt | None = None      # the current (last) try on a backend, and its answer
     response: web.StreamResponse | None = None
     state: ResponseState = ResponseState.NOT_STARTED

@@ -52,6 +52,7 @@ class PrefixReport:
     saved_tokens: int = 0                                    # kept thanks to those rules
     would_fix: list[dict[str, Any]] = field(default_factory=list)   # rules not on
     predicted_cached_tokens: int | None = None   # what routing expected the backend to hold
+    predicted_from: str | None = None   # what taught it: "answers" through prefixd, "kv_events"
     backend_cached_tokens: int | None = None
     backend_breakdown: dict[str, Any] | None = None   # a prefixd worker's per-turn timings
     backend_prompt_tokens: int | None = None

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Self
 
 from prefixd.api.errors import ApiError
+from prefixd.metrics import kvevents as km
 from prefixd.metrics import proxy as m
+from prefixd.proxy.routing.follow import Follow
 from prefixd.proxy.routing.index import Chain, PrefixIndex, Restorable
 from prefixd.proxy.routing.policy import (
     AffinityMap,
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
 MISPREDICT_SLACK = 16     # tokens: templates re-render the last turn's tail
 TRUTH = ("predicted_tokens", "reported_tokens", "mispredictions",     # per endpoint, for /status
-         "transferred_tokens")
+         "transferred_tokens", "event_mispredictions")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class RouteView:
     lane: str | None
     chain: Chain
     held: dict[str, tuple[int, bool]]
+    via_events: frozenset[str] = frozenset()   # whose `held` its KV events gave
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class RoutingCore:
         self.index: dict[str, list[str]] = {}       # model -> its endpoints, in order
         self.affinity = AffinityMap()
         self.prefixes = PrefixIndex(index_entries, index_ttl_s)
+        self.follow = Follow()                      # what endpoints announce (KV events)
         # model -> its tokens per estimated token (its tokenizer against 4 chars a token),
         # from the last prompt an endpoint reported: puts estimates on the index's scale
         self._scale: dict[str, float] = {}
@@ -129,6 +133,7 @@ class RoutingCore:
     def forget(self, name: str) -> None:
         """`name` lost its cache (restarted, went down, refused a request, left)."""
         self.prefixes.forget(name)
+        self.follow.lost(name)
         m.INDEX_ENTRIES.labels(name).set(0)
 
     # --- a request --------------------------------------------------------------------------
@@ -149,7 +154,10 @@ class RoutingCore:
                        f"{sorted(self.index)} (PREFIXD_MODEL_ALIASES maps other names)",
                        param="model", code="model_not_found", type_="invalid_request_error")
 
-    def view(self, model: str, lane: str | None, chain: Chain) -> RouteView:
+    def view(self, model: str, lane: str | None, chain: Chain,
+             tokens: Sequence[int] | None = None) -> RouteView:
+        """What routing knows of a request. `tokens`: its prompt's token ids (the backends'
+        tokenizer), which the endpoints' KV events are looked up by (`follow.py`)."""
         held = self.prefixes.longest(chain, time.monotonic()) if chain.bounds else {}
         view = RouteView(model, lane, chain, held)
         if held:
@@ -159,7 +167,34 @@ class RoutingCore:
             size = self.prompt_size(view) or 0
             view = RouteView(model, lane, chain,
                              {n: (min(t, size), own) for n, (t, own) in held.items()})
+        if tokens:
+            view = self._with_events(view, tokens)
         return view
+
+    def wants_tokens(self, model: str) -> bool:
+        """Whether a request for `model` is worth tokenizing before routing: an endpoint of
+        it has a KV event stream that has been heard."""
+        return self.follow.follows(self.index.get(model, ()))
+
+    def _with_events(self, view: RouteView, tokens: Sequence[int]) -> RouteView:
+        """`view` with what the endpoints' KV events say they hold of `tokens`: a complete
+        feed's word replaces what answers taught, a partial one's only adds to it. A prefix
+        past the middle of the conversation's first user message (as estimated) is the
+        conversation's own: a new one sharing only the system prompt stops near its start."""
+        credit = self.follow.credit(self.index.get(view.model, ()), tokens)
+        if not credit:
+            return view
+        bounds, head, scale = view.chain.bounds, view.chain.head, \
+            self._scale.get(view.model, 1.0)
+        hi = bounds[head - 1].tokens * scale if head else 0.0
+        lo = bounds[head - 2].tokens * scale if head >= 2 else 0.0
+        held, via = dict(view.held), set()
+        for name, (t, complete) in credit.items():
+            before = held.get(name, (0, False))
+            if complete or t > before[0]:
+                held[name] = (t, t > (lo + hi) / 2)
+                via.add(name)
+        return replace(view, held=held, via_events=frozenset(via))
 
     def prompt_size(self, view: RouteView) -> int | None:
         """The request's prompt tokens as estimated from its rendered size, on the model's
@@ -213,6 +248,11 @@ class RoutingCore:
         truth = self.truth[decision.name]
         truth["predicted_tokens"] += predicted
         truth["reported_tokens"] += reported.cached or 0
+        if decision.name in view.via_events:      # exact: a token short is a miss
+            km.CREDITED.labels(decision.name).inc(decision.predicted)
+            if reported.cached is not None and reported.cached < decision.predicted:
+                km.MISSES.labels(decision.name).inc()
+                truth["event_mispredictions"] += 1
         if reported.cached is not None and reported.cached + MISPREDICT_SLACK < predicted:
             m.ROUTE_MISPREDICTIONS.labels(decision.name).inc()
             truth["mispredictions"] += 1
@@ -233,4 +273,5 @@ class RoutingCore:
         tokens met the predictions."""
         return {"index_entries": self.prefixes.size(name),
                 "index": {**self.prefixes.summary(name, time.monotonic(), sees=sees),
-                          **{k: self.truth[name][k] for k in TRUTH}}}
+                          **{k: self.truth[name][k] for k in TRUTH}},
+                **({"kv_events": f} if (f := self.follow.status(name)) is not None else {})}

@@ -16,7 +16,7 @@ forgotten.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prefixd.backends.base import Backend, BackendUnavailable
 from prefixd.metrics import proxy as m
@@ -55,9 +55,10 @@ class Router(RoutingCore):
         return out
 
     # --- a request's view, and each attempt's decision ----------------------------------------
-    def view(self, model: str, lane: str | None, chain: Chain) -> RouteView:
+    def view(self, model: str, lane: str | None, chain: Chain,
+             tokens: Sequence[int] | None = None) -> RouteView:
         self.update(self._snapshots())
-        return super().view(model, lane, chain)
+        return super().view(model, lane, chain, tokens)
 
     def decide(self, view: RouteView, exclude: list[str] | tuple[str, ...] = ()) -> Decision:
         """The backend for the next attempt (`exclude`: those that refused it already)."""

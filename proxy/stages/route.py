@@ -12,6 +12,8 @@ backend reported corrects the router's prefix index."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prefixd.api.errors import ApiError
 from prefixd.backends.base import BackendGone
 from prefixd.proxy.attempt import Attempt
@@ -19,6 +21,7 @@ from prefixd.proxy.exchange import Exchange
 from prefixd.proxy.routing.index import boundaries
 from prefixd.proxy.routing.router import Router, RouteView
 from prefixd.proxy.stages import Next, Stage, chain
+from prefixd.proxy.stages.window import TOKENIZE_TIMEOUT_S
 
 
 class RouteStage:
@@ -33,11 +36,27 @@ class RouteStage:
         assert ex.parsed is not None
         ex.model = ex.trace.model = self.router.model_for(ex.parsed.req.model)
         prepared = ex.prepared
+        ex.prompt_ids = await self._tokens(ex)
         view = self.router.view(ex.model, prepared.lane if prepared is not None else None,
                                 boundaries(prepared.segments if prepared is not None else [],
-                                           namespace=ex.namespace))
+                                           namespace=ex.namespace), ex.prompt_ids)
         await self._attempts(ex, view)
         await call_next(ex)
+
+    async def _tokens(self, ex: Exchange) -> list[int] | None:
+        """The prompt's token ids, when an endpoint of its model announces its cache (KV
+        events) and the request shares the default cache partition: counted by a backend of
+        the model within `TOKENIZE_TIMEOUT_S` (None: routing goes by what answers taught)."""
+        assert ex.parsed is not None and ex.model is not None
+        if ex.namespace or not self.router.wants_tokens(ex.model):
+            return None
+        body = ex.prepared.body if ex.prepared is not None else ex.parsed.body
+        try:
+            async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+                return await self.router.tokenizer_for(ex.model).tokenize(
+                    {**body, "model": ex.model})
+        except (TimeoutError, ApiError):
+            return None
 
     async def _attempts(self, ex: Exchange, view: RouteView) -> Attempt:
         """Attempts until one was answered (or failed in a way another backend cannot fix)."""
@@ -81,7 +100,7 @@ class RouteStage:
         queue slot it takes over."""
         decision = self.router.decide(view, exclude=refused)
         if not refused and await self.router.wait_for_prefix(view, decision.name):
-            view = self.router.view(view.model, view.lane, view.chain)
+            view = self.router.view(view.model, view.lane, view.chain, ex.prompt_ids)
         translator = ex.api.translator
         ex.attempt = Attempt(decision, self.router.backends[decision.name], view.model,
                              again=bool(refused) or kept is not None,
@@ -96,4 +115,6 @@ class RouteStage:
         report = ex.prepared.report if ex.prepared is not None else None
         if report is not None:
             report.predicted_cached_tokens = decision.predicted
+            report.predicted_from = "kv_events" if decision.name in view.via_events \
+                else "answers"
         return ex.attempt, view

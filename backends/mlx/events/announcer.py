@@ -45,7 +45,8 @@ class Announcer:
         self._ram: list[holdings.Held] = []
         self._seen_store = -1
         self._seen_disk = -1
-        self._inbox: list[holdings.Held] | None = None
+        self._inbox: tuple[int, list[holdings.Held]] | None = None
+        self.announced_version = -1       # the store version whose holdings are published
         self._wake = threading.Event()
         self._stop = False
         self.updates = 0
@@ -62,7 +63,7 @@ class Announcer:
         if store.version == self._seen_store:
             return
         self._seen_store = store.version
-        self._inbox = holdings.ram(store)
+        self._inbox = (store.version, holdings.ram(store))
         self.changed_at = time.time()
         self._wake.set()
 
@@ -80,7 +81,7 @@ class Announcer:
         events: list[Event] = []
         inbox, self._inbox = self._inbox, None
         if inbox is not None:
-            self._ram = inbox
+            self._ram = inbox[1]
             events += self._update(RAM, self._ram)
         version = self.disk.version if self.disk is not None else -1
         if version != self._seen_disk:
@@ -89,6 +90,14 @@ class Announcer:
             events += self._update(DISK, list(self._disk_held.values()))
         if events:
             self.publisher.publish(events)
+        if inbox is not None:
+            self.announced_version = inbox[0]
+
+    def settled(self, store: CheckpointStore) -> bool:
+        """Whether every change of `store` so far is published (a test's or bench's wait:
+        then `publisher.sent` counts every batch that describes it)."""
+        return self.announced_version == store.version and self.publisher.pending() == 0 \
+            and self._inbox is None
 
     def _update(self, medium: str, held: list[holdings.Held]) -> list[Event]:
         t0 = time.perf_counter()
