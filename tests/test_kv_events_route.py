@@ -126,3 +126,57 @@ async def test_follow_ups_of_conversations_warmed_outside_land_where_they_are_he
     assert 'prefixd_kv_events_complete{backend="w0"} 1.0' in metrics
     assert "prefixd_route_event_mispredictions_total{" not in metrics or \
         'prefixd_route_event_mispredictions_total{backend="w0"} 0.0' in metrics
+
+
+async def test_the_gateways_picker_follows_them_too(
+        workers: list[tuple[Generator, int]], http: aiohttp.ClientSession) -> None:
+    """`prefixd picker` (Envoy's ext_proc) over the same workers: each follow-up of a
+    conversation warmed directly is picked for the worker that holds it."""
+    pytest.importorskip("grpc")
+    import json
+
+    from test_picker import Running, exchange
+
+    from prefixd.proxy.picker.server import start
+    from prefixd.proxy.settings import Settings
+
+    servers = [TestServer(create_app(gen, "tiny", _settings(port)), host="127.0.0.1")
+               for gen, port in workers]
+    for s in servers:
+        await s.start_server()
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    settings = Settings(_env_file=None, prefix_detect=False, backends=[
+        {"name": f"w{i}", "kind": "prefixd", "url": f"http://{a}", "models": ["tiny"],
+         "kv_events": f"tcp://127.0.0.1:{port}",
+         "kv_events_replay": f"tcp://127.0.0.1:{port + 1}"}
+        for i, (a, (_, port)) in enumerate(zip(addresses, workers, strict=True))])
+    server, picker, bound, prober = await start(settings, "127.0.0.1", 0)
+    running = Running(picker, bound)
+    try:
+        follow_ups = {}
+        for i in range(CONVERSATIONS):
+            messages = [{"role": "system", "content": f"Picker agent {i}. " + "Note. " * 50},
+                        {"role": "user", "content": f"Job {i}: " + "list the files. " * 6}]
+            answer, _ = await _chat(http, "http://" + addresses[(i + 1) % 2], messages)
+            follow_ups[i] = [*messages, answer["choices"][0]["message"],
+                             {"role": "user", "content": "And the tests? " * 4}]
+        deadline = time.monotonic() + DEADLINE
+        while not all(gen.announcer is not None and gen.loaded is not None
+                      and gen.announcer.settled(gen.loaded.engine.store)
+                      and picker.core.follow.feeds[f"w{j}"].status.last_seq
+                      == gen.announcer.publisher.sent - 1
+                      for j, (gen, _) in enumerate(workers)):
+            assert time.monotonic() < deadline, "the picker did not catch up"
+            await asyncio.sleep(0.05)
+        for i in range(CONVERSATIONS):
+            body = json.dumps({"model": "tiny", "messages": follow_ups[i], "max_tokens": 4,
+                               "temperature": 0}).encode()
+            out = await exchange(running, body)
+            assert out.destination[0] == addresses[(i + 1) % 2], i
+    finally:
+        prober.cancel()
+        await running.channel.close()
+        await server.stop(0)
+        await picker.close()
+        for s in servers:
+            await s.close()

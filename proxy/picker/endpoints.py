@@ -9,7 +9,8 @@ this picker has in flight there. `snapshot()` gives the routing core its `Endpoi
 The file is JSON: `{"endpoints": [{"address": "10.0.0.7:8000", "models": ["qwen3"],
 "name": "a", "max_concurrency": 1, "queue_depth": 64}, ...]}` (or the list alone); only
 `address` (ip:port: the pick names endpoints by IP, as Envoy's override_host policy and
-its STATIC pool list them) is required. A file that
+its STATIC pool list them) is required; `kv_events` (and `kv_events_replay`, `kv_events_topic`)
+name its KV event stream (docs/KV_EVENTS.md). A file that
 does not parse is logged and the endpoints stay as they were.
 """
 
@@ -22,6 +23,7 @@ import ipaddress
 import json
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import aiohttp
 from prefixd.backends.config import BackendConfig
 from prefixd.metrics import picker as m
 from prefixd.proxy.routing.core import Endpoint
+from prefixd.proxy.routing.follow import Stream, streams_of
 
 log = logging.getLogger("prefixd.picker")
 
@@ -46,6 +49,7 @@ class Declared:
     models: tuple[str, ...] = ()
     max_concurrency: int = 1
     queue_depth: int = 64
+    stream: Stream | None = None      # its KV event stream, when it publishes one
 
 
 def from_backends(configs: list[BackendConfig]) -> list[Declared]:
@@ -68,7 +72,7 @@ def from_backends(configs: list[BackendConfig]) -> list[Declared]:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         host = f"[{ip}]" if ip.version == 6 else str(ip)
         out.append(Declared(c.name, f"{host}:{port}", tuple(c.models), c.concurrency,
-                            c.queue_depth))
+                            c.queue_depth, streams_of([c]).get(c.name)))
     return out
 
 
@@ -90,8 +94,14 @@ def from_file(text: str) -> list[Declared]:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                    for n in (concurrency, depth)) or concurrency < 1:
             raise ValueError(f"endpoint {i}: max_concurrency >= 1 and queue_depth >= 0")
+        kv, replay = item.get("kv_events"), item.get("kv_events_replay")
+        if not all(v is None or (isinstance(v, str) and "://" in v) for v in (kv, replay)):
+            raise ValueError(f"endpoint {i}: kv_events and kv_events_replay are ZMQ "
+                             "endpoints such as tcp://10.0.0.7:5557")
         out.append(Declared(str(item.get("name") or item["address"]), item["address"],
-                            tuple(models), concurrency, depth))
+                            tuple(models), concurrency, depth,
+                            Stream(kv, replay, str(item.get("kv_events_topic", "")))
+                            if kv else None))
     return out
 
 
@@ -147,13 +157,20 @@ class Endpoints:
         d = next(d for d in self.declared if d.name == name)
         return d.max_concurrency + d.queue_depth
 
-    async def run(self) -> None:
-        """Re-read the file and probe every endpoint, every `probe_s`, until cancelled."""
+    def streams(self) -> dict[str, Stream]:
+        """The KV event streams of the declared endpoints that have one."""
+        return {d.name: d.stream for d in self.declared if d.stream is not None}
+
+    async def run(self, round_done: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Re-read the file and probe every endpoint, every `probe_s`, until cancelled;
+        `round_done` after each round (the picker follows the streams declared now)."""
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_s))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 self.reload()
                 await asyncio.gather(*(self._probe(session, d) for d in self.declared))
+                if round_done is not None:
+                    await round_done()
                 await asyncio.sleep(self.probe_s)
 
     async def _probe(self, session: aiohttp.ClientSession, d: Declared) -> None:

@@ -119,26 +119,26 @@ class Exchange:
                   ) -> AsyncIterator[pb.ProcessingResponse]:
         try:
             async for r in requests:
-                for out in self.handle(r):
+                for out in await self.handle(r):
                     yield out
                 self.detect()
         finally:
             self.done()
 
-    def handle(self, r: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def handle(self, r: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = r.WhichOneof("request")
         if kind == "request_headers":
             self.headers = _headers(r.request_headers)
             self.subset = _subset(r)
-            return self.pick() if r.request_headers.end_of_stream else []
+            return await self.pick() if r.request_headers.end_of_stream else []
         if kind == "request_body":
             self.has_body = True
             if not self.too_big:
                 self.body += r.request_body.body
                 self.too_big = len(self.body) > self.picker.settings.max_body_bytes
-            return self.pick() if r.request_body.end_of_stream else []
+            return await self.pick() if r.request_body.end_of_stream else []
         if kind == "request_trailers":
-            out = self.pick() if self.picked is None and self.ask is None else []
+            out = await self.pick() if self.picked is None and self.ask is None else []
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             return [self.respond(_headers(r.response_headers),
@@ -157,7 +157,7 @@ class Exchange:
         return []
 
     # --- the request ------------------------------------------------------------------------
-    def pick(self) -> list[pb.ProcessingResponse]:
+    async def pick(self) -> list[pb.ProcessingResponse]:
         t0 = time.perf_counter()
         p = self.picker
         p.refresh()       # models an endpoint's probe found, health, load: before the read
@@ -169,6 +169,11 @@ class Exchange:
             namespace = cache_namespace(self.headers, p.settings.cache_isolation)
             self.ask = ask = read(path, bytes(self.body), self.headers, p.core, p.tracker,
                                   namespace) if self.has_body else Ask(api_for(path))
+            if ask.view is not None and ask.prepared is not None and not namespace \
+                    and p.core.wants_tokens(ask.view.model):   # what endpoints announce
+                v = ask.view
+                ask.view = p.core.view(v.model, v.lane, v.chain,
+                                       await p.tokenize(v.model, ask.prepared.body))
             order = self.order(ask)
         except ApiError as e:
             m.PICKS.labels(str(e.status)).inc()

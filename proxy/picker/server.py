@@ -18,6 +18,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 
+import aiohttp
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
@@ -30,6 +31,7 @@ from prefixd.proxy.picker.extproc import Exchange
 from prefixd.proxy.prefix.tracker import PrefixTracker
 from prefixd.proxy.routing.core import RoutingCore
 from prefixd.proxy.settings import Settings
+from prefixd.proxy.stages.window import TOKENIZE_TIMEOUT_S
 
 log = logging.getLogger("prefixd.picker")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -43,7 +45,43 @@ class Picker(pbg.ExternalProcessorServicer):
         self.tracker = PrefixTracker(settings)
         self.endpoints = Endpoints(from_backends(settings.backends),
                                    settings.picker_endpoints_file, settings.picker_probe_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._no_tokenize: set[str] = set()   # endpoints that answered /tokenize with 404
         self.refresh()
+
+    async def follow(self) -> None:
+        """Follow the KV event streams of the endpoints declared now."""
+        await self.core.follow.set(self.endpoints.streams())
+
+    async def tokenize(self, model: str, body: dict) -> list[int] | None:
+        """The prompt's token ids from an endpoint of `model` that publishes KV events
+        (`POST /tokenize`: prefixd workers and vLLM answer it with `tokens`), within
+        `TOKENIZE_TIMEOUT_S`; None when none can tell."""
+        streams = self.endpoints.streams()
+        names = [n for n in self.core.index.get(model, ())
+                 if n in streams and n not in self._no_tokenize and self.core.endpoints[n].up]
+        if not names:
+            return None
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S))
+        address = self.core.endpoints[names[0]].address
+        try:
+            async with self._session.post(f"http://{address}/tokenize",
+                                          json={**body, "model": model}) as r:
+                if r.status == 404:
+                    self._no_tokenize.add(names[0])
+                data = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        return tokens if isinstance(tokens, list) and all(
+            isinstance(t, int) for t in tokens) else None
+
+    async def close(self) -> None:
+        await self.core.follow.close()
+        if self._session is not None:
+            await self._session.close()
 
     def refresh(self) -> None:
         """The core's endpoints as known now (joins, leaves, health, load)."""
@@ -70,14 +108,15 @@ async def start(settings: Settings, host: str, port: int
     await server.start()
     for name in HEALTH_NAMES:
         await status.set(name, health_pb2.HealthCheckResponse.SERVING)
-    prober = asyncio.create_task(picker.endpoints.run())
+    await picker.follow()
+    prober = asyncio.create_task(picker.endpoints.run(picker.follow))
     log.info("picker: ext_proc and gRPC health on %s:%d; %d endpoints", host, bound,
              len(picker.endpoints.declared))
     return server, picker, bound, prober
 
 
 async def serve(settings: Settings) -> int:
-    server, _, _, prober = await start(settings, settings.host, settings.picker_port)
+    server, picker, _, prober = await start(settings, settings.host, settings.picker_port)
     if settings.picker_metrics_port is not None:
         start_http_server(settings.picker_metrics_port, settings.host, REGISTRY)
     stop = asyncio.Event()
@@ -90,4 +129,5 @@ async def serve(settings: Settings) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await prober
     await server.stop(settings.shutdown_timeout_s)
+    await picker.close()
     return 0
