@@ -14,7 +14,9 @@ Honest by construction:
   group holds of it: a prefix counts when every part of the model state holds it, not when
   the attention KV alone does (Dynamo drops the non-attention groups; SGLang publishes only
   attention blocks);
-- a prompt is credited at most its length minus one (the last token is always computed).
+- a prompt is credited at most its length minus one (the last token is always computed);
+- blocks keyed by more than their tokens (a LoRA adapter's, `extra_keys`: a cache salt, an
+  image) are not placed (counted `keyed`): a prompt's token ids alone would credit them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ class Held:
         n = len(e.block_hashes)
         if n == 0 or e.block_size <= 0 or len(e.token_ids) != n * e.block_size:
             self.counts["malformed"] += 1
+            return
+        if e.lora_name is not None or e.lora_id is not None or \
+                any(k is not None for k in e.extra_keys or ()):
+            # an adapter's blocks, a salted prompt's, an image's: their token ids alone do
+            # not name them, so nothing is credited from them (nothing placed below either)
+            self.counts["keyed"] += n
             return
         parent: _Node | None = None
         if e.parent_block_hash is not None:
