@@ -79,6 +79,11 @@ class Attempt:
         self._counted.append((body, ids))
         return ids
 
+    def counted(self, body: dict, ids: list[int]) -> None:
+        """`body`'s token ids, counted already by a backend of the same model (routing counts
+        them when it follows KV events): `tokenize` does not ask again."""
+        self._counted.append((body, ids))
+
     def release(self) -> None:
         """The attempt is over: its queue slot goes to the next request."""
         if self.slot is not None:

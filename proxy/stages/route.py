@@ -50,13 +50,19 @@ class RouteStage:
         assert ex.parsed is not None and ex.model is not None
         if ex.namespace or not self.router.wants_tokens(ex.model):
             return None
-        body = ex.prepared.body if ex.prepared is not None else ex.parsed.body
+        body = self._prompt_body(ex)
         try:
             async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
                 return await self.router.tokenizer_for(ex.model).tokenize(
                     {**body, "model": ex.model})
         except (TimeoutError, ApiError):
             return None
+
+    @staticmethod
+    def _prompt_body(ex: Exchange) -> dict:
+        """The body whose prompt goes on (the window stage counts the same object)."""
+        assert ex.parsed is not None
+        return ex.prepared.body if ex.prepared is not None else ex.parsed.body
 
     async def _attempts(self, ex: Exchange, view: RouteView) -> Attempt:
         """Attempts until one was answered (or failed in a way another backend cannot fix)."""
@@ -111,6 +117,8 @@ class RouteStage:
                              else None,
                              transfer=self.router.transfer_plan(view, decision.name))
         ex.trace.backend = decision.name
+        if ex.prompt_ids is not None:
+            ex.attempt.counted(self._prompt_body(ex), ex.prompt_ids)
         ex.attempt.prompt_tokens = self.router.prompt_size(view)
         report = ex.prepared.report if ex.prepared is not None else None
         if report is not None:
