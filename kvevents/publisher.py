@@ -75,6 +75,8 @@ class Publisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._hwm = hwm
         self.sent = 0                      # batches sent (the next sequence number)
+        self._queued = 0                   # batches handed to `publish`
+        self._queued_lock = threading.Lock()
         self.replays = 0
         self.last_sent = 0.0               # time.time() of the last send
         self._ready = threading.Event()
@@ -88,10 +90,14 @@ class Publisher:
 
     def publish(self, events: Sequence[Event]) -> None:
         if events:
-            self._queue.put(Batch(time.time(), tuple(events), self.rank))
+            with self._queued_lock:
+                self._queued += 1
+                self._queue.put(Batch(time.time(), tuple(events), self.rank))
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Batches published and not sent yet (the one being sent included: 0 means `sent`
+        counts every batch published so far)."""
+        return self._queued - self.sent
 
     def close(self, timeout: float = 1.0) -> None:
         """Send what is queued (at most `timeout` s), then close the sockets."""

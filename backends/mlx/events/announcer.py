@@ -47,6 +47,7 @@ class Announcer:
         self._seen_disk = -1
         self._inbox: tuple[int, list[holdings.Held]] | None = None
         self.announced_version = -1       # the store version whose holdings are published
+        self.announced_disk = -1          # the disk tier's version whose holdings are published
         self._wake = threading.Event()
         self._stop = False
         self.updates = 0
@@ -92,12 +93,15 @@ class Announcer:
             self.publisher.publish(events)
         if inbox is not None:
             self.announced_version = inbox[0]
+        self.announced_disk = version
 
     def settled(self, store: CheckpointStore) -> bool:
-        """Whether every change of `store` so far is published (a test's or bench's wait:
-        then `publisher.sent` counts every batch that describes it)."""
-        return self.announced_version == store.version and self.publisher.pending() == 0 \
-            and self._inbox is None
+        """Whether every change of `store` and of the disk tier so far is published and sent
+        (a test's or bench's wait: then `publisher.sent` counts every batch that describes
+        them)."""
+        disk = self.disk.version if self.disk is not None else -1
+        return self.announced_version == store.version and self.announced_disk == disk \
+            and self._inbox is None and self.publisher.pending() == 0
 
     def _update(self, medium: str, held: list[holdings.Held]) -> list[Event]:
         t0 = time.perf_counter()
