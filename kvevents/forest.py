@@ -5,11 +5,12 @@ A tier holds token paths, each with the positions a prompt extending it restores
 position up to where a state trims back, and each exact restore point past it: a hybrid
 model's checkpoints). Every such position is one announced block, named by the id of its
 prefix (`prefix.Path.id_at`): the same prefix held by two paths is one block. A block's
-parent is the highest announced position below it on its path (for a block ending on a chunk
-boundary, the highest such one that also does: vLLM's consumers, which rebuild their keys
-from the token ids, then stay in step), so its tokens are the span between them: `CHUNK`
-tokens where every position restores (one `BlockStored` carries a run of them, as vLLM's
-does), a longer span up to a hybrid's next checkpoint otherwise.
+parent is its path's announced position below it (for a block ending on a chunk boundary,
+the highest one below that also does: vLLM's consumers, which rebuild their keys from the
+token ids, then stay in step), so its tokens are the span between them: `CHUNK` tokens where
+every position restores (one `BlockStored` carries a run of them, as vLLM's does), a longer
+span up to a hybrid's next checkpoint otherwise. A path's blocks are planned once while its
+positions stay the same: an update costs the paths that changed, and a pass over the rest.
 
 Nothing is announced that the tier cannot restore: a block stands for the state at its end.
 A block whose parent changes (the one below it went) is removed and stored again under the
@@ -18,7 +19,6 @@ new parent, so a consumer that drops what hangs below a removed block loses noth
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -48,25 +48,38 @@ def restorable_positions(n: int, trims_to: int, points: Iterable[int]) -> list[i
     return sorted(out)
 
 
-def plan(holdings: Iterable[Holding]) -> dict[int, tuple[Node, Path]]:
-    """block id -> (its node, a path holding it)."""
-    desired: dict[int, tuple[int, Path]] = {}
-    for path, positions in holdings:
-        for p in positions:
-            if 0 < p <= path.n:
-                desired.setdefault(path.id_at(p), (p, path))
-    allpos = sorted({p for p, _ in desired.values()})
+def path_nodes(path: Path, positions: Iterable[int]) -> list[tuple[int, Node]]:
+    """(block id, node) of each announced position of one path, its parent the path's own
+    announced position below it (for one on a chunk boundary, the highest such one that is
+    on one too). Kept on the path while its positions stay the same: an update re-plans only
+    the paths that changed."""
+    key = tuple(sorted({p for p in positions if 0 < p <= path.n}))
+    if path.plan is not None and path.plan[0] == key:
+        return path.plan[1]
+    out: list[tuple[int, Node]] = []
+    prev, aligned = 0, 0                       # the position below, the aligned one below
+    ids = {0: None}
+    for p in key:
+        ids[p] = path.id_at(p)
+        below = aligned if p % CHUNK == 0 else prev
+        out.append((ids[p], Node(p, ids[below], below)))
+        prev = p
+        if p % CHUNK == 0:
+            aligned = p
+    path.plan = (key, out)
+    return out
+
+
+def plan(holdings: Iterable[Holding], announced: dict[int, Node] | None = None
+         ) -> dict[int, tuple[Node, Path]]:
+    """block id -> (its node, a path holding it). A block several paths hold keeps the form
+    it was announced in, if one of them gives it."""
+    announced = announced or {}
     out: dict[int, tuple[Node, Path]] = {}
-    for h, (p, path) in desired.items():
-        parent, ppos = None, 0
-        for q in reversed(allpos[:bisect_left(allpos, p)]):
-            if p % CHUNK == 0 and q % CHUNK:
-                continue
-            hq = path.id_at(q)
-            if hq in desired:
-                parent, ppos = hq, q
-                break
-        out[h] = (Node(p, parent, ppos), path)
+    for path, positions in holdings:
+        for h, node in path_nodes(path, positions):
+            if h not in out or announced.get(h) == node:
+                out[h] = (node, path)
     return out
 
 
@@ -79,14 +92,17 @@ class Announced:
 
     def update(self, holdings: Iterable[Holding]) -> list[Event]:
         """The events from what was announced to what `holdings` restore (empty: no change)."""
-        want = plan(holdings)
+        want = plan(holdings, self.nodes)
         gone = [h for h in self.nodes if h not in want]
         moved = {h for h, (n, _) in want.items() if h in self.nodes and self.nodes[h] != n}
-        # a consumer drops what hangs below a removed block: what still restores below a
-        # moved one is stored again too
-        for h, (n, _) in sorted(want.items(), key=lambda kv: kv[1][0].pos):
-            if h in self.nodes and n.parent in moved:
-                moved.add(h)
+        if moved or gone:
+            # a consumer drops what hangs below a removed block: what still restores below
+            # a moved or removed one is stored again too
+            dropped = moved | set(gone)
+            for h, (n, _) in sorted(want.items(), key=lambda kv: kv[1][0].pos):
+                if h in self.nodes and n.parent in dropped and h not in moved:
+                    moved.add(h)
+                    dropped.add(h)
         events: list[Event] = []
         if gone or moved:
             events.append(BlockRemoved(tuple(gone + sorted(moved)), self.medium))

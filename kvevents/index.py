@@ -7,8 +7,9 @@ publisher's hash function or block size is assumed, as llm-d rebuilds its keys. 
 parent was never seen cannot be placed (counted `unplaced`, dropped).
 
 Honest by construction:
-- a block removed from every medium takes the blocks placed below it along (a KV block after
-  a missing one is useless to vLLM; prefixd's publisher re-announces what still restores);
+- each medium is a forest of its own: a block removed from one takes the blocks placed below
+  it there along (a KV block after a missing one is useless to vLLM; prefixd's publisher
+  re-announces what still restores), and leaves the other media as they are;
 - a publisher that splits its cache into groups (vLLM's hybrid models: full attention,
   Mamba, sliding window, each with `group_idx`) is credited, for a prompt, the least any
   group holds of it: a prefix counts when every part of the model state holds it, not when
@@ -36,26 +37,32 @@ _CHUNK_BYTES = 4 * CHUNK
 @dataclass(eq=False, slots=True)
 class _Node:
     group: int | None
+    medium: str
     block: int
     pos: int
     key: bytes              # the key of its prefix's whole chunks
     tail: bytes             # its tokens past them
     parent: _Node | None
-    media: set[str] = field(default_factory=set)
     children: list[_Node] = field(default_factory=list)
 
 
 class Held:
-    """One server's announced blocks, by group."""
+    """One server's announced blocks, by group and medium: each medium (`GPU`, `CPU`, `DISK`)
+    is a forest of its own (a block's parent in one may differ from its parent in another, and
+    leaving one medium leaves the others as they are)."""
 
     def __init__(self) -> None:
-        self._nodes: dict[tuple[int | None, int], _Node] = {}
+        self._nodes: dict[tuple[int | None, str, int], _Node] = {}
         self._by_key: dict[tuple[int | None, bytes], list[_Node]] = {}
+        self._any: dict[tuple[int | None, int], _Node] = {}    # a block in some medium
+        self._mediums: set[str] = set()
         self.groups: set[int | None] = set()
-        self.counts: Counter[str] = Counter()     # stored, removed, unplaced, malformed, cleared
+        # stored, removed, unplaced, malformed, keyed, cleared
+        self.counts: Counter[str] = Counter()
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        """Distinct blocks held (in any medium)."""
+        return len({(n.group, n.block) for n in self._nodes.values()})
 
     def apply(self, event: Event) -> None:
         if isinstance(event, BlockStored):
@@ -63,11 +70,9 @@ class Held:
         elif isinstance(event, BlockRemoved):
             medium = event.medium or DEFAULT_MEDIUM
             for h in event.block_hashes:
-                node = self._nodes.get((event.group_idx, h))
+                node = self._nodes.get((event.group_idx, medium, h))
                 if node is not None:
-                    node.media.discard(medium)
-                    if not node.media:
-                        self._drop(node)
+                    self._drop(node)
                     self.counts["removed"] += 1
         elif isinstance(event, AllBlocksCleared):
             self.clear()
@@ -75,8 +80,14 @@ class Held:
 
     def clear(self) -> None:
         self._nodes.clear()
+        self._any.clear()
         self._by_key.clear()
         self.groups.clear()
+
+    def _parent(self, group: int | None, medium: str, block: int) -> _Node | None:
+        """A parent in the same medium, else one another medium holds (a block offloaded to
+        CPU names its parent as the GPU knew it)."""
+        return self._nodes.get((group, medium, block)) or self._any.get((group, block))
 
     def _stored(self, e: BlockStored) -> None:
         group, medium = e.group_idx, e.medium or DEFAULT_MEDIUM
@@ -92,11 +103,12 @@ class Held:
             return
         parent: _Node | None = None
         if e.parent_block_hash is not None:
-            parent = self._nodes.get((group, e.parent_block_hash))
+            parent = self._parent(group, medium, e.parent_block_hash)
             if parent is None:
                 self.counts["unplaced"] += n
                 return
         self.groups.add(group)
+        self._mediums.add(medium)
         key, tail, pos = (parent.key, parent.tail, parent.pos) if parent else (_SEED, b"", 0)
         raw = token_bytes(e.token_ids)
         span = 4 * e.block_size
@@ -106,14 +118,17 @@ class Held:
             for c in range(whole):
                 key = next_key(key, data[c * _CHUNK_BYTES:(c + 1) * _CHUNK_BYTES])
             tail, pos = data[whole * _CHUNK_BYTES:], pos + e.block_size
-            node = self._nodes.get((group, h))
+            node = self._nodes.get((group, medium, h))
             if node is None:
-                node = _Node(group, h, pos, key, tail, parent)
-                self._nodes[(group, h)] = node
+                # linked below its parent only in the same medium: what leaving one medium
+                # takes along
+                below = parent if parent is not None and parent.medium == medium else None
+                node = _Node(group, medium, h, pos, key, tail, below)
+                self._nodes[(group, medium, h)] = node
+                self._any[(group, h)] = node
                 self._by_key.setdefault((group, key), []).append(node)
-                if parent is not None:
-                    parent.children.append(node)
-            node.media.add(medium)
+                if below is not None:
+                    below.children.append(node)
             self.counts["stored"] += 1
             parent = node
 
@@ -121,8 +136,14 @@ class Held:
         stack = [node]
         while stack:
             n = stack.pop()
-            if self._nodes.pop((n.group, n.block), None) is None:
+            if self._nodes.pop((n.group, n.medium, n.block), None) is None:
                 continue
+            if self._any.get((n.group, n.block)) is n:     # another medium's, if one holds it
+                del self._any[(n.group, n.block)]
+                for medium in self._mediums:
+                    if (m := self._nodes.get((n.group, medium, n.block))) is not None:
+                        self._any[(n.group, n.block)] = m
+                        break
             bucket = self._by_key.get((n.group, n.key))
             if bucket is not None:
                 bucket.remove(n)
@@ -160,10 +181,7 @@ class Held:
 
     def media(self) -> dict[str, int]:
         """Blocks held per medium (what /status shows)."""
-        out: Counter[str] = Counter()
-        for node in self._nodes.values():
-            out.update(node.media)
-        return dict(out)
+        return dict(Counter(node.medium for node in self._nodes.values()))
 
 
 def path_for(prompt: Sequence[int]) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,12 +47,13 @@ def position_id(key: bytes, tail: bytes, pos: int) -> int:
 class Path:
     """One token list and the keys of its chunks, computed as far as asked (then kept)."""
 
-    __slots__ = ("keys", "n", "raw")
+    __slots__ = ("keys", "n", "plan", "raw")
 
     def __init__(self, seed: bytes, tokens: Sequence[int] | np.ndarray) -> None:
         self.raw = token_bytes(tokens)
         self.n = len(self.raw) // 4
         self.keys = [seed]
+        self.plan: tuple[tuple[int, ...], Any] | None = None   # `forest.path_nodes`' memo
 
     def key(self, j: int) -> bytes:
         """The key of the first `j` chunks."""
