@@ -58,11 +58,11 @@ def path_nodes(path: Path, positions: Iterable[int]) -> list[tuple[int, Node]]:
         return path.plan[1]
     out: list[tuple[int, Node]] = []
     prev, aligned = 0, 0                       # the position below, the aligned one below
-    ids = {0: None}
+    ids: dict[int, int | None] = {0: None}
     for p in key:
-        ids[p] = path.id_at(p)
+        h = ids[p] = path.id_at(p)
         below = aligned if p % CHUNK == 0 else prev
-        out.append((ids[p], Node(p, ids[below], below)))
+        out.append((h, Node(p, ids[below], below)))
         prev = p
         if p % CHUNK == 0:
             aligned = p

@@ -106,18 +106,25 @@ class Publisher:
 
     def _open(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket | None]:
         pub = ctx.socket(zmq.PUB)
-        pub.set_hwm(self._hwm)
-        pub.setsockopt(zmq.LINGER, 500)
-        (pub.bind if binds(self.endpoint) else pub.connect)(self.endpoint)
         replay = None
-        if self.replay_endpoint:
-            replay = ctx.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.bind(self.replay_endpoint)
+        try:
+            pub.set_hwm(self._hwm)
+            pub.setsockopt(zmq.LINGER, 500)
+            (pub.bind if binds(self.endpoint) else pub.connect)(self.endpoint)
+            if self.replay_endpoint:
+                replay = ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.bind(self.replay_endpoint)
+        except zmq.ZMQError:
+            # nothing left open: not the socket, not the port bound before the failing one
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            raise
         return pub, replay
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         try:
             pub, replay = self._open(ctx)
         except zmq.ZMQError as e:

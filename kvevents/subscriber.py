@@ -9,7 +9,8 @@ understates, since a missed removal is forgotten together with everything else):
 - the first batch seen is 0, or a replay from 0 returns 0 first: complete;
 - a gap (a batch missed): replayed from the first missed one; a replay that does not start
   there, or no replay endpoint, forgets the server's blocks (partial from then on);
-- a sequence number going back (the server restarted): its blocks are forgotten.
+- a sequence number going back (the server restarted): its blocks are forgotten;
+- a batch that cannot be read (not a KV event batch): forgotten too, partial from then on.
 """
 
 from __future__ import annotations
@@ -111,14 +112,24 @@ class Feed:
         if last is not None:                          # a removal may be lost: forget all
             self._forget("partial")
         self.status.state = "partial"
-        return [(s, p) for s, p in got if s > (self.status.last_seq or -1)]
+        # what the replay has past the gap, from `want` (not from `status.last_seq`: after a
+        # restart that is the old stream's)
+        return [(s, p) for s, p in got if s >= want]
 
     def _receive(self, frames: list[bytes], before: list[tuple[int, bytes]]) -> None:
         for seq, payload in [*before, (seq_of(frames[1]), frames[2])]:
-            batch = decode(payload)
-            self.status.last_seq = seq
+            self.status.last_seq = seq                # read or not, it is behind us
             if seq == 0:
                 self.starts += 1
+            try:
+                batch = decode(payload)
+            except WireError as e:
+                # it may have removed blocks: forget them all (a replay would only bring the
+                # same bytes back, and every batch after it would wait for them)
+                self.counts["bad"] += 1
+                log.warning("kv events from %s: batch %d: %s", self.name, seq, e)
+                self._forget("partial")
+                continue
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
                     self.status.state = "complete"    # from here on the index is the server's

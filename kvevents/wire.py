@@ -7,9 +7,10 @@ data_parallel_rank}`. Each event is `BlockStored`, `BlockRemoved` or `AllBlocksC
 Two encodings exist. vLLM encodes maps with a `"type"` key since PR #42892 (2026-06; msgspec
 structs with `tag=True`, `omit_defaults=True`: a field left at its default is omitted, a
 field without one is always there); before it, positional arrays (`array_like=True`: the
-batch `[ts, events, rank]`, an event `["BlockStored", hashes, parent, ...]` with its trailing
-defaults omitted). prefixd publishes maps by default (`encoding="array"` for older
-consumers) and decodes both, at both levels, as vLLM's consumers do.
+batch `[ts, events, rank]`, an event `["BlockStored", hashes, parent, ...]`, every field
+written, defaults included; a reader fills in missing trailing defaults and ignores extra
+trailing fields). prefixd publishes maps by default (`encoding="array"` for older consumers),
+byte for byte what msgspec writes, and decodes both, at both levels, as vLLM's consumers do.
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ def _event_obj(event: Event, encoding: str) -> Any:
         out: dict[str, Any] = {"type": name}
         out.update((f, _plain(v)) for f, v, dflt in values if not (dflt and v is None))
         return out
-    while values and values[-1][2] and values[-1][1] is None:    # trailing defaults omitted
-        values.pop()
+    # every field, as msgspec writes an `array_like` struct (positional readers count on it)
     return [name, *(_plain(v) for _, v, _ in values)]
 
 
@@ -108,9 +108,7 @@ def encode(batch: Batch, encoding: str = MAP) -> bytes:
         if batch.data_parallel_rank is not None:
             obj["data_parallel_rank"] = batch.data_parallel_rank
     else:
-        obj = [batch.ts, events]
-        if batch.data_parallel_rank is not None:
-            obj.append(batch.data_parallel_rank)
+        obj = [batch.ts, events, batch.data_parallel_rank]
     return msgpack.packb(obj, use_bin_type=True)
 
 
@@ -122,43 +120,79 @@ def _hash(value: Any) -> int:
     return int.from_bytes(value[-8:], "big") if isinstance(value, bytes) else value
 
 
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"{what} must be an int, not {type(value).__name__}")
+    return value
+
+
+def _optional(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is None or a `kind` (msgspec's check of an `X | None` field)."""
+    if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
+        return value
+    raise WireError(f"{what} must be {kind.__name__} or nil, not {type(value).__name__}")
+
+
+def _hashes(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise WireError(f"{what} must be an array, not {type(value).__name__}")
+    return tuple(_hash(h) for h in value)
+
+
+def _extra_keys(value: Any) -> tuple[Any, ...] | None:
+    """vLLM's `list[tuple[Any, ...] | None] | None`: per block, a tuple (an array on the wire)
+    or nil."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(k is None or isinstance(k, list) for k in value):
+        raise WireError("extra_keys must be an array of arrays or nils")
+    return tuple(None if k is None else tuple(k) for k in value)
+
+
 def _decode_event(obj: Any) -> Event | None:
     """One event; None for a type this reader does not know (a newer producer's)."""
     if isinstance(obj, dict):
         name = obj.get("type")
         if not isinstance(name, str):
             raise WireError("an event map needs its 'type'")
+        fields = _FIELDS.get(name)
+        if fields is None:
+            return None
         values = dict(obj)
-    elif isinstance(obj, list | tuple) and obj and isinstance(obj[0], str):
+    elif isinstance(obj, list) and obj and isinstance(obj[0], str):
         name = obj[0]
         fields = _FIELDS.get(name)
         if fields is None:
             return None
-        if len(obj) - 1 > len(fields):
-            raise WireError(f"{name}: {len(obj) - 1} fields, at most {len(fields)} known")
+        # extra trailing fields (a newer producer's) are ignored, as msgspec's decoder does
         values = {f: v for (f, _), v in zip(fields, obj[1:], strict=False)}
     else:
         raise WireError("an event is a map with 'type' or an array starting with its name")
-    fields = _FIELDS.get(name)
-    if fields is None:
-        return None
     missing = [f for f, dflt in fields if not dflt and f not in values]
     if missing:
         raise WireError(f"{name}: missing {', '.join(missing)}")
     kw = {f: values.get(f) for f, _ in fields}
-    try:
-        if name == "BlockStored":
-            kw["block_hashes"] = tuple(_hash(h) for h in kw["block_hashes"])
-            parent = kw["parent_block_hash"]
-            kw["parent_block_hash"] = None if parent is None else _hash(parent)
-            kw["token_ids"] = tuple(int(t) for t in kw["token_ids"])
-            kw["block_size"] = int(kw["block_size"])
-            if kw["extra_keys"] is not None:
-                kw["extra_keys"] = tuple(kw["extra_keys"])
-        elif name == "BlockRemoved":
-            kw["block_hashes"] = tuple(_hash(h) for h in kw["block_hashes"])
-    except (TypeError, ValueError) as e:
-        raise WireError(f"{name}: {e}") from None
+    if name == "BlockStored":
+        kw["block_hashes"] = _hashes(kw["block_hashes"], "block_hashes")
+        parent = kw["parent_block_hash"]
+        kw["parent_block_hash"] = None if parent is None else _hash(parent)
+        tokens = kw["token_ids"]
+        if not isinstance(tokens, list):
+            raise WireError(f"token_ids must be an array, not {type(tokens).__name__}")
+        kw["token_ids"] = tuple(_int(t, "a token id") for t in tokens)
+        kw["block_size"] = _int(kw["block_size"], "block_size")
+        kw["lora_id"] = _optional(kw["lora_id"], int, "lora_id")
+        kw["lora_name"] = _optional(kw["lora_name"], str, "lora_name")
+        kw["extra_keys"] = _extra_keys(kw["extra_keys"])
+        kw["kv_cache_spec_kind"] = _optional(kw["kv_cache_spec_kind"], str,
+                                             "kv_cache_spec_kind")
+        kw["kv_cache_spec_sliding_window"] = _optional(kw["kv_cache_spec_sliding_window"], int,
+                                                       "kv_cache_spec_sliding_window")
+    elif name == "BlockRemoved":
+        kw["block_hashes"] = _hashes(kw["block_hashes"], "block_hashes")
+    if name != "AllBlocksCleared":
+        kw["medium"] = _optional(kw["medium"], str, "medium")
+        kw["group_idx"] = _optional(kw["group_idx"], int, "group_idx")
     return _CLASSES[name](**kw)
 
 
@@ -167,18 +201,19 @@ def decode(payload: bytes) -> Batch:
     none."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except Exception as e:      # ValueError and its kin; TypeError for an array as a map key
         raise WireError(f"not msgpack: {e}") from None
     if isinstance(obj, dict):
         ts, events, rank = obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")
-    elif isinstance(obj, list) and len(obj) in (2, 3):
-        ts, events, rank = obj[0], obj[1], obj[2] if len(obj) == 3 else None
+    elif isinstance(obj, list) and len(obj) >= 2:     # extra trailing fields ignored
+        ts, events, rank = obj[0], obj[1], obj[2] if len(obj) > 2 else None
     else:
         raise WireError("a batch is a map {ts, events} or an array [ts, events, rank]")
-    if not isinstance(ts, int | float) or not isinstance(events, list):
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not isinstance(events, list):
         raise WireError("a batch needs a numeric 'ts' and a list of 'events'")
+    rank = _optional(rank, int, "data_parallel_rank")
     out = tuple(e for e in map(_decode_event, events) if e is not None)
-    return Batch(float(ts), out, rank if isinstance(rank, int) else None)
+    return Batch(float(ts), out, rank)
 
 
 def seq_bytes(seq: int) -> bytes:
