@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ from prefixd.kvevents.wire import AllBlocksCleared, Batch, WireError, decode, se
 
 log = logging.getLogger("prefixd.kvevents")
 REPLAY_TIMEOUT_S = 2.0
+IDLE_S = 1.0          # a quiet stream's replay endpoint is asked this often for missed batches
+RECENT = 4096         # batches remembered, to tell one that came by replay and live again
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 @dataclass
@@ -54,6 +61,7 @@ class Feed:
         self.counts: Counter[str] = Counter()   # batches, events, gaps, replays, restarts, bad
         self.on_batch = on_batch
         self.starts = 0                          # streams heard from their batch 0
+        self._recent: OrderedDict[int, bytes] = OrderedDict()   # seq -> its payload's digest
         self._task: asyncio.Task[None] | None = None
         self._ctx = zmq.asyncio.Context.instance()
 
@@ -79,46 +87,74 @@ class Feed:
         sub.connect(self.endpoint)
         try:
             while True:
+                if not await sub.poll(IDLE_S * 1000):
+                    if self.replay_endpoint:          # quiet: ask whether a batch was missed
+                        self._apply(await self._idle())
+                    continue
                 frames = await sub.recv_multipart()
                 try:
-                    self._receive(frames, await self._catch_up(frames))
+                    if len(frames) != 3:
+                        raise WireError(f"a message of {len(frames)} frames, not "
+                                        "[topic, seq, payload]")
+                    batch = (seq_of(frames[1]), frames[2])
+                    self._apply(await self._catch_up(*batch))
                 except WireError as e:
                     self.counts["bad"] += 1
                     log.warning("kv events from %s: %s", self.name, e)
         finally:
             sub.close()
 
-    async def _catch_up(self, frames: list[bytes]) -> list[tuple[int, bytes]]:
-        """The batches to apply before this one, replayed (empty: none are missing)."""
-        if len(frames) != 3:
-            raise WireError(f"a message of {len(frames)} frames, not [topic, seq, payload]")
-        seq, last = seq_of(frames[1]), self.status.last_seq
-        if last is not None and seq <= last:          # the server started over
-            self.counts["restarts"] += 1
+    async def _idle(self) -> list[tuple[int, bytes]]:
+        """Nothing came for `IDLE_S`: the batches published since the last one applied, as
+        the replay endpoint has them (a subscriber misses what was sent before it connected,
+        so a quiet stream's last batches arrive only this way)."""
+        last = self.status.last_seq
+        want = 0 if last is None else last + 1
+        got = await self._replay(want, idle=True)
+        if not got:
+            return []
+        return self._judge(want, [(s, p) for s, p in got if s >= want], last)
+
+    async def _catch_up(self, seq: int, payload: bytes) -> list[tuple[int, bytes]]:
+        """The batches to apply, this one last: replayed ones before it when some are
+        missing; none when it was applied already (it came by replay first)."""
+        last = self.status.last_seq
+        if last is not None and seq <= last:
+            if self._recent.get(seq) == _digest(payload):
+                return []                             # had it already, by replay
+            self.counts["restarts"] += 1              # the server started over
             self._forget("partial")
             last = None
         want = 0 if last is None else last + 1
         if seq == want:
             if last is None:
                 self.status.state = "complete"
-            return []
+            return [(seq, payload)]
         self.counts["gaps" if last is not None else "late_joins"] += 1
         got = await self._replay(want) if self.replay_endpoint else None
-        got = [(s, p) for s, p in (got or []) if s < seq]
-        if got and got[0][0] == want and [s for s, _ in got] == list(range(want, seq)):
+        before = self._judge(want, [(s, p) for s, p in got or [] if want <= s < seq], last)
+        return [*before, (seq, payload)]
+
+    def _judge(self, want: int, got: list[tuple[int, bytes]], last: int | None
+               ) -> list[tuple[int, bytes]]:
+        """What to apply of replayed batches from `want`: all, when they start there without
+        a hole (complete, if it started from nothing); else the blocks are forgotten (a
+        removal may be lost) and the feed is partial."""
+        if got and [s for s, _ in got] == list(range(want, want + len(got))):
             if last is None:
                 self.status.state = "complete"
             return got
-        if last is not None:                          # a removal may be lost: forget all
+        if last is not None:
             self._forget("partial")
         self.status.state = "partial"
-        # what the replay has past the gap, from `want` (not from `status.last_seq`: after a
-        # restart that is the old stream's)
-        return [(s, p) for s, p in got if s >= want]
+        return got
 
-    def _receive(self, frames: list[bytes], before: list[tuple[int, bytes]]) -> None:
-        for seq, payload in [*before, (seq_of(frames[1]), frames[2])]:
+    def _apply(self, batches: list[tuple[int, bytes]]) -> None:
+        for seq, payload in batches:
             self.status.last_seq = seq                # read or not, it is behind us
+            self._recent[seq] = _digest(payload)
+            while len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
             if seq == 0:
                 self.starts += 1
             try:
@@ -145,10 +181,10 @@ class Feed:
         self.held.clear()
         self.status.state = state
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+    async def _replay(self, start: int, idle: bool = False) -> list[tuple[int, bytes]] | None:
         """The buffered batches from `start` (None: the replay endpoint did not answer)."""
         assert self.replay_endpoint is not None
-        self.counts["replays"] += 1
+        self.counts["idle_replays" if idle else "replays"] += 1
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)

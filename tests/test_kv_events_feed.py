@@ -522,3 +522,18 @@ async def test_a_feed_follows_its_topic_only() -> None:
             assert credited(f.held, 3) == BLOCK
     finally:
         hand.close()
+
+
+async def test_a_quiet_streams_batches_arrive_without_another_one() -> None:
+    """What was published before the feed connected (a worker's opening batches), with nothing
+    after it: the feed asks the replay endpoint once the stream is quiet, and is complete."""
+    with publisher() as (pub, endpoint, replay):
+        pub.publish([wire.AllBlocksCleared()])
+        pub.publish([stored(0)])
+        pub.publish([stored(1, parent=0)])
+        wait_sent(pub, 3)
+        async with following(endpoint, replay) as f:
+            await f.until(2)
+            assert f.seqs == [0, 1, 2] and f.feed.complete
+            assert f.feed.counts["idle_replays"] >= 1 and f.feed.counts["late_joins"] == 0
+            assert credited(f.held, 0, 1) == 2 * BLOCK
