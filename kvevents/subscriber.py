@@ -52,14 +52,15 @@ class Feed:
     """One server's stream into `held`; `on_event(kind)` counts what was applied."""
 
     def __init__(self, name: str, endpoint: str, held: Held, replay: str | None = None,
-                 topic: str = "", on_batch: Callable[[Feed, Batch], None] | None = None
-                 ) -> None:
+                 topic: str = "", on_batch: Callable[[Feed, Batch], None] | None = None,
+                 idle_s: float = IDLE_S) -> None:
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay
         self.topic = topic.encode()
         self.held = held
         self.status = FeedState()
         self.counts: Counter[str] = Counter()   # batches, events, gaps, replays, restarts, bad
         self.on_batch = on_batch
+        self.idle_s = idle_s
         self.starts = 0                          # streams heard from their batch 0
         self._recent: OrderedDict[int, bytes] = OrderedDict()   # seq -> its payload's digest
         self._task: asyncio.Task[None] | None = None
@@ -87,7 +88,7 @@ class Feed:
         sub.connect(self.endpoint)
         try:
             while True:
-                if not await sub.poll(IDLE_S * 1000):
+                if not await sub.poll(self.idle_s * 1000):
                     if self.replay_endpoint:          # quiet: ask whether a batch was missed
                         self._apply(await self._idle())
                     continue
@@ -105,14 +106,25 @@ class Feed:
             sub.close()
 
     async def _idle(self) -> list[tuple[int, bytes]]:
-        """Nothing came for `IDLE_S`: the batches published since the last one applied, as
+        """Nothing came for `idle_s`: the batches published since the last one applied, as
         the replay endpoint has them (a subscriber misses what was sent before it connected,
-        so a quiet stream's last batches arrive only this way)."""
+        so a quiet stream's last batches arrive only this way). Asked from the last batch
+        applied itself: a publisher's buffer always holds its own last batch, so an answer
+        without ours, or with another batch under its number, is a server that started over
+        (a restarted worker's opening batches, missed while reconnecting)."""
         last = self.status.last_seq
-        want = 0 if last is None else last + 1
-        got = await self._replay(want, idle=True)
-        if not got:
+        got = await self._replay(0 if last is None else last, idle=True)
+        if got is None or (last is None and not got):
             return []
+        if last is not None and (not got or got[0][0] > last
+                                 or self._recent.get(last) != _digest(got[0][1])):
+            if not got or got[0][0] <= last:         # not the stream we followed: over
+                self.counts["restarts"] += 1
+                self._forget("partial")
+                got = await self._replay(0, idle=True) or []
+                return self._judge(0, got, None)
+            return self._judge(last + 1, got, last)  # the buffer moved past ours: a gap
+        want = 0 if last is None else last + 1
         return self._judge(want, [(s, p) for s, p in got if s >= want], last)
 
     async def _catch_up(self, seq: int, payload: bytes) -> list[tuple[int, bytes]]:

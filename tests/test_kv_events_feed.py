@@ -238,8 +238,9 @@ class Follow:
 
 
 @contextlib.asynccontextmanager
-async def following(endpoint: str, replay: str | None, topic: str = "") -> AsyncIterator[Follow]:
-    feed = Feed("server", endpoint, Held(), replay=replay, topic=topic)
+async def following(endpoint: str, replay: str | None, topic: str = "",
+                    idle_s: float = subscriber.IDLE_S) -> AsyncIterator[Follow]:
+    feed = Feed("server", endpoint, Held(), replay=replay, topic=topic, idle_s=idle_s)
     follow = Follow(feed)
     feed.start()
     try:
@@ -359,10 +360,14 @@ class Hand:
 
 
 @contextlib.asynccontextmanager
-async def by_hand(replay: bool = True) -> AsyncIterator[tuple[Hand, Follow]]:
+async def by_hand(replay: bool = True, idle_s: float = 600.0
+                  ) -> AsyncIterator[tuple[Hand, Follow]]:
+    """`idle_s`: the feed's quiet-stream probe, late enough by default that every replay
+    request the test answers is the one it expects."""
     hand = Hand()
     try:
-        async with following(hand.endpoint, hand.replay if replay else None) as f:
+        async with following(hand.endpoint, hand.replay if replay else None,
+                             idle_s=idle_s) as f:
             await hand.subscribed()
             yield hand, f
     finally:
@@ -537,3 +542,24 @@ async def test_a_quiet_streams_batches_arrive_without_another_one() -> None:
             assert f.seqs == [0, 1, 2] and f.feed.complete
             assert f.feed.counts["idle_replays"] >= 1 and f.feed.counts["late_joins"] == 0
             assert credited(f.held, 0, 1) == 2 * BLOCK
+
+
+async def test_a_restart_missed_live_is_found_by_the_quiet_streams_probe() -> None:
+    """The server restarts and its opening batches are missed while the feed reconnects: the
+    probe (a replay from the last batch applied) finds the buffer without it, so the feed
+    forgets the old blocks and takes the new stream from 0."""
+    async with by_hand(idle_s=0.5) as (hand, f):
+        for seq in range(3):
+            await hand.send(seq, [stored(seq + 1)])
+        await f.until(2)
+        hand.sent = {0: payload([wire.AllBlocksCleared()]), 1: payload([stored(30)])}
+        who, start = await hand.request()             # the probe, once the stream is quiet
+        assert start == 2
+        await hand.answer(who, [])                    # its last batch is 1: a new stream
+        who, start = await hand.request()
+        assert start == 0
+        await hand.answer(who, [0, 1])
+        assert await f.wait(lambda: len(f.seqs) == 5), f.seqs
+        assert f.seqs[3:] == [0, 1] and f.feed.complete
+        assert f.feed.counts["restarts"] == 1 and f.feed.starts == 2
+        assert credited(f.held, 30) == BLOCK and credited(f.held, 1) == 0

@@ -180,12 +180,14 @@ class RoutingCore:
         """`view` with what the endpoints' KV events say they hold of `tokens`: a complete
         feed's word replaces what answers taught, a partial one's only adds to it. A prefix
         past the middle of the conversation's first user message (as estimated) is the
-        conversation's own: a new one sharing only the system prompt stops near its start."""
+        conversation's own: a new one sharing only the system prompt stops near its start.
+        The estimates are scaled to the prompt's exact size."""
         credit = self.follow.credit(self.index.get(view.model, ()), tokens)
         if not credit:
             return view
-        bounds, head, scale = view.chain.bounds, view.chain.head, \
-            self._scale.get(view.model, 1.0)
+        bounds, head = view.chain.bounds, view.chain.head
+        # the estimates put on the prompt's exact size (its token ids are here)
+        scale = len(tokens) / bounds[-1].tokens if bounds and bounds[-1].tokens else 1.0
         hi = bounds[head - 1].tokens * scale if head else 0.0
         lo = bounds[head - 2].tokens * scale if head >= 2 else 0.0
         held, via = dict(view.held), set()

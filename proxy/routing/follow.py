@@ -84,7 +84,7 @@ class Follow:
         then what it says is its new cache's (a restarted worker announces its disk tier)."""
         feed = self.feeds.get(name)
         if feed is not None:
-            if feed.starts > self._starts.get(name, 0):
+            if feed.starts > self._starts.get(name, 1):    # beyond the first stream heard
                 self._starts[name] = feed.starts
                 return
             feed.held.clear()
