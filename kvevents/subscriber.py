@@ -125,7 +125,10 @@ class Feed:
                 return self._judge(0, got, None)
             return self._judge(last + 1, got, last)  # the buffer moved past ours: a gap
         want = 0 if last is None else last + 1
-        return self._judge(want, [(s, p) for s, p in got if s >= want], last)
+        fresh = [(s, p) for s, p in got if s >= want]
+        if last is not None and not fresh:
+            return []                                # ours is still its last: nothing missed
+        return self._judge(want, fresh, last)
 
     async def _catch_up(self, seq: int, payload: bytes) -> list[tuple[int, bytes]]:
         """The batches to apply, this one last: replayed ones before it when some are

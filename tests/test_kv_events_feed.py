@@ -544,6 +544,23 @@ async def test_a_quiet_streams_batches_arrive_without_another_one() -> None:
             assert credited(f.held, 0, 1) == 2 * BLOCK
 
 
+async def test_a_quiet_stream_stays_as_it_was() -> None:
+    """The probe of a stream that published nothing since (its replay from the last batch
+    applied returns that batch alone) changes nothing: the feed stays complete, its blocks
+    credited."""
+    async with by_hand(idle_s=0.2) as (hand, f):
+        for seq in range(3):
+            await hand.send(seq, [stored(seq + 1)])
+        await f.until(2)
+        for _ in range(2):                            # two probes: the first was applied
+            who, start = await hand.request()
+            assert start == 2
+            await hand.answer(who, [2])
+        assert f.seqs == [0, 1, 2] and f.feed.complete
+        assert f.feed.counts["restarts"] == 0 and f.feed.counts["idle_replays"] >= 2
+        assert credited(f.held, 3) == BLOCK
+
+
 async def test_a_restart_missed_live_is_found_by_the_quiet_streams_probe() -> None:
     """The server restarts and its opening batches are missed while the feed reconnects: the
     probe (a replay from the last batch applied) finds the buffer without it, so the feed
