@@ -75,9 +75,10 @@ def _conversation(i: int) -> list[dict[str, str]]:
             {"role": "user", "content": f"Task {i}: " + "read the module and explain. " * 6}]
 
 
-async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
+async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]],
+                headers: dict[str, str] | None = None
                 ) -> tuple[dict[str, Any], dict[str, str]]:
-    async with http.post(url + "/v1/chat/completions", json={
+    async with http.post(url + "/v1/chat/completions", headers=headers or {}, json={
             "model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0}) as r:
         assert r.status == 200, await r.text()
         return await r.json(), dict(r.headers)
@@ -128,10 +129,13 @@ async def test_follow_ups_of_conversations_warmed_outside_land_where_they_are_he
         'prefixd_route_event_mispredictions_total{backend="w0"} 0.0' in metrics
 
 
+@pytest.mark.parametrize("key", [None, "k3y-for-the-workers"])
 async def test_the_gateways_picker_follows_them_too(
-        workers: list[tuple[Generator, int]], http: aiohttp.ClientSession) -> None:
+        workers: list[tuple[Generator, int]], http: aiohttp.ClientSession,
+        key: str | None) -> None:
     """`prefixd picker` (Envoy's ext_proc) over the same workers: each follow-up of a
-    conversation warmed directly is picked for the worker that holds it."""
+    conversation warmed directly is picked for the worker that holds it. Workers that need
+    a key are asked for token ids with the backend's `api_key`."""
     pytest.importorskip("grpc")
     import json
 
@@ -140,13 +144,15 @@ async def test_the_gateways_picker_follows_them_too(
     from prefixd.proxy.picker.server import start
     from prefixd.proxy.settings import Settings
 
-    servers = [TestServer(create_app(gen, "tiny", _settings(port)), host="127.0.0.1")
+    servers = [TestServer(create_app(gen, "tiny", _settings(port), key), host="127.0.0.1")
                for gen, port in workers]
     for s in servers:
         await s.start_server()
     addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     settings = Settings(_env_file=None, prefix_detect=False, backends=[
         {"name": f"w{i}", "kind": "prefixd", "url": f"http://{a}", "models": ["tiny"],
+         **({"api_key": key} if key else {}),
          "kv_events": f"tcp://127.0.0.1:{port}",
          "kv_events_replay": f"tcp://127.0.0.1:{port + 1}"}
         for i, (a, (_, port)) in enumerate(zip(addresses, workers, strict=True))])
@@ -157,7 +163,7 @@ async def test_the_gateways_picker_follows_them_too(
         for i in range(CONVERSATIONS):
             messages = [{"role": "system", "content": f"Picker agent {i}. " + "Note. " * 50},
                         {"role": "user", "content": f"Job {i}: " + "list the files. " * 6}]
-            answer, _ = await _chat(http, "http://" + addresses[(i + 1) % 2], messages)
+            answer, _ = await _chat(http, "http://" + addresses[(i + 1) % 2], messages, auth)
             follow_ups[i] = [*messages, answer["choices"][0]["message"],
                              {"role": "user", "content": "And the tests? " * 4}]
         deadline = time.monotonic() + DEADLINE

@@ -50,6 +50,7 @@ class Declared:
     max_concurrency: int = 1
     queue_depth: int = 64
     stream: Stream | None = None      # its KV event stream, when it publishes one
+    api_key: str | None = None        # a backend's key (the picker's own calls: /tokenize)
 
 
 def from_backends(configs: list[BackendConfig]) -> list[Declared]:
@@ -72,7 +73,8 @@ def from_backends(configs: list[BackendConfig]) -> list[Declared]:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         host = f"[{ip}]" if ip.version == 6 else str(ip)
         out.append(Declared(c.name, f"{host}:{port}", tuple(c.models), c.concurrency,
-                            c.queue_depth, streams_of([c]).get(c.name)))
+                            c.queue_depth, streams_of([c]).get(c.name),
+                            c.api_key.get_secret_value() if c.api_key else None))
     return out
 
 

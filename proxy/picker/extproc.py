@@ -173,7 +173,8 @@ class Exchange:
                     and p.core.wants_tokens(ask.view.model):   # what endpoints announce
                 v = ask.view
                 ask.view = p.core.view(v.model, v.lane, v.chain,
-                                       await p.tokenize(v.model, ask.prepared.body))
+                                       await p.tokenize(v.model, ask.prepared.body,
+                                                        self.headers.get("authorization")))
             order = self.order(ask)
         except ApiError as e:
             m.PICKS.labels(str(e.status)).inc()

@@ -53,10 +53,13 @@ class Picker(pbg.ExternalProcessorServicer):
         """Follow the KV event streams of the endpoints declared now."""
         await self.core.follow.set(self.endpoints.streams())
 
-    async def tokenize(self, model: str, body: dict) -> list[int] | None:
+    async def tokenize(self, model: str, body: dict, authorization: str | None = None
+                       ) -> list[int] | None:
         """The prompt's token ids from an endpoint of `model` that publishes KV events
         (`POST /tokenize`: prefixd workers and vLLM answer it with `tokens`), within
-        `TOKENIZE_TIMEOUT_S`; None when none can tell."""
+        `TOKENIZE_TIMEOUT_S`; None when none can tell. Sent with the endpoint's `api_key`
+        (a backend's), else the client's own `authorization` (the request goes to the same
+        servers)."""
         streams = self.endpoints.streams()
         names = [n for n in self.core.index.get(model, ())
                  if n in streams and n not in self._no_tokenize and self.core.endpoints[n].up]
@@ -66,8 +69,11 @@ class Picker(pbg.ExternalProcessorServicer):
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S))
         address = self.core.endpoints[names[0]].address
+        key = next((d.api_key for d in self.endpoints.declared if d.name == names[0]), None)
+        headers = {"Authorization": f"Bearer {key}"} if key else \
+            {"Authorization": authorization} if authorization else {}
         try:
-            async with self._session.post(f"http://{address}/tokenize",
+            async with self._session.post(f"http://{address}/tokenize", headers=headers,
                                           json={**body, "model": model}) as r:
                 if r.status == 404:
                     self._no_tokenize.add(names[0])
