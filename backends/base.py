@@ -7,7 +7,8 @@ the `async with` block, so leaving it early (client gone, error) closes the upst
 What a kind can do beyond that is typed, never probed: `capabilities` (static facts routing
 decides on), and accessors that return a facet or None — `worker()` (how to reach a prefixd
 worker's own endpoints now), `slot_info()`/`fetch_slots()` (an upstream with parallel slots:
-llama-server), `managed()` (a worker process the model pool loads and unloads),
+llama-server), `slot_keeper()` (a managed llama-server's slots), `managed()` (a worker
+process the model pool loads and unloads),
 `context_window()` (the model's window in tokens, when known). One `BackendState` vocabulary
 serves every kind, routing and the status page.
 """
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     import aiohttp
 
     from prefixd.backends.config import BackendConfig
-    from prefixd.backends.llama import ServerInfo, SlotState
+    from prefixd.backends.llama.info import ServerInfo, SlotState
+    from prefixd.backends.llama.keeper import SlotKeeper
 
 
 class BackendUnavailable(Exception):
@@ -183,6 +185,10 @@ class Backend(Protocol):
     async def fetch_slots(self) -> list[SlotState]:
         """Its slots now (`GET /slots`); empty when it has none or cannot tell."""
 
+    def slot_keeper(self) -> SlotKeeper | None:
+        """A managed llama-server's slot keeper (every request pinned to the slot holding its
+        prefix, slot files saved and restored), for its current process; None otherwise."""
+
     def managed(self) -> Managed | None:
         """This backend as a worker process the model pool manages, or None."""
 
@@ -216,6 +222,9 @@ class BackendBase:
 
     async def fetch_slots(self) -> list[SlotState]:
         return []
+
+    def slot_keeper(self) -> SlotKeeper | None:
+        return None
 
     def managed(self) -> Managed | None:
         return None

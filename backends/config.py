@@ -20,11 +20,12 @@ class BackendConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    kind: Literal["openai", "mlx", "prefixd"] = "openai"
+    kind: Literal["openai", "mlx", "prefixd", "llama"] = "openai"
     url: str | None = Field(None, description="openai/prefixd: base URL of the upstream, "
                             "e.g. http://127.0.0.1:8080 (prefixd: a `prefixd worker` on "
                             "another machine)")
-    model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in name")
+    model: str | None = Field(None, description="mlx: model folder, Hub id, or a built-in "
+                              "name; llama: a GGUF file or a built-in name")
     models: list[str] = Field(default_factory=list, description="model names this backend serves")
     max_concurrency: Annotated[int, Field(ge=1)] | None = Field(
         None, description="requests sent to the backend at once (the rest queue in prefixd). "
@@ -78,6 +79,12 @@ class BackendConfig(BaseModel):
         "batches a gap lost; mlx: its worker binds it")
     kv_events_topic: str = Field("", description="the topic prefix to subscribe to (all: "
                                  "empty)")
+    slots: Annotated[int, Field(ge=1, le=256)] | None = Field(
+        None, description="llama: the server's slots (-np), one conversation's prompt each; "
+        "default 4. Its context is slots x context_window (default 8192 per slot)")
+    llama_args: list[str] = Field(
+        default_factory=list, description="llama: extra llama-server flags, after prefixd's "
+        "own (a flag given here wins), e.g. [\"-t\", \"8\", \"-ngl\", \"99\"]")
     worker_env: dict[str, str] = Field(default_factory=dict,
                                        description="mlx: extra PREFIXD_* settings for the worker")
 
@@ -86,6 +93,8 @@ class BackendConfig(BaseModel):
         """`max_concurrency`, or its default for the kind."""
         if self.max_concurrency is not None:
             return self.max_concurrency
+        if self.kind == "llama":          # a request per slot; more would wait in the server
+            return self.slots or 4
         return 1 if self.kind == "openai" else DEFAULT_ACTIVE
 
     @model_validator(mode="after")
@@ -100,9 +109,10 @@ class BackendConfig(BaseModel):
                                  "in 'models'")
         else:
             if not self.model:
-                raise ValueError(f"backend {self.name!r}: kind 'mlx' needs 'model'")
+                raise ValueError(f"backend {self.name!r}: kind {self.kind!r} needs 'model'")
             if not self.models:
-                self.models = [Path(self.model).name if "/" in self.model else self.model]
+                name = Path(self.model).name if "/" in self.model else self.model
+                self.models = [name.removesuffix(".gguf")]
         return self
 
 

@@ -40,9 +40,9 @@ from prefixd.backends.config import BackendConfig
 from prefixd.backends.health import local_session
 from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.process import CommandBuilder, worker_command
+from prefixd.backends.process import EXIT_LOAD_FAILED, CommandBuilder, worker_command
 from prefixd.backends.states import ProcState
-from prefixd.backends.supervisor import Supervisor
+from prefixd.backends.supervisor import EnvBuilder, Supervisor
 
 log = logging.getLogger("prefixd.backend")
 
@@ -53,11 +53,13 @@ class ManagedBackend(BackendBase):
     def __init__(self, config: BackendConfig, settings: WorkerSettings, *,
                  command: CommandBuilder | None = None, stop_grace_s: float = 20.0,
                  backoff_s: tuple[float, float] = (0.5, 30.0), stable_s: float = 60.0,
-                 retry_min_s: float = 5.0) -> None:
+                 retry_min_s: float = 5.0, env: EnvBuilder | None = None,
+                 load_failed_exit: int | None = EXIT_LOAD_FAILED) -> None:
         """`command(port)` gives the worker argv (tests run a fake worker); `stop_grace_s`
         is the SIGTERM→SIGKILL grace; `backoff_s` the first and the largest restart delay;
         a worker ready for `stable_s` resets the backoff; a request makes a failed backend
-        try again at most once per `retry_min_s`."""
+        try again at most once per `retry_min_s`; `env` and `load_failed_exit`: another
+        kind of child (`Supervisor`)."""
         self.name = config.name
         if len(config.hosts) > 1:   # a group worker moves no prefix states (yet)
             self.capabilities = Capabilities(restarts_itself=True, partitions_cache=True)
@@ -70,7 +72,8 @@ class ManagedBackend(BackendBase):
             config.model or "", port, config.models[0] if config.models else None))
         self._stop_grace_s = stop_grace_s
         self._sup = Supervisor(config, settings, command, grace_s=stop_grace_s,
-                               backoff_s=backoff_s, stable_s=stable_s, retry_min_s=retry_min_s)
+                               backoff_s=backoff_s, stable_s=stable_s, retry_min_s=retry_min_s,
+                               env=env, load_failed_exit=load_failed_exit)
         self._session: aiohttp.ClientSession | None = None
         self._stopper: asyncio.Future[None] | None = None
         self._window = worker_api.WindowMemo()

@@ -1,7 +1,7 @@
 """Backend kind `openai`: any OpenAI-compatible upstream (llama-server, mlx_lm.server, vLLM,
 Ollama). Owns its HTTP session and a periodic health probe that sets its up/down state; each
 time the upstream comes up it is asked whether it is a llama-server with slots
-(`backends/llama.py`: `slot_info()`); which slot a conversation runs in is routing's call
+(`backends/llama/info.py`: `slot_info()`); which slot a conversation runs in is routing's call
 (`proxy/routing/slots.py`)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from prefixd.backends.base import (
 )
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.http import client_session, post_stream
-from prefixd.backends.llama import ServerInfo, SlotState, detect_server, parse_slots
+from prefixd.backends.llama.info import ServerInfo, SlotState, detect_server, parse_slots
 from prefixd.metrics.proxy import BACKEND_UP
 
 log = logging.getLogger("prefixd.backend")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -35,6 +35,9 @@ from prefixd.metrics.proxy import BACKEND_RESTARTS, MODEL_LOAD_SECONDS, MODEL_LO
 
 log = logging.getLogger("prefixd.backend")
 __all__ = ["ProcState", "Supervisor"]     # ProcState: where `managed` imports it from
+# the child's environment for a start: (its secret token, the cache budget the pool gave)
+EnvBuilder = Callable[[str, int | None], dict[str, str]]
+SAVE_BEFORE_STOP_S = 60.0     # the most a `before_stop` hook may take
 
 
 class Supervisor(StateMachine):
@@ -42,9 +45,18 @@ class Supervisor(StateMachine):
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, command: CommandBuilder, *,
                  grace_s: float, backoff_s: tuple[float, float], stable_s: float,
-                 retry_min_s: float) -> None:
+                 retry_min_s: float, env: EnvBuilder | None = None,
+                 load_failed_exit: int | None = EXIT_LOAD_FAILED) -> None:
+        """`env` builds the child's environment (default: a prefixd worker's);
+        `load_failed_exit` is the exit code that means it cannot load its model (no retry)."""
         super().__init__(config.name)
         self._cfg, self._settings, self._command = config, settings, command
+        self._env: EnvBuilder = env or (lambda token, cache: worker_env(
+            config, settings, token=token, cache_bytes=cache))
+        self._load_failed_exit = load_failed_exit
+        # Run while the child still answers, before it is stopped on purpose (idle or budget
+        # unload, shutdown): never after a crash. Bounded by SAVE_BEFORE_STOP_S.
+        self.before_stop: Callable[[], Awaitable[None]] | None = None
         self._grace = grace_s
         self.policy = RestartPolicy(config, backoff_s, stable_s, retry_min_s)
         self.usage = Usage()
@@ -169,6 +181,8 @@ class Supervisor(StateMachine):
                 self._fail(f"supervisor error: {e!r}", scheduled=False)
         finally:
             # Cancelled by stop() (or the loop ending): the child must not outlive us.
+            if self.state is S.READY:
+                await self._before_stop()
             if self.state in (S.STARTING, S.READY):
                 self._set_state(S.STOPPING, "shutting down")
             if self.worker is not None:
@@ -197,7 +211,7 @@ class Supervisor(StateMachine):
                 MODEL_UNLOADS.labels(self.name, verdict.reason if isinstance(verdict, Idle)
                                      else "failure").inc()
                 if isinstance(verdict, Idle):
-                    await self._reap(verdict.why)
+                    await self._reap(verdict.why, on_purpose=True)
                     return
                 p.ran(self._now() - ready_at)
                 self.last_error = verdict
@@ -257,8 +271,7 @@ class Supervisor(StateMachine):
         self._set_state(S.STARTING, f"port {port}")
         try:
             self.worker = await WorkerProcess.spawn(
-                self._command(port), worker_env(self._cfg, self._settings, token=self.token,
-                                                cache_bytes=self.cache_bytes),
+                self._command(port), self._env(self.token, self.cache_bytes),
                 self.name, on_exit=self._poke.set)
         except OSError as e:
             error: str | None = f"cannot start the worker: {e}"
@@ -272,7 +285,8 @@ class Supervisor(StateMachine):
             self._set_state(S.READY, f"pid {self.worker.pid}" if self.worker else "")
             self.usage.last_used = self._now()
             return None, False
-        load_failed = self.worker is not None and self.worker.returncode == EXIT_LOAD_FAILED
+        load_failed = (self.worker is not None and self._load_failed_exit is not None
+                       and self.worker.returncode == self._load_failed_exit)
         # Set before the transition wakes the waiters, so they report this attempt.
         self.last_error = error
         self.start_failures += 1
@@ -313,8 +327,22 @@ class Supervisor(StateMachine):
                 continue
             await wait_event(self._poke, min(next_probe, idle_at or next_probe) - now)
 
-    async def _reap(self, why: str) -> None:
-        """Make sure the current child is gone, ending in STOPPED."""
+    async def _before_stop(self) -> None:
+        """The `before_stop` hook, once, bounded; its failure is logged, never raised."""
+        hook = self.before_stop
+        if hook is None or self.worker is None or self.worker.exited.is_set():
+            return
+        try:
+            async with asyncio.timeout(SAVE_BEFORE_STOP_S):
+                await hook()
+        except Exception as e:
+            log.warning("backend %s: before stopping: %r", self.name, e)
+
+    async def _reap(self, why: str, on_purpose: bool = False) -> None:
+        """Make sure the current child is gone, ending in STOPPED (`on_purpose`: an unload,
+        so the `before_stop` hook runs first)."""
+        if on_purpose and self.state is S.READY:
+            await self._before_stop()
         if self.worker is not None and not self.worker.exited.is_set():
             if self.state in (S.STARTING, S.READY):
                 self._set_state(S.STOPPING, why)

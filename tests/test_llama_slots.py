@@ -14,7 +14,7 @@ import pytest
 from fake_llama import FakeLlama, Served, lcp, render, tokenize
 
 from prefixd.api.usage import Usage
-from prefixd.backends.llama import ServerInfo, SlotState, advice, parse_props, parse_slots
+from prefixd.backends.llama.info import ServerInfo, SlotState, advice, parse_props, parse_slots
 from prefixd.proxy.bodies import with_field
 from prefixd.proxy.routing.slotbook import Pin, SlotBook, SlotView, decide_slot, locate
 from prefixd.proxy.routing.slots import SlotPlanner
@@ -98,15 +98,18 @@ async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
         async def fetch_slots(self) -> list[SlotState]:
             return parse_slots(await fetch("/slots"))
 
+        def slot_keeper(self) -> None:
+            return None
+
     ls = SlotPlanner(Server(), ServerInfo(2, 4096))  # type: ignore[arg-type]
     usage = Usage.parse({"prompt_tokens": 800, "completion_tokens": 5,
                          "prompt_tokens_details": {"cached_tokens": 700}})
     # a new conversation: the server places it, with a random seed that /slots shows back
     a1 = ls.expect("r1", "A", 0)
-    sent = ls.prepare("r1", b'{"messages":[]}')
+    sent = await ls.prepare("r1", b'{"messages":[]}')
     assert a1.marker is not None and sent == b'{"seed":%d,"messages":[]}' % a1.marker
     b1 = ls.expect("r2", "B", 0)
-    ls.prepare("r2", b"{}")
+    await ls.prepare("r2", b"{}")
     assert b1.pin == Pin(None, "unsettled")          # A is not located yet
     answers["/slots"] = ran(1, a1.marker)
     await ls.learn(a1, usage)
@@ -114,22 +117,22 @@ async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
     ls.done(b1)                                   # failed: where it ran is unknown
     assert not ls.book.view("A", 0.0).own_intact  # ... so A's slot may be gone too
     a2 = ls.expect("r3", "A", 700)
-    ls.prepare("r3", b'{"seed":7}')               # the client's seed: found by counts
+    await ls.prepare("r3", b'{"seed":7}')               # the client's seed: found by counts
     assert a2.marker is None
     answers["/slots"] = ran(0, 7)
     await ls.learn(a2, usage)
     ls.done(a2)
     # A's next turn finds its slot intact: pinned, spliced into the bytes as sent
     a3 = ls.expect("r4", "A", 800)
-    assert ls.prepare("r4", b'{"model":"m"}') == b'{"id_slot":0,"model":"m"}'
+    assert await ls.prepare("r4", b'{"model":"m"}') == b'{"id_slot":0,"model":"m"}'
     await ls.learn(a3, usage)
     ls.done(a3)
     # the client's own id_slot is left alone
     c = ls.expect("r5", "C", 0)
-    assert ls.prepare("r5", b'{"id_slot":1}') == b'{"id_slot":1}' and c.pin == Pin(None, "client")
+    assert await ls.prepare("r5", b'{"id_slot":1}') == b'{"id_slot":1}' and c.pin == Pin(None, "client")
     ls.done(c)
     assert ls.pins == {"server": 1, "unsettled": 1, "taken": 1, "holds_prefix": 1, "client": 1}
-    assert ls.prepare("unknown", b"{}") == b"{}"   # never announced: untouched
+    assert await ls.prepare("unknown", b"{}") == b"{}"   # never announced: untouched
 
 
 # llama.cpp's server (b7xxx): /props and /slots as it answers them

@@ -150,16 +150,25 @@ class Router(RoutingCore):
         name = attempt.backend.name
         self.inflight.add(name, attempt, view.chain)
         planner = self.planner(name)
-        if planner is not None and view.lane:
-            attempt.placement = planner.expect(request_id, view.lane, attempt.decision.predicted)
+        if planner is not None and (view.lane or planner.keeper is not None):
+            attempt.placement = planner.expect(request_id, view.lane or "",
+                                               attempt.decision.predicted)
             await planner.occupy()
 
-    def pin(self, attempt: Attempt, raw: bytes) -> bytes:
-        """The bytes to send for the attempt: with a slot pin (or marker) where that helps."""
-        planner = self._planners.get(attempt.backend.name)
-        if planner is None or attempt.placement is None:
+    async def pin(self, attempt: Attempt, raw: bytes, request_id: str) -> bytes:
+        """The bytes to send for the attempt: with a slot pin (or marker) where that helps.
+        A managed llama-server may have (re)started only now (`ensure_ready`): its planner
+        expects the request here then."""
+        name = attempt.backend.name
+        keeper = attempt.backend.slot_keeper()
+        planner = self.planner(name) if keeper is not None else self._planners.get(name)
+        if planner is None:
             return raw
-        return planner.prepare(attempt.placement.request_id, raw)
+        if planner.keeper is not None and not planner.expects(request_id):
+            attempt.placement = planner.expect(request_id, "", attempt.decision.predicted)
+        if attempt.placement is None:
+            return raw
+        return await planner.prepare(attempt.placement.request_id, raw)
 
     async def end(self, attempt: Attempt) -> None:
         """The attempt ended (answered, failed, or sent elsewhere); a complete answer teaches

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from prefixd.backends.llama import SlotState
+from prefixd.backends.llama.info import SlotState
 
 ACTIVE_S = 300.0          # a conversation with a request this recent is active
 UNKNOWN = "?"             # a slot holding a prompt no conversation of ours is known to own

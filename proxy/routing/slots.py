@@ -3,10 +3,16 @@ its attempt starts (`expect`), pinned or marked when it is sent (`prepare`, insi
 slot, so the book already knows where every earlier request ran), and learned from after a
 good answer (`learn`); `done` always. The router owns one planner per server, made when the
 backend reports slots (`Backend.slot_info()`) and dropped when it restarts.
+
+A managed llama-server (kind `llama`) has a slot keeper (`Backend.slot_keeper()`): there every
+request is pinned to the slot that holds its prefix, by its exact prompt tokens, with slot
+files saved and restored as the keeper decides (`backends/llama/placement.py`). Elsewhere the
+planner's own book decides (`slotbook.py`), from conversations (lanes) and what it learned.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -15,7 +21,8 @@ from typing import Any
 
 from prefixd.api.usage import Usage
 from prefixd.backends.base import Backend
-from prefixd.backends.llama import ServerInfo
+from prefixd.backends.llama.info import ServerInfo
+from prefixd.backends.llama.keeper import Placed
 from prefixd.metrics.proxy import SLOT_PINS
 from prefixd.proxy.bodies import with_field
 from prefixd.proxy.routing.slotbook import Pin, SlotBook, decide_slot, locate
@@ -33,6 +40,7 @@ class Placement:
     pin: Pin | None = None       # decided when the request is sent
     marker: int | None = None    # the seed it was sent with, to find it in /slots
     learned: bool = False        # where it ran is known
+    placed: Placed | None = None  # where a slot keeper put it
 
 
 class SlotPlanner:
@@ -46,24 +54,32 @@ class SlotPlanner:
         self._pending: dict[str, Placement] = {}
         self._unplaced = 0                       # sent unpinned, not located yet
         self.takeover_seen = False               # measured: it selects slots by similarity
+        self.keeper = backend.slot_keeper()      # a managed server's: slot-exact placement
+        self.exact = {"requests": 0, "expected": 0, "cached": 0}   # keeper pins, measured
 
     async def occupy(self) -> None:
         """Once: slots holding prompts the book knows nothing of (it just came up, or other
         clients use it) are nobody's to pin to."""
-        if not self._occupied_read:
+        if not self._occupied_read and self.keeper is None:
             self._occupied_read = True
             self.book.occupied(await self._backend.fetch_slots())
+
+    def expects(self, request_id: str) -> bool:
+        return request_id in self._pending
 
     def expect(self, request_id: str, lane: str, predicted: int) -> Placement:
         p = Placement(request_id, lane, predicted)
         self._pending[request_id] = p
         return p
 
-    def prepare(self, request_id: str, body: bytes) -> bytes:
-        """The bytes to send for an expected request: with `id_slot` where a pin helps."""
+    async def prepare(self, request_id: str, body: bytes) -> bytes:
+        """The bytes to send for an expected request: with `id_slot` where a pin helps (a
+        slot keeper's server: always, after the keeper's saves and restores)."""
         p = self._pending.get(request_id)
         if p is None or p.pin is not None:
             return body
+        if self.keeper is not None:
+            return await self._place(p, body)
         now = time.monotonic()
         if b'"id_slot"' in body:         # the client chose: where it runs is learned after
             p.pin = Pin(None, "client")
@@ -83,9 +99,41 @@ class SlotPlanner:
             return with_field(body, "seed", p.marker)
         return body
 
+    async def _place(self, p: Placement, body: bytes) -> bytes:
+        assert self.keeper is not None
+        if b'"id_slot"' in body:              # the client chose: the keeper forgets that slot
+            p.pin = Pin(None, "client")
+            try:
+                slot = json.loads(body).get("id_slot")
+            except (ValueError, AttributeError):
+                slot = None
+            if isinstance(slot, int):
+                self.keeper.overwritten(slot)
+        else:
+            try:
+                tokens = await self._backend.tokenize(json.loads(body))
+            except ValueError:
+                tokens = None
+            p.placed = await self.keeper.place(tokens)
+            p.pin = Pin(None, "server") if p.placed is None else \
+                Pin(p.placed.slot, p.placed.reason)
+        self.pins[p.pin.reason] = self.pins.get(p.pin.reason, 0) + 1
+        SLOT_PINS.labels(self.name, p.pin.reason).inc()
+        return body if p.pin.slot is None else with_field(body, "id_slot", p.pin.slot)
+
     async def learn(self, p: Placement, usage: Usage | None) -> None:
         """After a good answer: a pin's hit or miss; where an unpinned request ran."""
         if p.pin is None:
+            return
+        if p.placed is not None and self.keeper is not None:
+            self.keeper.ran(p.placed)
+            p.learned = True
+            if usage is not None and usage.cached is not None:
+                self.exact["requests"] += 1
+                self.exact["expected"] += p.placed.expect
+                self.exact["cached"] += usage.cached
+            return
+        if self.keeper is not None:
             return
         usage = usage or Usage()
         prompt, cached, completion = usage.prompt, usage.cached, usage.completion
@@ -122,14 +170,19 @@ class SlotPlanner:
     def done(self, p: Placement) -> None:
         """The request ended (answered, failed or abandoned)."""
         self._pending.pop(p.request_id, None)
-        if p.pin is None or p.pin.slot is not None:
+        if p.placed is not None and not p.learned and self.keeper is not None:
+            self.keeper.failed(p.placed)
+        if p.pin is None or p.pin.slot is not None or self.keeper is not None:
             return
         self._unplaced -= 1
         if not p.learned:
             self.book.lost(p.lane)
 
     def status(self) -> dict[str, Any]:
-        return {"slots": self.info.total_slots, "slot_similarity": self.info.similarity,
-                "cache_ram_mib": self.info.cache_ram_mib, "slot_pins": dict(self.pins),
-                "slot_takeover_seen": self.takeover_seen,
-                "slot_pins_trusted": self.book.trusted}
+        out = {"slots": self.info.total_slots, "slot_similarity": self.info.similarity,
+               "cache_ram_mib": self.info.cache_ram_mib, "slot_pins": dict(self.pins),
+               "slot_takeover_seen": self.takeover_seen,
+               "slot_pins_trusted": self.book.trusted}
+        if self.keeper is not None:        # slot-exact: what the pins expected and found
+            out["slot_exact"] = dict(self.exact)
+        return out

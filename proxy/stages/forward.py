@@ -36,7 +36,8 @@ class ForwardStage:
         try:
             await backend.ensure_ready()
             path = CHAT_PATH if ex.api.kind == "chat" else COMPLETIONS_PATH
-            up_req = UpstreamRequest(path=path, body=self.router.pin(attempt, forward_body(ex)),
+            body = await self.router.pin(attempt, forward_body(ex), ex.trace.request_id)
+            up_req = UpstreamRequest(path=path, body=body,
                                      stream=ex.stream, request_id=ex.trace.request_id,
                                      headers=namespace_headers(ex, backend),
                                      timeout_s=self.request_timeouts[backend.name])

@@ -1,0 +1,158 @@
+"""One running llama-server's slots as prefixd keeps them (`SlotKeeper`): what each slot holds
+(the exact prompt tokens prefixd put there), which slots run a request, and the moves a
+placement needs (save a slot into a slot file, restore one) before a request is pinned.
+
+Made for each server process and dropped with it; the slot files (`SlotFiles`) outlive it.
+`save_all()` runs before the server is stopped on purpose (an unload, a swap, prefixd's own
+shutdown). Every request a keeper placed ends with `ran` (the slot now holds its prompt) or
+`failed` (what the slot holds is unknown: it is treated as empty and unsaved-free).
+
+Owns: the slots' bookkeeping and the counts of placements, saves and restores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+from prefixd.backends.llama.api import LlamaAPI, SlotActionError
+from prefixd.backends.llama.placement import Placement, SlotHeld, place
+from prefixd.backends.llama.slotfiles import SlotFile, SlotFiles, common, pack
+from prefixd.metrics import llama as m
+
+log = logging.getLogger("prefixd.backend")
+
+
+@dataclass
+class Slot:
+    tokens: bytes = b""      # the prompt it last ran (packed int32), or what was restored
+    saved: bool = True       # a slot file holds it (nothing to lose)
+    busy: bool = False
+    used: float = 0.0
+
+
+@dataclass
+class Placed:
+    slot: int
+    reason: str
+    tokens: bytes
+    expect: int
+
+
+class SlotKeeper:
+    def __init__(self, name: str, api: LlamaAPI, n_slots: int, files: SlotFiles | None) -> None:
+        self.name, self.api, self.files = name, api, files
+        self.slots = [Slot() for _ in range(n_slots)]
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = asyncio.Lock()           # one placement (and its moves) at a time
+
+    async def place(self, tokens: list[int] | None) -> Placed | None:
+        """Choose the slot for a request with these prompt tokens (None: unknown), save and
+        restore what that needs, and mark the slot busy. None: every slot is busy."""
+        async with self._lock:
+            packed = pack(tokens) if tokens else b""
+            best_file, file_tokens = (self.files.best(packed) if self.files and packed
+                                      else (None, 0))
+            view = [SlotHeld(common(s.tokens, packed), len(s.tokens) // 4, s.saved, s.busy,
+                             s.used) for s in self.slots]
+            choice = place(view, file_tokens)
+            if choice is None:
+                return None
+            slot = self.slots[choice.slot]
+            slot.busy = True
+            try:
+                await self._moves(choice, slot, best_file)
+            except BaseException:
+                slot.busy = False
+                raise
+            reason = choice.reason if choice.reason != "restore" or slot.tokens else "fresh"
+            self.counts[reason] += 1
+            m.SLOT_PLACEMENTS.labels(self.name, reason).inc()
+            return Placed(choice.slot, reason, packed, common(slot.tokens, packed))
+
+    async def _moves(self, choice: Placement, slot: Slot, best: SlotFile | None) -> None:
+        if choice.save_first:
+            await self._save(choice.slot, slot)
+        if choice.restore and best is not None and self.files is not None:
+            outcome = await asyncio.to_thread(self.files.check, best)
+            if outcome == "hit":
+                try:
+                    done = await self.api.slot_action(choice.slot, "restore", best.name)
+                except SlotActionError as e:
+                    log.warning("backend %s: %s", self.name, e)
+                    outcome, slot.tokens = "failed", b""
+                    await asyncio.to_thread(self.files.drop, best, "restore_failed")
+                else:
+                    if done.tokens != best.n_tokens:
+                        outcome = "damaged"
+                        await asyncio.to_thread(self.files.drop, best, "damaged")
+                        slot.tokens = b""
+                    else:
+                        slot.tokens, slot.saved = best.tokens, True
+                        await asyncio.to_thread(self.files.used, best)
+            else:
+                slot.tokens, slot.saved = b"", True      # it will hold the new prompt only
+            self.counts[f"restore_{outcome}"] += 1
+            m.SLOT_RESTORES.labels(self.name, outcome).inc()
+            if outcome != "hit":
+                log.info("backend %s: slot file %s not restored (%s): the prompt is computed",
+                         self.name, best.name, outcome)
+
+    async def _save(self, index: int, slot: Slot) -> bool:
+        """Save a slot into a new slot file; True when it is indexed."""
+        if self.files is None or not slot.tokens:
+            return False
+        name = self.files.new_name()
+        try:
+            done = await self.api.slot_action(index, "save", name)
+        except SlotActionError as e:
+            log.warning("backend %s: %s", self.name, e)
+            self.counts["save_failed"] += 1
+            m.SLOT_SAVES.labels(self.name, "failed").inc()
+            return False
+        f = await asyncio.to_thread(self.files.added, name, done.tokens)
+        outcome = "saved" if f is not None else "unreadable"
+        self.counts[f"save_{outcome}"] += 1
+        m.SLOT_SAVES.labels(self.name, outcome).inc()
+        m.SLOT_FILE_BYTES.labels(self.name).set(self.files.size)
+        if f is not None:
+            slot.saved = True
+        return f is not None
+
+    def ran(self, placed: Placed) -> None:
+        """The request answered: its slot holds its prompt now (and tokens it generated)."""
+        slot = self.slots[placed.slot]
+        slot.tokens, slot.saved = placed.tokens, not placed.tokens
+        slot.busy, slot.used = False, time.monotonic()
+
+    def failed(self, placed: Placed) -> None:
+        """The request did not answer whole: what its slot holds is unknown."""
+        slot = self.slots[placed.slot]
+        slot.tokens, slot.saved, slot.busy = b"", True, False
+        slot.used = time.monotonic()
+
+    def overwritten(self, index: int) -> None:
+        """A client named this slot itself: what it holds next is unknown."""
+        if 0 <= index < len(self.slots):
+            slot = self.slots[index]
+            slot.tokens, slot.saved = b"", True
+
+    async def save_all(self) -> int:
+        """Before the server stops: every slot holding what no file holds is saved. The
+        number saved."""
+        async with self._lock:
+            n = 0
+            for i, slot in enumerate(self.slots):
+                if not slot.saved and slot.tokens and await self._save(i, slot):
+                    n += 1
+            if n:
+                log.info("backend %s: saved %d slot(s) before stopping", self.name, n)
+            return n
+
+    def status(self) -> dict:
+        return {"slots": [{"id": i, "tokens": len(s.tokens) // 4, "saved": s.saved,
+                           "busy": s.busy} for i, s in enumerate(self.slots)],
+                "placements": dict(self.counts)}
