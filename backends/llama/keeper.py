@@ -114,7 +114,8 @@ class SlotKeeper:
             m.SLOT_SAVES.labels(self.name, "failed").inc()
             return False
         f = await asyncio.to_thread(self.files.added, name, done.tokens)
-        outcome = "saved" if f is not None else "unreadable"
+        outcome = "saved" if f is not None else (
+            "too_large" if done.bytes > self.files.budget else "unreadable")
         self.counts[f"save_{outcome}"] += 1
         m.SLOT_SAVES.labels(self.name, outcome).inc()
         m.SLOT_FILE_BYTES.labels(self.name).set(self.files.size)

