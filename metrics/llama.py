@@ -13,7 +13,8 @@ SLOT_PLACEMENTS = Counter(
 SLOT_SAVES = Counter(
     "prefixd_llama_slot_saves_total", "Slots saved into slot files (before being overwritten "
     "or stopped), by outcome: saved, failed (the server refused), unreadable (the file did "
-    "not check out), too_large (larger than the whole disk budget).", ["backend", "outcome"], registry=REGISTRY)
+    "not check out), too_large (larger than the whole disk budget).", ["backend", "outcome"],
+    registry=REGISTRY)
 SLOT_RESTORES = Counter(
     "prefixd_llama_slot_restores_total", "Slot files restored into a slot before a request, "
     "by outcome: hit, or a miss (missing, damaged, failed): the prompt is then computed.",
