@@ -190,6 +190,17 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
                            {"lane": "lane-11bc", "tokens": 3_500}],
                    "predicted_tokens": 52_000, "reported_tokens": 51_200,
                    "mispredictions": 1}},
+        {"name": "ls", "kind": "llama", "state": "ready", "up": True, "models": ["smol"],
+         "queue_depth": 0, "in_flight": 1, "max_concurrency": 2, "last_error": None,
+         "cache": {"bytes_used": 0, "budget": 2_147_483_648},
+         "llama_slots": {"slots": [{"id": 0, "tokens": 5210, "saved": False, "busy": True},
+                                   {"id": 1, "tokens": 880, "saved": True, "busy": False}],
+                         "placements": {"fresh": 3, "holds_prefix": 20, "restore": 6,
+                                        "save_saved": 7, "restore_hit": 5,
+                                        "restore_damaged": 1}},
+         "slot_files": {"dir": "/c/llama-slots/ls/ab", "files": 4, "bytes": 410_000_000,
+                        "budget_bytes": 8_000_000_000, "tokens": 17_000,
+                        "counts": {"saved": 7, "superseded": 2, "damaged": 1}}},
         {"name": "gone", "kind": "mlx", "state": "failed", "up": False, "models": ["x"],
          "queue_depth": 0, "in_flight": 0, "max_concurrency": 1, "cache": None,
          "footprint_bytes": 9_000_000_000, "footprint_source": "estimate",
@@ -229,6 +240,10 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
                       " tok · 1 misslane-7f3a 18,000 toklane-11bc 3,500 tok")
     links = [a.attrs.get("href") for a in dom.one("tr", data_backend="q35").all("a")]
     assert links == ["#lane=lane-7f3a", "#lane=lane-11bc"]
+    ls = [td.text for td in dom.one("tr", data_backend="ls").all("td")]
+    assert ls[7] == ("2 slots: 5,210 · 880*2 held · 1 busy · pinned: 20 holds_prefix, "
+                     "6 restore, 3 freshsaves 7 · restores 5 hit, 1 damaged"
+                     "slot files 4 files · 410 MB / 8.0 GBslot files dropped: 1 damaged")
     gone = [td.text for td in dom.one("tr", data_backend="gone").all("td")]
     assert gone[1] == "failed" and gone[5] == "—"    # no request served yet
     assert gone[6] == "9.0 GB / 24.0 GBestimate · not loaded"

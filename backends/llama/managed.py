@@ -208,6 +208,6 @@ class LlamaBackend(ManagedBackend):
         st = super().status()
         keeper = self.slot_keeper()
         st.detail.update({"binary": str(self._binary), "gguf": str(self._gguf or ""),
-                          "slots": keeper.status() if keeper is not None else None,
+                          "llama_slots": keeper.status() if keeper is not None else None,
                           "slot_files": self.files.status() if self.files else None})
         return st

@@ -79,6 +79,33 @@ function cacheCell(c) {
         bytes((r.memory || {}).rss_bytes)).join(" · ")) : null);
 }
 
+// A managed llama-server's slots (kind llama): what each holds, where requests were pinned
+// and why, and the slot files its slots move through (saved, restored, misses by why).
+function slotsCell(b) {
+  const k = b.llama_slots, f = b.slot_files;
+  if (!k && !f) return null;
+  const slots = (k && k.slots) || [];
+  const p = (k && k.placements) || {};
+  const held = slots.filter((s) => s.tokens).length;
+  const busy = slots.filter((s) => s.busy).length;
+  const misses = Object.entries((f && f.counts) || {})
+    .filter(([key]) => ["missing", "damaged", "foreign", "stale"].includes(key))
+    .map(([key, v]) => `${v} ${key}`).join(", ");
+  return el("div", { class: "cache" },
+    el("span", { title: "tokens each slot holds (* saved in a slot file)" },
+      `${plural(slots.length, "slot")}: ` + (slots.map((s) => `${num(s.tokens)}` +
+        (s.saved && s.tokens ? "*" : "")).join(" · ") || DASH)),
+    el("div", { class: "muted small" }, `${held} held · ${busy} busy · pinned: ` +
+      (["holds_prefix", "restore", "fresh"].map((r) => `${num(p[r] || 0)} ${r}`).join(", "))),
+    el("div", { class: "muted small" }, `saves ${num(p.save_saved || 0)} · restores ` +
+      `${num(p.restore_hit || 0)} hit` + Object.entries(p).filter(([key]) =>
+        key.startsWith("restore_") && key !== "restore_hit")
+        .map(([key, v]) => `, ${v} ${key.slice(8)}`).join("")),
+    f ? el("div", { class: "muted small" }, `slot files ${plural(f.files, "file")} · ` +
+      `${bytes(f.bytes)} / ${bytes(f.budget_bytes)}`) : null,
+    misses ? el("div", { class: "error small" }, `slot files dropped: ${misses}`) : null);
+}
+
 // Drafters the worker was asked for and refused at load (a damaged head file, a draft model
 // whose tokenizer is not the served model's...), each with why: it serves without them.
 function refusedLine(refused) {
@@ -139,7 +166,7 @@ function backendRow(b) {
       `${b.waited_n}: median / worst (prefixd's queue, then the worker's)` : "" },
       b.waited_n ? `${secs(b.waited_p50_s)} / ${secs(b.waited_max_s)}` : DASH),
     el("td", {}, memoryCell(b)),
-    el("td", {}, cacheCell(b.cache)),
+    el("td", {}, b.kind === "llama" ? slotsCell(b) : cacheCell(b.cache)),
     el("td", {}, indexCell(b.index)),
     el("td", { class: "error small", title: b.last_error || "" },
       b.last_error ? String(b.last_error).slice(0, 90) : el("span", { class: "muted" }, DASH)));
