@@ -209,3 +209,40 @@ def test_a_missing_binary_is_a_start_up_error_that_says_how_to_get_one(tmp_path,
     assert cmd.find_binary(None, tmp_path) == built
     with pytest.raises(cmd.LlamaSetupError, match="not a built-in model"):
         cmd.resolve_gguf(str(tmp_path / "nothing.gguf"), tmp_path)
+
+
+def gguf_file(path: Path, arch: str, first: list[tuple[str, int, bytes]]) -> None:
+    """A GGUF header: the given keys first (raw typed values), then general.architecture."""
+    def s(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    kvs = b"".join(s(k.encode()) + struct.pack("<I", t) + v for k, t, v in first)
+    kvs += s(b"general.architecture") + struct.pack("<I", 8) + s(arch.encode())
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(first) + 1) + kvs)
+
+
+def test_hybrid_and_windowed_models_credit_only_whole_slots_and_files(tmp_path):
+    """A recurrent state or a sliding window resumes only at its end (slot files keep no
+    context checkpoints): a prompt that leaves a file or a slot midway is credited nothing
+    of it, so the keeper never counts on a state the server would recompute."""
+    from prefixd.backends.llama.keeper import SlotKeeper
+
+    arr = struct.pack("<IQ", 8, 2) + b"".join(struct.pack("<Q", 1) + c for c in (b"a", b"b"))
+    gguf_file(tmp_path / "q.gguf", "qwen35", [("general.name", 8, struct.pack("<Q", 2) + b"q3"),
+                                              ("tok.list", 9, arr),
+                                              ("n", 4, struct.pack("<I", 7))])
+    gguf_file(tmp_path / "l.gguf", "llama", [])
+    assert cmd.gguf_architecture(tmp_path / "q.gguf") in cmd.WHOLE_ONLY
+    assert cmd.gguf_architecture(tmp_path / "l.gguf") not in cmd.WHOLE_ONLY
+    (tmp_path / "x.gguf").write_bytes(b"GGUF\0\0")
+    assert cmd.gguf_architecture(tmp_path / "x.gguf") is None
+    files = SlotFiles(tmp_path, "fp", budget=1 << 30)
+    files.load()
+    long = saved(files, [1, 2, 3, 4, 5, 6])        # the prompt leaves it after 3 tokens
+    short = saved(files, [1, 2])                    # ... and extends all of this one
+    prompt = pack([1, 2, 3, 9, 9])
+    assert files.best(prompt) == (files.files[long], 3)
+    assert files.best(prompt, whole=True) == (files.files[short], 2)
+    plain, hybrid = SlotKeeper("p", None, 1, None), SlotKeeper("h", None, 1, None, True)  # type: ignore[arg-type]
+    assert plain._held(pack([1, 2, 3, 4]), prompt) == 3
+    assert hybrid._held(pack([1, 2, 3, 4]), prompt) == 0
+    assert hybrid._held(pack([1, 2, 3]), prompt) == 3

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import zipfile
 from pathlib import Path
@@ -99,6 +100,60 @@ def known_flags(binary: str, mtime_ns: int) -> frozenset[str]:
 
 def flags_of(binary: Path) -> frozenset[str]:
     return known_flags(str(binary), binary.stat().st_mtime_ns)
+
+
+# Architectures (GGUF `general.architecture`) whose state is not plain KV: a recurrent state or
+# a sliding window can be resumed only at its end or at a context checkpoint, and slot files
+# keep no checkpoints (llama.cpp #28194). A prompt is credited a slot's or a file's tokens only
+# when it extends all of them.
+WHOLE_ONLY = frozenset({
+    "mamba", "mamba2", "jamba", "falcon-h1", "qwen3next", "qwen35", "qwen35moe",
+    "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "plamo2", "rwkv6",
+    "rwkv6qwen2", "rwkv7", "arwkv7", "kimi-linear",                    # recurrent layers
+    "gemma2", "gemma3", "gemma3n", "cohere2", "gpt-oss", "exaone4", "llama4",   # windows
+})
+_GGUF_TYPES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` from a GGUF file's header (None when it is not found among
+    the first keys: it is the first one in files llama.cpp writes)."""
+    try:
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            _version, _tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+
+            def string() -> bytes:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 1 << 24:
+                    raise ValueError("string too long")
+                return f.read(n)
+
+            def skip(kind: int) -> None:
+                if kind == 8:
+                    string()
+                elif kind == 9:
+                    item, n = struct.unpack("<IQ", f.read(12))
+                    if item in _GGUF_TYPES:
+                        f.seek(_GGUF_TYPES[item] * n, 1)
+                    else:
+                        for _ in range(n):
+                            skip(item)
+                elif kind in _GGUF_TYPES:
+                    f.seek(_GGUF_TYPES[kind], 1)
+                else:
+                    raise ValueError(f"GGUF value type {kind}")
+
+            for _ in range(min(n_kv, 64)):
+                key = string()
+                (kind,) = struct.unpack("<I", f.read(4))
+                if key == b"general.architecture" and kind == 8:
+                    return string().decode("utf-8", "replace")
+                skip(kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None
 
 
 def slots_of(config: BackendConfig) -> int:

@@ -43,8 +43,13 @@ class Placed:
 
 
 class SlotKeeper:
-    def __init__(self, name: str, api: LlamaAPI, n_slots: int, files: SlotFiles | None) -> None:
+    def __init__(self, name: str, api: LlamaAPI, n_slots: int, files: SlotFiles | None,
+                 whole_only: bool = False) -> None:
+        """`whole_only`: the model's state resumes only at its end (recurrent layers, a
+        sliding window: `command.WHOLE_ONLY`), so a slot or a file is worth its tokens to a
+        prompt only when the prompt extends all of them."""
         self.name, self.api, self.files = name, api, files
+        self.whole_only = whole_only
         self.slots = [Slot() for _ in range(n_slots)]
         self.counts: collections.Counter[str] = collections.Counter()
         self._lock = asyncio.Lock()           # one placement (and its moves) at a time
@@ -54,10 +59,10 @@ class SlotKeeper:
         restore what that needs, and mark the slot busy. None: every slot is busy."""
         async with self._lock:
             packed = pack(tokens) if tokens else b""
-            best_file, file_tokens = (self.files.best(packed) if self.files and packed
-                                      else (None, 0))
-            view = [SlotHeld(common(s.tokens, packed), len(s.tokens) // 4, s.saved, s.busy,
-                             s.used) for s in self.slots]
+            best_file, file_tokens = (self.files.best(packed, self.whole_only)
+                                      if self.files and packed else (None, 0))
+            view = [SlotHeld(self._held(s.tokens, packed), len(s.tokens) // 4, s.saved,
+                             s.busy, s.used) for s in self.slots]
             choice = place(view, file_tokens)
             if choice is None:
                 return None
@@ -71,7 +76,11 @@ class SlotKeeper:
             reason = choice.reason if choice.reason != "restore" or slot.tokens else "fresh"
             self.counts[reason] += 1
             m.SLOT_PLACEMENTS.labels(self.name, reason).inc()
-            return Placed(choice.slot, reason, packed, common(slot.tokens, packed))
+            return Placed(choice.slot, reason, packed, self._held(slot.tokens, packed))
+
+    def _held(self, held: bytes, prompt: bytes) -> int:
+        k = common(held, prompt)
+        return 0 if self.whole_only and k < len(held) // 4 else k
 
     async def _moves(self, choice: Placement, slot: Slot, best: SlotFile | None) -> None:
         if choice.save_first:
@@ -154,6 +163,6 @@ class SlotKeeper:
             return n
 
     def status(self) -> dict:
-        return {"slots": [{"id": i, "tokens": len(s.tokens) // 4, "saved": s.saved,
-                           "busy": s.busy} for i, s in enumerate(self.slots)],
-                "placements": dict(self.counts)}
+        slots = [{"id": i, "tokens": len(s.tokens) // 4, "saved": s.saved, "busy": s.busy}
+                 for i, s in enumerate(self.slots)]
+        return {"whole_only": self.whole_only, "slots": slots, "placements": dict(self.counts)}

@@ -66,6 +66,7 @@ class LlamaBackend(ManagedBackend):
         self.capabilities = Capabilities(restarts_itself=True)
         self.model_spec = str(self._gguf) if self._gguf else config.model
         self.files: SlotFiles | None = None
+        self._whole_only = False                    # `command.WHOLE_ONLY`: set with the GGUF
         self.keeper: SlotKeeper | None = None
         self._info: ServerInfo | None = None
         self._attached: int | None = None           # the pid the keeper and info are of
@@ -107,6 +108,7 @@ class LlamaBackend(ManagedBackend):
             log.info("backend %s: no disk budget (disk_cache_bytes=0): slots are not saved "
                      "into slot files; a conversation keeps its prefix only while its slot "
                      "does", self.name)
+        self._whole_only = cmd.gguf_architecture(gguf) in cmd.WHOLE_ONLY
         self._gguf, self.model_spec, self.files = gguf, str(gguf), files
 
     async def ensure_ready(self) -> None:
@@ -131,7 +133,7 @@ class LlamaBackend(ManagedBackend):
             info = ServerInfo(info.total_slots, info.n_ctx, 0.0, self._ram_mib(), info.build)
             self._info = info
             self.keeper = SlotKeeper(self.name, api, info.total_slots,
-                                     self.files if self._budget else None)
+                                     self.files if self._budget else None, self._whole_only)
             self._attached = w.pid
             level, line = advice(self.name, info)
             log.log(level, "%s (pid %d); slot files: %s (%d)", line, w.pid,

@@ -155,11 +155,15 @@ class SlotFiles:
                     p.unlink()
         self._write_index()
 
-    def best(self, tokens: bytes) -> tuple[SlotFile | None, int]:
-        """The file sharing the longest start with `tokens`, and how many tokens."""
+    def best(self, tokens: bytes, whole: bool = False) -> tuple[SlotFile | None, int]:
+        """The file sharing the longest start with `tokens`, and how many tokens (`whole`:
+        only files whose every token starts `tokens`: a model whose state resumes at its end
+        only, `command.WHOLE_ONLY`)."""
         best, n = None, 0
         for f in self.files.values():
             k = common(f.tokens, tokens)
+            if whole and k < f.n_tokens:
+                continue
             if k > n:
                 best, n = f, k
         return best, n
