@@ -7,8 +7,9 @@ from prefixd.metrics import REGISTRY
 
 SLOT_PLACEMENTS = Counter(
     "prefixd_llama_slot_placements_total", "Requests pinned to a managed llama-server's slot, "
-    "by why that slot: holds_prefix (it held the longest start of the prompt), restore (a "
-    "slot file was restored into it first), fresh (nothing held any of it).",
+    "by why that slot: holds_prefix (it held the longest start of the prompt), copy (another "
+    "slot's prompt was copied into it through a slot file), restore (a slot file was restored "
+    "into it first), fresh (nothing held any of it).",
     ["backend", "reason"], registry=REGISTRY)
 SLOT_SAVES = Counter(
     "prefixd_llama_slot_saves_total", "Slots saved into slot files (before being overwritten "

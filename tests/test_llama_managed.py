@@ -175,7 +175,8 @@ async def test_more_conversations_than_slots_move_through_slot_files(daemon, htt
     async with http.get(f"http://127.0.0.1:{server.port}/status") as r:
         status = next(b for b in (await r.json())["backends"] if b["name"] == "ls")
     assert status["kind"] == "llama" and status["slot_exact"]["requests"] == 12
-    assert status["slot_files"]["files"] >= 2 and status["slots"]["placements"]["restore"] == 8
+    assert status["slot_files"]["files"] >= 2
+    assert status["llama_slots"]["placements"]["restore"] == 8
     async with http.get(f"http://127.0.0.1:{server.port}/metrics") as r:
         text = await r.text()
     assert 'prefixd_llama_slot_restores_total{backend="ls",outcome="hit"} 8.0' in text
@@ -262,4 +263,22 @@ async def test_a_swapped_out_server_comes_back_warm(daemon, http):
     assert not one.loaded and one.files is not None and len(one.files.files) == 1
     await a.step(http, server)
     assert a.cached(1) >= a.prompt(0), a.usage
-    assert one.status().detail["slots"]["placements"]["restore_hit"] == 1
+    assert one.status().detail["llama_slots"]["placements"]["restore_hit"] == 1
+
+
+async def test_a_shared_system_prompt_reaches_a_new_conversation_without_displacing_one(
+        daemon, http):
+    """Two conversations with one long system prompt on two slots: the second one's first turn
+    gets the system prompt copied from the first one's slot (through a slot file) into the
+    free slot, so the first one's next turn still finds its own slot whole."""
+    server = await daemon.start(slots=2)
+    a, b = Conversation(7), Conversation(8)
+    b.messages[0] = dict(a.messages[0])
+    await a.step(http, server)
+    await b.step(http, server)
+    await a.step(http, server)
+    shared = a.prompt(0) - 40                       # the system prompt, short of the user turn
+    assert b.cached(0) >= shared, b.usage
+    assert a.cached(1) == a.prompt(0) + a.completion(0) - 1, a.usage
+    planner = server.proxy.router.planner("ls")
+    assert planner is not None and planner.pins == {"fresh": 1, "copy": 1, "holds_prefix": 1}

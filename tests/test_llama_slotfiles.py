@@ -28,13 +28,17 @@ def S(held: int = 0, size: int = 0, saved: bool = True, busy: bool = False,
 @pytest.mark.parametrize(("slots", "file_tokens", "want"), [
     # its own slot holds all of it (the next turn): there, nothing to save
     ([S(0, 300, False), S(500, 500, False)], 0, Placement(1, "holds_prefix", False, False, 500)),
-    # a slot shares the system prompt but holds another conversation, unsaved: save it first
+    # a slot shares the system prompt but holds another conversation, unsaved: that one is
+    # saved and restored into the empty slot (a copy), so it keeps its own slot
     ([S(200, 900, False, used=1.0), S(0, 0)], 0,
+     Placement(1, "copy", True, False, 200, source=0)),
+    # ... no free slot: the other conversation is saved, then displaced
+    ([S(200, 900, False, used=1.0), S(0, 700, False, used=2.0)], 0,
      Placement(0, "holds_prefix", False, True, 200)),
     # ... but a chat template's opening few tokens evict nobody while a slot is empty
     ([S(5, 172, False), S(0, 0)], 0, Placement(1, "fresh", False, False, 0)),
-    # ... already saved: nothing to save
-    ([S(200, 900, True), S(0, 0)], 0, Placement(0, "holds_prefix", False, False, 200)),
+    # ... already saved (in a file): displaced without a save when no slot is free
+    ([S(200, 900, True), S(0, 700, False)], 0, Placement(0, "holds_prefix", False, False, 200)),
     # a slot file holds more than any slot: restored into the slot whose loss costs least
     # (an empty one), not into the one that shares a little
     ([S(100, 800, False), S(0, 0, True, used=5.0)], 700,

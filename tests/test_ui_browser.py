@@ -242,7 +242,7 @@ async def test_memory_and_checkpoint_store_columns_follow_the_status_contract(pr
     assert links == ["#lane=lane-7f3a", "#lane=lane-11bc"]
     ls = [td.text for td in dom.one("tr", data_backend="ls").all("td")]
     assert ls[7] == ("2 slots: 5,210 · 880*2 held · 1 busy · pinned: 20 holds_prefix, "
-                     "6 restore, 3 freshsaves 7 · restores 5 hit, 1 damaged"
+                     "0 copy, 6 restore, 3 freshsaves 7 · restores 5 hit, 1 damaged"
                      "slot files 4 files · 410 MB / 8.0 GBslot files dropped: 1 damaged")
     gone = [td.text for td in dom.one("tr", data_backend="gone").all("td")]
     assert gone[1] == "failed" and gone[5] == "—"    # no request served yet

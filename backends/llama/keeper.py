@@ -30,6 +30,7 @@ log = logging.getLogger("prefixd.backend")
 class Slot:
     tokens: bytes = b""      # the prompt it last ran (packed int32), or what was restored
     saved: bool = True       # a slot file holds it (nothing to lose)
+    file: str | None = None  # ... that one (saved into, or restored from)
     busy: bool = False
     used: float = 0.0
 
@@ -73,7 +74,7 @@ class SlotKeeper:
             except BaseException:
                 slot.busy = False
                 raise
-            reason = choice.reason if choice.reason != "restore" or slot.tokens else "fresh"
+            reason = choice.reason if not choice.restore or slot.tokens else "fresh"
             self.counts[reason] += 1
             m.SLOT_PLACEMENTS.labels(self.name, reason).inc()
             return Placed(choice.slot, reason, packed, self._held(slot.tokens, packed))
@@ -85,35 +86,44 @@ class SlotKeeper:
     async def _moves(self, choice: Placement, slot: Slot, best: SlotFile | None) -> None:
         if choice.save_first:
             await self._save(choice.slot, slot)
-        if choice.restore and best is not None and self.files is not None:
-            outcome = await asyncio.to_thread(self.files.check, best)
-            if outcome == "hit":
-                try:
-                    done = await self.api.slot_action(choice.slot, "restore", best.name)
-                except SlotActionError as e:
-                    log.warning("backend %s: %s", self.name, e)
-                    outcome, slot.tokens = "failed", b""
-                    await asyncio.to_thread(self.files.drop, best, "restore_failed")
-                else:
-                    if done.tokens != best.n_tokens:
-                        outcome = "damaged"
-                        await asyncio.to_thread(self.files.drop, best, "damaged")
-                        slot.tokens = b""
-                    else:
-                        slot.tokens, slot.saved = best.tokens, True
-                        await asyncio.to_thread(self.files.used, best)
-            else:
-                slot.tokens, slot.saved = b"", True      # it will hold the new prompt only
-            self.counts[f"restore_{outcome}"] += 1
-            m.SLOT_RESTORES.labels(self.name, outcome).inc()
-            if outcome != "hit":
-                log.info("backend %s: slot file %s not restored (%s): the prompt is computed",
-                         self.name, best.name, outcome)
+        if choice.source is not None:             # copy: the source's prompt, through a file
+            source = self.slots[choice.source]
+            held = self.files.files.get(source.file or "") if self.files else None
+            best = held if source.saved and held is not None else \
+                await self._save(choice.source, source)
+        if choice.restore and best is not None:
+            await self._restore(choice.slot, slot, best)
 
-    async def _save(self, index: int, slot: Slot) -> bool:
-        """Save a slot into a new slot file; True when it is indexed."""
+    async def _restore(self, index: int, slot: Slot, f: SlotFile) -> None:
+        """Restore `f` into the slot after it checks out; a miss leaves the slot to compute
+        the prompt (counted by why, the file dropped)."""
+        assert self.files is not None
+        outcome = await asyncio.to_thread(self.files.check, f)
+        slot.tokens, slot.saved, slot.file = b"", True, None   # whatever happens next
+        if outcome == "hit":
+            try:
+                done = await self.api.slot_action(index, "restore", f.name)
+            except SlotActionError as e:
+                log.warning("backend %s: %s", self.name, e)
+                outcome = "failed"
+                await asyncio.to_thread(self.files.drop, f, "restore_failed")
+            else:
+                if done.tokens != f.n_tokens:
+                    outcome = "damaged"
+                    await asyncio.to_thread(self.files.drop, f, "damaged")
+                else:
+                    slot.tokens, slot.file = f.tokens, f.name
+                    await asyncio.to_thread(self.files.used, f)
+        self.counts[f"restore_{outcome}"] += 1
+        m.SLOT_RESTORES.labels(self.name, outcome).inc()
+        if outcome != "hit":
+            log.info("backend %s: slot file %s not restored (%s): the prompt is computed",
+                     self.name, f.name, outcome)
+
+    async def _save(self, index: int, slot: Slot) -> SlotFile | None:
+        """Save a slot into a new slot file: the file, once indexed."""
         if self.files is None or not slot.tokens:
-            return False
+            return None
         name = self.files.new_name()
         try:
             done = await self.api.slot_action(index, "save", name)
@@ -121,34 +131,34 @@ class SlotKeeper:
             log.warning("backend %s: %s", self.name, e)
             self.counts["save_failed"] += 1
             m.SLOT_SAVES.labels(self.name, "failed").inc()
-            return False
+            return None
         f = await asyncio.to_thread(self.files.added, name, done.tokens)
         outcome = "saved" if f is not None else (
             "too_large" if done.bytes > self.files.budget else "unreadable")
         self.counts[f"save_{outcome}"] += 1
         m.SLOT_SAVES.labels(self.name, outcome).inc()
         m.SLOT_FILE_BYTES.labels(self.name).set(self.files.size)
-        if f is not None:
-            slot.saved = True
-        return f is not None
+        if f is not None:                   # what it holds, exactly (the reply's tokens too)
+            slot.tokens, slot.saved, slot.file = f.tokens, True, f.name
+        return f
 
     def ran(self, placed: Placed) -> None:
         """The request answered: its slot holds its prompt now (and tokens it generated)."""
         slot = self.slots[placed.slot]
-        slot.tokens, slot.saved = placed.tokens, not placed.tokens
+        slot.tokens, slot.saved, slot.file = placed.tokens, not placed.tokens, None
         slot.busy, slot.used = False, time.monotonic()
 
     def failed(self, placed: Placed) -> None:
         """The request did not answer whole: what its slot holds is unknown."""
         slot = self.slots[placed.slot]
-        slot.tokens, slot.saved, slot.busy = b"", True, False
+        slot.tokens, slot.saved, slot.busy, slot.file = b"", True, False, None
         slot.used = time.monotonic()
 
     def overwritten(self, index: int) -> None:
         """A client named this slot itself: what it holds next is unknown."""
         if 0 <= index < len(self.slots):
             slot = self.slots[index]
-            slot.tokens, slot.saved = b"", True
+            slot.tokens, slot.saved, slot.file = b"", True, None
 
     async def save_all(self) -> int:
         """Before the server stops: every slot holding what no file holds is saved. The
@@ -156,7 +166,7 @@ class SlotKeeper:
         async with self._lock:
             n = 0
             for i, slot in enumerate(self.slots):
-                if not slot.saved and slot.tokens and await self._save(i, slot):
+                if not slot.saved and slot.tokens and await self._save(i, slot) is not None:
                     n += 1
             if n:
                 log.info("backend %s: saved %d slot(s) before stopping", self.name, n)

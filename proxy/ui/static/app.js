@@ -96,7 +96,7 @@ function slotsCell(b) {
       `${plural(slots.length, "slot")}: ` + (slots.map((s) => `${num(s.tokens)}` +
         (s.saved && s.tokens ? "*" : "")).join(" · ") || DASH)),
     el("div", { class: "muted small" }, `${held} held · ${busy} busy · pinned: ` +
-      (["holds_prefix", "restore", "fresh"].map((r) => `${num(p[r] || 0)} ${r}`).join(", "))),
+      (["holds_prefix", "copy", "restore", "fresh"].map((r) => `${num(p[r] || 0)} ${r}`).join(", "))),
     el("div", { class: "muted small" }, `saves ${num(p.save_saved || 0)} · restores ` +
       `${num(p.restore_hit || 0)} hit` + Object.entries(p).filter(([key]) =>
         key.startsWith("restore_") && key !== "restore_hit")
