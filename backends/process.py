@@ -140,6 +140,22 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return True
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """Linux: a function run in the child between fork and exec that asks the kernel for
+    SIGTERM when prefixd dies, even by SIGKILL (a child that is not a prefixd worker, such as
+    llama-server, cannot watch `PREFIXD_PARENT_PID` itself). Resolved before the fork, so the
+    child only makes one libc call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM, 0, 0, 0)     # PR_SET_PDEATHSIG
+
+
+_DEATHSIG = _die_with_parent()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now. The worker may lose a race for it; it then exits with
     'address in use' and the supervisor retries on a new port."""
@@ -167,11 +183,12 @@ class WorkerProcess:
     async def spawn(cls, argv: list[str], env: Mapping[str, str], tag: str,
                     on_exit: Callable[[], None] | None = None) -> WorkerProcess:
         """Start `argv` in a new session (own process group): a Ctrl-C aimed at prefixd's
-        terminal does not hit the worker too, and stop() can signal the whole group."""
+        terminal does not hit the worker too, and stop() can signal the whole group. On Linux
+        the child gets SIGTERM when prefixd dies (`_die_with_parent`)."""
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=dict(env), start_new_session=True,
-            limit=_LINE_LIMIT)
+            limit=_LINE_LIMIT, preexec_fn=_DEATHSIG)
         wlog.info("[%s] started pid %d: %s", tag, proc.pid, " ".join(argv))
         return cls(proc, tag, on_exit)
 

@@ -282,3 +282,46 @@ async def test_a_shared_system_prompt_reaches_a_new_conversation_without_displac
     assert a.cached(1) == a.prompt(0) + a.completion(0) - 1, a.usage
     planner = server.proxy.router.planner("ls")
     assert planner is not None and planner.pins == {"fresh": 1, "copy": 1, "holds_prefix": 1}
+
+
+async def test_no_llama_server_outlives_a_killed_prefixd(binary, gguf, tmp_path, http):
+    """`prefixd serve` is SIGKILLed (no shutdown runs): its llama-server goes too."""
+    import json
+    import sys
+    import time
+
+    from prefixd.backends.process import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
+    env.update({"PREFIXD_CACHE_DIR": str(tmp_path), "PREFIXD_LLAMA_SERVER": str(binary),
+                "PREFIXD_BACKENDS": json.dumps([{"name": "ls", "kind": "llama",
+                                                 "model": str(gguf), "slots": 1,
+                                                 "context_window": 1024}])})
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixd.proxy.cli", "serve", "--port", str(port), env=env,
+        cwd=str(tmp_path), stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL)
+    pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while pid is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/status") as r:
+                    pid = (await r.json())["backends"][0].get("pid")
+            except aiohttp.ClientError:
+                continue
+        assert pid is not None, "the llama-server never came up"
+    finally:
+        proc.kill()
+        await proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"llama-server {pid} outlived its prefixd")
