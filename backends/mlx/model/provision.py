@@ -303,11 +303,8 @@ def _exclusive(lock_path: Path, progress: Callable[[str], None], name: str) -> I
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _builtin_names() -> str:
