@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 import pytest
 from fake_llama import FakeLlama, Served, lcp, render, tokenize
@@ -447,3 +448,36 @@ async def test_real_llama_server_four_slots(start_proxy, http, tmp_path):
         assert cached >= 0.9 * prompt, (cached, prompt)
     finally:
         await server.stop()
+
+
+async def test_a_request_the_server_placed_is_located_while_it_runs():
+    """A new conversation runs where the server put it (unpinned, marked by its seed); a slot
+    shows that seed as soon as it takes the request, so the next request of another
+    conversation is pinned to its own intact slot at once instead of waiting (`unsettled`)
+    until the first one has answered."""
+    answers: dict[str, object] = {}
+
+    class Server:
+        name = "ls"
+
+        async def fetch_slots(self) -> list[SlotState]:
+            return parse_slots(answers.get("/slots"))
+
+        def slot_keeper(self) -> None:
+            return None
+
+    ls = SlotPlanner(Server(), ServerInfo(2, 4096))  # type: ignore[arg-type]
+    ls.book.seen("B", time.monotonic())              # B ran in slot 0 just now
+    ls.book.placed("B", 0, time.monotonic())
+    a1 = ls.expect("r2", "A", 0)
+    await ls.prepare("r2", b"{}")
+    assert a1.pin == Pin(None, "server") and a1.marker is not None
+    b2 = ls.expect("r3", "B", 800)
+    answers["/slots"] = [{"id": 0, "is_processing": False, "params": {"seed": 5}},
+                         {"id": 1, "is_processing": True, "id_task": 9,
+                          "params": {"seed": a1.marker}}]
+    assert await ls.prepare("r3", b"{}") == b'{"id_slot":0}'
+    assert b2.pin == Pin(0, "holds_prefix") and ls.book.holder[1] == "A"
+    await ls.learn(a1, None)                         # its answer: nothing more to learn
+    ls.done(a1)
+    assert ls.book.holder[1] == "A" and ls.book.certain

@@ -52,7 +52,7 @@ class SlotPlanner:
         self.book = SlotBook(info.total_slots)
         self.pins: dict[str, int] = {}
         self._pending: dict[str, Placement] = {}
-        self._unplaced = 0                       # sent unpinned, not located yet
+        self._unlocated: dict[str, Placement] = {}   # sent unpinned, not located yet
         self.takeover_seen = False               # measured: it selects slots by similarity
         self.keeper = backend.slot_keeper()      # a managed server's: slot-exact placement
         self.exact = {"requests": 0, "expected": 0, "cached": 0}   # keeper pins, measured
@@ -80,24 +80,42 @@ class SlotPlanner:
             return body
         if self.keeper is not None:
             return await self._place(p, body)
+        if self._unlocated:
+            await self._locate_running()
         now = time.monotonic()
         if b'"id_slot"' in body:         # the client chose: where it runs is learned after
             p.pin = Pin(None, "client")
         else:
-            p.pin = decide_slot(self.book.view(p.lane, now, settled=not self._unplaced))
+            p.pin = decide_slot(self.book.view(p.lane, now, settled=not self._unlocated))
         self.book.seen(p.lane, now)
         self.pins[p.pin.reason] = self.pins.get(p.pin.reason, 0) + 1
         SLOT_PINS.labels(self.name, p.pin.reason).inc()
         if p.pin.slot is not None:
             self.book.placed(p.lane, p.pin.slot, now)
             return with_field(body, "id_slot", p.pin.slot)
-        self._unplaced += 1
+        self._unlocated[p.request_id] = p
         if self.info.total_slots > 1 and p.pin.reason != "client" and b'"seed"' not in body:
             # The server shows each slot's last seed: a random one (what it would draw
             # itself for a request without one) tells which slot this request ran in.
             p.marker = random.randrange(1, 1 << 31)
             return with_field(body, "seed", p.marker)
         return body
+
+    async def _locate_running(self) -> None:
+        """Where the requests the server placed itself went: a slot shows the seed of the
+        task it took as soon as it takes it, so the book is settled again (and pins resume)
+        without waiting for those requests to end."""
+        marked = {p.marker: p for p in self._unlocated.values() if p.marker is not None}
+        if not marked:
+            return
+        slots = await self._backend.fetch_slots()
+        now = time.monotonic()
+        for s in slots:
+            p = marked.pop(s.seed, None) if s.seed is not None else None
+            if p is not None and self._unlocated.pop(p.request_id, None) is not None:
+                self._check_takeover(p.lane, s.id)
+                self.book.placed(p.lane, s.id, now)
+                p.learned = True
 
     async def _place(self, p: Placement, body: bytes) -> bytes:
         assert self.keeper is not None
@@ -144,12 +162,14 @@ class SlotPlanner:
         if p.pin.slot is not None:
             p.learned = True
             return
+        if p.learned:                     # located while it ran
+            return
         try:
             slot = locate(await self._backend.fetch_slots(), prompt, cached, completion,
                           p.marker)
         except Exception:
             slot = None
-        if slot is not None:
+        if slot is not None and self._unlocated.pop(p.request_id, None) is not None:
             self._check_takeover(p.lane, slot)
             self.book.placed(p.lane, slot, time.monotonic())
             p.learned = True
@@ -174,7 +194,7 @@ class SlotPlanner:
             self.keeper.failed(p.placed)
         if p.pin is None or p.pin.slot is not None or self.keeper is not None:
             return
-        self._unplaced -= 1
+        self._unlocated.pop(p.request_id, None)
         if not p.learned:
             self.book.lost(p.lane)
 
