@@ -128,6 +128,7 @@ class Managed(Protocol):
     config: BackendConfig
     model_spec: str | None
     cache_budget: int | None
+    extra_bytes: int            # memory a load takes beyond weights and cache (llama: its KV)
 
     @property
     def loaded(self) -> bool: ...

@@ -67,6 +67,7 @@ class ManagedBackend(BackendBase):
         self.config = config
         self.model_spec = config.model
         self.cache_budget = config.cache_bytes
+        self.extra_bytes = 0
         self._model = config.model
         command = command or (lambda port: worker_command(
             config.model or "", port, config.models[0] if config.models else None))

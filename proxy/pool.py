@@ -78,8 +78,10 @@ class ModelPool:
             caches[name] = n
             if share:
                 self.backends[name].set_cache_bytes(n)
-        self.footprints = {n: estimate_footprint(weights[n], caches[n] or 0, ranks[n])
-                           for n in self.backends}
+        # a llama-server's KV for its slots counts with its weights
+        self.footprints = {n: estimate_footprint(weights[n] + b.extra_bytes, caches[n] or 0,
+                                                 ranks[n])
+                           for n, b in self.backends.items()}
         self.measured: set[str] = set()     # footprints measured by a worker, not estimated
         self.last_used = {b.name: 0.0 for b in backends}
         self._reserved: set[str] = set()    # admitted, worker not started yet: counts as loaded

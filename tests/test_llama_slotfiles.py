@@ -215,13 +215,18 @@ def test_a_missing_binary_is_a_start_up_error_that_says_how_to_get_one(tmp_path,
         cmd.resolve_gguf(str(tmp_path / "nothing.gguf"), tmp_path)
 
 
-def gguf_file(path: Path, arch: str, first: list[tuple[str, int, bytes]]) -> None:
-    """A GGUF header: the given keys first (raw typed values), then general.architecture."""
+def gguf_file(path: Path, arch: str, first: list[tuple[str, int, bytes]],
+              after: list[tuple[str, int, bytes]] = ()) -> None:  # type: ignore[assignment]
+    """A GGUF header: the `first` keys (raw typed values), general.architecture, `after`."""
     def s(b: bytes) -> bytes:
         return struct.pack("<Q", len(b)) + b
-    kvs = b"".join(s(k.encode()) + struct.pack("<I", t) + v for k, t, v in first)
-    kvs += s(b"general.architecture") + struct.pack("<I", 8) + s(arch.encode())
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(first) + 1) + kvs)
+
+    def kvs(items: list[tuple[str, int, bytes]]) -> bytes:
+        return b"".join(s(k.encode()) + struct.pack("<I", t) + v for k, t, v in items)
+    body = (kvs(first) + s(b"general.architecture") + struct.pack("<I", 8) + s(arch.encode())
+            + kvs(list(after)))
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(first) + 1 + len(after)) + body
+                     + b"\0" * 1000)
 
 
 def test_hybrid_and_windowed_models_credit_only_whole_slots_and_files(tmp_path):
@@ -250,3 +255,33 @@ def test_hybrid_and_windowed_models_credit_only_whole_slots_and_files(tmp_path):
     assert plain._held(pack([1, 2, 3, 4]), prompt) == 3
     assert hybrid._held(pack([1, 2, 3, 4]), prompt) == 0
     assert hybrid._held(pack([1, 2, 3]), prompt) == 3
+
+
+def test_the_memory_estimate_counts_the_kv_of_every_slot(tmp_path):
+    """Before a llama-server first loads, the model pool counts its GGUF, its slots' KV
+    cache (from the model's shape in the GGUF header) and its RAM cache."""
+    from prefixd.backends.budget import PROCESS_OVERHEAD
+    from prefixd.backends.llama.managed import LlamaBackend
+    from prefixd.backends.mlx.settings import WorkerSettings
+    from prefixd.proxy.pool import ModelPool
+
+    u32 = lambda n: struct.pack("<I", n)  # noqa: E731
+    gguf = tmp_path / "m.gguf"                      # SmolLM2-135M's shape
+    gguf_file(gguf, "llama", [], [("llama.block_count", 4, u32(30)),
+                                  ("llama.embedding_length", 4, u32(576)),
+                                  ("llama.attention.head_count", 4, u32(9)),
+                                  ("llama.attention.head_count_kv", 4, u32(3))])
+    facts = cmd.gguf_facts(gguf)
+    assert facts["llama.block_count"] == 30
+    assert cmd.kv_bytes_per_token(facts) == 2 * 30 * 3 * (64 + 64)   # f16 K and V
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    config = BackendConfig(name="l", kind="llama", model=str(gguf), slots=3,
+                           context_window=1000, cache_bytes=5 << 20)
+    backend = LlamaBackend(config, WorkerSettings(_env_file=None, cache_dir=tmp_path,
+                                                  disk_cache_bytes=0), str(fake))
+    pool = ModelPool([backend], {"l": None}, budget=1 << 40, cache_bytes=None,  # type: ignore[dict-item]
+                     share=False)
+    assert pool.footprints["l"] == (gguf.stat().st_size + 3 * 1000 * 23040 + (5 << 20)
+                                    + PROCESS_OVERHEAD)

@@ -112,16 +112,19 @@ WHOLE_ONLY = frozenset({
     "rwkv6qwen2", "rwkv7", "arwkv7", "kimi-linear",                    # recurrent layers
     "gemma2", "gemma3", "gemma3n", "cohere2", "gpt-oss", "exaone4", "llama4",   # windows
 })
-_GGUF_TYPES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                 11: "q", 12: "d"}
 
 
-def gguf_architecture(path: Path) -> str | None:
-    """`general.architecture` from a GGUF file's header (None when it is not found among
-    the first keys: it is the first one in files llama.cpp writes)."""
+def gguf_facts(path: Path, limit: int = 64) -> dict[str, object]:
+    """The scalar and string metadata of a GGUF file's first `limit` keys (the general and
+    architecture keys come first in files llama.cpp writes; arrays are skipped). Empty when
+    the file is not GGUF or cannot be read."""
+    out: dict[str, object] = {}
     try:
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":
-                return None
+                return out
             _version, _tensors, n_kv = struct.unpack("<IQQ", f.read(20))
 
             def string() -> bytes:
@@ -130,30 +133,53 @@ def gguf_architecture(path: Path) -> str | None:
                     raise ValueError("string too long")
                 return f.read(n)
 
-            def skip(kind: int) -> None:
+            def value(kind: int) -> object:
                 if kind == 8:
-                    string()
-                elif kind == 9:
+                    return string().decode("utf-8", "replace")
+                if kind == 9:
                     item, n = struct.unpack("<IQ", f.read(12))
-                    if item in _GGUF_TYPES:
-                        f.seek(_GGUF_TYPES[item] * n, 1)
+                    if item in _GGUF_SCALARS:
+                        f.seek(struct.calcsize(_GGUF_SCALARS[item]) * n, 1)
                     else:
                         for _ in range(n):
-                            skip(item)
-                elif kind in _GGUF_TYPES:
-                    f.seek(_GGUF_TYPES[kind], 1)
-                else:
-                    raise ValueError(f"GGUF value type {kind}")
+                            value(item)
+                    return None
+                if kind in _GGUF_SCALARS:
+                    fmt = "<" + _GGUF_SCALARS[kind]
+                    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+                raise ValueError(f"GGUF value type {kind}")
 
-            for _ in range(min(n_kv, 64)):
-                key = string()
+            for _ in range(min(n_kv, limit)):
+                key = string().decode("utf-8", "replace")
                 (kind,) = struct.unpack("<I", f.read(4))
-                if key == b"general.architecture" and kind == 8:
-                    return string().decode("utf-8", "replace")
-                skip(kind)
+                v = value(kind)
+                if v is not None:
+                    out[key] = v
     except (OSError, ValueError, struct.error):
-        return None
-    return None
+        pass
+    return out
+
+
+def gguf_architecture(path: Path) -> str | None:
+    arch = gguf_facts(path, limit=8).get("general.architecture")
+    return arch if isinstance(arch, str) else None
+
+
+def kv_bytes_per_token(facts: dict[str, object]) -> int:
+    """The f16 KV cache a token takes, from the model's shape (every layer counted: an upper
+    bound on hybrids); 0 when the metadata does not say."""
+    arch = facts.get("general.architecture")
+
+    def num(key: str) -> int:
+        v = facts.get(f"{arch}.{key}")
+        return v if isinstance(v, int) and v > 0 else 0
+
+    layers, heads = num("block_count"), num("attention.head_count")
+    kv_heads = num("attention.head_count_kv") or heads
+    head_dim = (num("embedding_length") // heads) if heads else 0
+    k = num("attention.key_length") or head_dim
+    v = num("attention.value_length") or head_dim
+    return 2 * layers * kv_heads * (k + v)
 
 
 def slots_of(config: BackendConfig) -> int:

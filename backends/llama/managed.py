@@ -65,6 +65,7 @@ class LlamaBackend(ManagedBackend):
                          env=lambda token, cache: cmd.env(token), load_failed_exit=None, **kw)
         self.capabilities = Capabilities(restarts_itself=True)
         self.model_spec = str(self._gguf) if self._gguf else config.model
+        self.extra_bytes = self._kv_bytes()
         self.files: SlotFiles | None = None
         self._whole_only = False                    # `command.WHOLE_ONLY`: set with the GGUF
         self.keeper: SlotKeeper | None = None
@@ -73,6 +74,14 @@ class LlamaBackend(ManagedBackend):
         self._attach_lock = asyncio.Lock()
         self._prepare_lock = asyncio.Lock()
         self._sup.before_stop = self._save_slots
+
+    def _kv_bytes(self) -> int:
+        """The KV cache of its slots (slots x context x the model's bytes per token), for the
+        model pool's estimate before the first load (then its resident memory is measured)."""
+        if self._gguf is None:
+            return 0
+        per_token = cmd.kv_bytes_per_token(cmd.gguf_facts(self._gguf))
+        return per_token * cmd.slots_of(self.config) * cmd.slot_context(self.config)
 
     # --- starting ---------------------------------------------------------------------------
     def _ram_mib(self) -> int:
