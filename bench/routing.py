@@ -742,9 +742,9 @@ async def run_one(setup: str, policy: str, pins: bool, args: argparse.Namespace,
 def plan(setups: list[str]) -> list[tuple[str, str, bool]]:
     runs = []
     for s in setups:
-        if s in ("c4", "c12"):
+        if s in ("c4", "c12") or s in DEFAULT_FLAGS:
             runs += [(s, "prefixd", True), (s, "prefixd", False)]
-        elif s in MANAGED or s in DEFAULT_FLAGS:
+        elif s in MANAGED:
             runs += [(s, "prefixd", True)]
         elif s == "a":                  # prefixd with and without state transfers
             runs += [(s, p, True) for p in POLICIES] + [(s, "prefixd", False)]
@@ -760,7 +760,7 @@ def table(rows: list[dict[str, Any]]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         policy = r["policy"]
-        if r["setup"] in ("c4", "c12"):
+        if r["setup"] in ("c4", "c12") or r["setup"] in DEFAULT_FLAGS:
             policy = "prefixd + slot pins" if r["pins"] else "prefixd, no pins"
         elif r["setup"] in MANAGED:
             policy = "prefixd + slot keeper"

@@ -130,6 +130,9 @@ class Router(RoutingCore):
         if not self.prefix_wait_s or self.queues[name].max_concurrency <= 1 or \
                 backend.slot_info() is None:
             return False
+        planner = self.planner(name)
+        if planner is not None and planner.book.keeps_idle is False:
+            return False        # it clears idle slots: the held ones would not find it
         tokens, done = self._computing(view, name)
         held = view.held.get(name, (0, False))[0]
         if done is None or tokens - held < (self.transfer_min_tokens or WAIT_MIN_TOKENS):

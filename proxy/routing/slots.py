@@ -41,6 +41,7 @@ class Placement:
     marker: int | None = None    # the seed it was sent with, to find it in /slots
     learned: bool = False        # where it ran is known
     placed: Placed | None = None  # where a slot keeper put it
+    located: int | None = None   # the slot /slots showed it running in
 
 
 class SlotPlanner:
@@ -88,6 +89,9 @@ class SlotPlanner:
         else:
             p.pin = decide_slot(self.book.view(p.lane, now, settled=not self._unlocated))
         self.book.seen(p.lane, now)
+        self.book.sent()
+        if p.pin.reason == "probe":
+            self.book.probing = True
         self.pins[p.pin.reason] = self.pins.get(p.pin.reason, 0) + 1
         SLOT_PINS.labels(self.name, p.pin.reason).inc()
         if p.pin.slot is not None:
@@ -115,7 +119,7 @@ class SlotPlanner:
             if p is not None and self._unlocated.pop(p.request_id, None) is not None:
                 self._check_takeover(p.lane, s.id)
                 self.book.placed(p.lane, s.id, now)
-                p.learned = True
+                p.learned, p.located = True, s.id
 
     async def _place(self, p: Placement, body: bytes) -> bytes:
         assert self.keeper is not None
@@ -155,6 +159,15 @@ class SlotPlanner:
             return
         usage = usage or Usage()
         prompt, cached, completion = usage.prompt, usage.cached, usage.completion
+        if p.pin.reason == "probe" and cached is not None:
+            self.book.probed(2 * cached >= p.predicted)
+            if self.book.keeps_idle is False:
+                log.info("backend %s: llama-server clears idle slots when another request "
+                         "starts (a unified KV cache with --cache-idle-slots: its defaults); "
+                         "prefixd pins a conversation to its slot only when no other request "
+                         "started since, else leaves it to the server's RAM cache", self.name)
+        if p.pin.slot is not None:
+            self.book.ended(p.pin.slot)
         if self.book.outcome(p.pin, cached, p.predicted):
             log.warning("backend %s: llama-server slots do not keep a conversation between "
                         "its turns (idle slots cleared: --kv-unified with --cache-idle-slots?); "
@@ -163,6 +176,8 @@ class SlotPlanner:
             p.learned = True
             return
         if p.learned:                     # located while it ran
+            if p.located is not None:
+                self.book.ended(p.located)
             return
         try:
             slot = locate(await self._backend.fetch_slots(), prompt, cached, completion,
@@ -172,6 +187,7 @@ class SlotPlanner:
         if slot is not None and self._unlocated.pop(p.request_id, None) is not None:
             self._check_takeover(p.lane, slot)
             self.book.placed(p.lane, slot, time.monotonic())
+            self.book.ended(slot)
             p.learned = True
 
     def _check_takeover(self, lane: str, slot: int) -> None:
@@ -190,6 +206,8 @@ class SlotPlanner:
     def done(self, p: Placement) -> None:
         """The request ended (answered, failed or abandoned)."""
         self._pending.pop(p.request_id, None)
+        if p.pin is not None and p.pin.reason == "probe" and self.book.probing:
+            self.book.probing = False         # it failed: the next intact pin asks again
         if p.placed is not None and not p.learned and self.keeper is not None:
             self.keeper.failed(p.placed)
         if p.pin is None or p.pin.slot is not None or self.keeper is not None:
