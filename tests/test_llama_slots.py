@@ -454,7 +454,9 @@ async def test_real_llama_server_four_slots(start_proxy, http, tmp_path):
                 if t:
                     prompt += a["usage"]["prompt_tokens"]
                     cached += a["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert slots.pins.get("holds_prefix", 0) >= 8, slots.pins
+        # every later turn pinned to its own slot (one of them the probe that finds out
+        # whether idle slots keep their prompts)
+        assert slots.pins.get("holds_prefix", 0) + slots.pins.get("probe", 0) >= 8, slots.pins
         assert cached >= 0.9 * prompt, (cached, prompt)
     finally:
         await server.stop()
