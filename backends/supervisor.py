@@ -316,7 +316,9 @@ class Supervisor(StateMachine):
             if verdict is not None:
                 return verdict
             if now >= next_probe:
-                ok = await self._probe(5.0)
+                # a probe waits at most 5 s, less where probes are frequent (2 intervals,
+                # at least 1 s): a frozen worker is found within about HEALTH_MISSES of them
+                ok = await self._probe(min(5.0, max(1.0, 2 * interval)))
                 misses = 0 if ok else misses + 1
                 if ok != self.healthy:
                     self.healthy = ok
