@@ -25,6 +25,7 @@ from prefixd.backends.base import (
 )
 from prefixd.backends.config import BackendConfig, redact_url
 from prefixd.backends.http import client_session, post_stream
+from prefixd.backends.llama.api import LlamaAPI, NoEndpoint
 from prefixd.backends.llama.info import ServerInfo, SlotState, detect_server, parse_slots
 from prefixd.metrics.proxy import BACKEND_UP
 
@@ -94,34 +95,23 @@ class OpenAIBackend(BackendBase):
     async def _tokenize(self, body: dict) -> list[int] | None:
         if self._can_tokenize is False:
             return None
-        session = self._ensure_session()
         try:
-            text = body.get("prompt") if "prompt" in body else None
-            if text is None:
-                text = (await self._post_json(session, "/apply-template", body) or {}).get("prompt")
-            if not isinstance(text, str):
-                return None
-            answer = await self._post_json(session, "/tokenize", {"content": text})
+            tokens = await self._api().tokenize(body, add_special=False)
+        except NoEndpoint as e:
+            if self._can_tokenize is None:
+                log.info("backend %s has no %s: prefix reports use estimated token "
+                         "offsets", self.name, e)
+            self._can_tokenize = False
+            return None
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
-        tokens = (answer or {}).get("tokens")
-        return tokens if isinstance(tokens, list) else None
-
-    async def _post_json(self, session: aiohttp.ClientSession, path: str,
-                         payload: dict) -> dict | None:
-        async with session.post(self._base + path, json=payload, headers=self._auth,
-                                timeout=aiohttp.ClientTimeout(total=10)) as r:
-            if r.status in (404, 405, 501):
-                if self._can_tokenize is None:
-                    log.info("backend %s has no %s: prefix reports use estimated token "
-                             "offsets", self.name, path)
-                self._can_tokenize = False
-                return None
-            if r.status != 200:
-                return None
+        if tokens is not None:
             self._can_tokenize = True
-            answer = await r.json(content_type=None)
-            return answer if isinstance(answer, dict) else None
+        return tokens
+
+    def _api(self) -> LlamaAPI:
+        """llama-server's own endpoints on this upstream (tokenize, /props, /slots)."""
+        return LlamaAPI(self._ensure_session(), self._base, self._auth)
 
     async def probe_once(self) -> bool:
         session = self._ensure_session()
@@ -198,12 +188,7 @@ class OpenAIBackend(BackendBase):
 
     async def _get_json(self, path: str) -> object:
         """GET `path` of the upstream: its JSON, or None when it has no such endpoint."""
-        session = self._ensure_session()
-        async with session.get(self._base + path, headers=self._auth,
-                               timeout=aiohttp.ClientTimeout(total=5)) as r:
-            if r.status != 200:
-                return None
-            return await r.json(content_type=None)
+        return await self._api().get_json(path)
 
     async def _probe_loop(self) -> None:
         while True:

@@ -15,8 +15,13 @@ import aiohttp
 
 from prefixd.api.values import integer
 
-TOKENIZE_TIMEOUT_S = 5.0
+TOKENIZE_TIMEOUT_S = 10.0
+NO_ENDPOINT = (404, 405, 501)   # a server without the endpoint (not a llama-server)
 ACTION_TIMEOUT_S = 120.0     # a save waits for its slot to finish the request it runs
+
+
+class NoEndpoint(Exception):
+    """The server has no such endpoint: asking again will not help."""
 
 
 class SlotActionError(Exception):
@@ -52,22 +57,29 @@ class LlamaAPI:
                 body = None
             return r.status, body
 
-    async def tokenize(self, body: dict) -> list[int] | None:
+    async def tokenize(self, body: dict, add_special: bool = True) -> list[int] | None:
         """The prompt's token ids as the server renders and tokenizes it (special tokens
-        parsed, as a completion's are), or None when it cannot tell."""
+        parsed; `add_special`: a BOS where the model adds one, as a completion's prompt
+        gets), or None when it cannot tell now. `NoEndpoint` when the server has no
+        `/apply-template` or `/tokenize`."""
         text = body.get("prompt") if "prompt" in body else None
         if text is None:
-            status, answer = await self.post_json("/apply-template", body, TOKENIZE_TIMEOUT_S)
-            text = answer.get("prompt") if status == 200 and isinstance(answer, dict) else None
+            answer = await self._post_ok("/apply-template", body)
+            text = answer.get("prompt") if isinstance(answer, dict) else None
         if not isinstance(text, str):
             return None
-        status, answer = await self.post_json(
-            "/tokenize", {"content": text, "add_special": True, "parse_special": True},
-            TOKENIZE_TIMEOUT_S)
-        tokens = answer.get("tokens") if status == 200 and isinstance(answer, dict) else None
+        answer = await self._post_ok("/tokenize", {"content": text, "add_special": add_special,
+                                                   "parse_special": True})
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return None
         return tokens
+
+    async def _post_ok(self, path: str, payload: dict) -> Any:
+        status, answer = await self.post_json(path, payload, TOKENIZE_TIMEOUT_S)
+        if status in NO_ENDPOINT:
+            raise NoEndpoint(path)
+        return answer if status == 200 else None
 
     async def slot_action(self, slot: int, action: str, filename: str | None = None
                           ) -> SlotAction:

@@ -25,7 +25,7 @@ from prefixd.backends.base import BackendStatus, BackendUnavailable, Capabilitie
 from prefixd.backends.config import BackendConfig
 from prefixd.backends.health import local_session
 from prefixd.backends.llama import command as cmd
-from prefixd.backends.llama.api import LlamaAPI
+from prefixd.backends.llama.api import LlamaAPI, NoEndpoint
 from prefixd.backends.llama.info import ServerInfo, SlotState, advice, parse_props, parse_slots
 from prefixd.backends.llama.keeper import SlotKeeper
 from prefixd.backends.llama.slotfiles import SlotFiles
@@ -188,7 +188,7 @@ class LlamaBackend(ManagedBackend):
             return None
         try:
             return await keeper.api.tokenize(body)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        except (NoEndpoint, aiohttp.ClientError, OSError, TimeoutError, ValueError):
             return None
 
     async def metrics_text(self) -> str | None:
