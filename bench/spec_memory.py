@@ -1,7 +1,7 @@
 """What speculative decoding holds on a hybrid with real Gated-DeltaNet widths: MLX memory held
 between decode steps and peaked during them, speculation off, on with every drafted position's
 state kept, and on with states computed again where needed (`spec_capture_bytes` 0,
-`engine/captured.py`). In-process, random weights: a qwen3_next with Qwen3-Next's linear-
+`engine/inpass/captured.py`). In-process, random weights: a qwen3_next with Qwen3-Next's linear-
 attention widths (32 value heads, 16 key heads, 128 x 128; `--layers`, 3 of every 4 linear),
 narrow elsewhere; its output restricted to 4 tokens and drafts forced to `--draft` tokens each
 step (the cost of replaying is largest when drafts are rejected early, as here). Stock mlx-lm
@@ -21,10 +21,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from prefixd.backends.mlx.engine import draft
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.engine import Engine, Turn
 from prefixd.backends.mlx.engine.pacing import Pacing
+from prefixd.backends.mlx.engine.spec import draft
 from prefixd.backends.mlx.model.tiny import model_from_config, restrict_output, tiny_config
 
 WORDS = [5, 6, 7, 8]

@@ -1,6 +1,6 @@
 """Batched decode (issue 35) on the real worker thread and the five tiny architectures: requests
-decoding together share one forward pass per step (`engine/batch.py`), and each one's greedy
-reply and log-probabilities are those it gets alone; the states they commit from a batch give
+decoding together share one forward pass per step (`engine/batch/executor.py`), and each one's
+greedy reply and log-probabilities are those it gets alone; the states they commit from a batch give
 the next turn what a cold run gives; a request cancelled mid-batch leaves the others' replies
 as they are; a seeded sampled request draws the same tokens in a batch as alone."""
 
@@ -20,7 +20,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
-from prefixd.backends.mlx.engine.run import Run, argmax_rows
+from prefixd.backends.mlx.engine.run import Run
+from prefixd.backends.mlx.engine.spec.row import argmax_rows
 from prefixd.backends.mlx.model.tiny import ARCHS
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job

@@ -15,9 +15,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from pydantic import SecretStr
 from worker_fixtures import NAME, SETTINGS, chat, post
 
-from prefixd.backends.mlx.engine import bundle
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.engine.tierglue import DiskSpec
+from prefixd.backends.mlx.engine.transfer import bundle
 from prefixd.backends.mlx.model.tiny import (
     ARCHS,
     TINY_VOCAB,

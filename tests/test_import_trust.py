@@ -20,7 +20,7 @@ import pytest
 import safetensors.numpy
 from aiohttp.test_utils import TestClient, TestServer
 
-from prefixd.backends.mlx.engine import bundle
+from prefixd.backends.mlx.engine.transfer import bundle
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.server import seal
 from prefixd.backends.mlx.server.app import create_app

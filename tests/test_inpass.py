@@ -1,4 +1,4 @@
-"""In-pass checkpoints (`engine/tap.py`): checkpoints inside a prefill pass, taken from the
+"""In-pass checkpoints (`engine/inpass/tap.py`): checkpoints inside a prefill pass, taken from the
 pass itself, are the checkpoints a pass cut there gives; the prefill then takes as many passes
 as stock mlx-lm however many checkpoints it holds; warm == cold from every one of them; a model
 whose layers the hooks do not fit keeps cutting passes."""
@@ -25,8 +25,8 @@ from test_checkpoints import (
 )
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine import tap
 from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.model.tiny import build_model, model_from_config
 
 HYBRIDS = ("gemma3_text", "qwen3_next", "qwen3_5", "falcon_h1")  # the archs with snapshots

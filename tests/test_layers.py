@@ -119,3 +119,134 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from prefixd.proxy.settings import Settings\n")
     assert imports(bad) == {"proxy"}
+
+
+# the engine's own rooms -> the engine rooms each may import (besides itself); the engine's
+# modules beside them (`engine.py`, `run.py`, ...) may import any but `transfer`, which sits on
+# the Engine
+ENGINE_ROOMS = {
+    "inpass": set(),
+    "spec": {"inpass"},
+    "live": {"inpass", "spec"},
+    "batch": {"inpass", "live", "spec"},
+    "transfer": {"*"},
+}
+ENGINE = WORKER / "engine"
+
+
+def engine_rooms_imported(path: Path) -> set[str]:
+    """The engine rooms (or "*": its top-level modules) a module imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[:4] == ["prefixd", "backends", "mlx", "engine"] and len(parts) > 4:
+                found.add(parts[4] if parts[4] in ENGINE_ROOMS else "*")
+    return found
+
+
+@pytest.mark.parametrize("room", sorted(ENGINE_ROOMS))
+def test_engine_rooms_import_downward(room: str) -> None:
+    allowed = ENGINE_ROOMS[room] | {room}
+    bad = []
+    for path in sorted((ENGINE / room).rglob("*.py")):
+        found = engine_rooms_imported(path)
+        if "*" not in allowed:
+            bad += [f"{path.relative_to(ROOT)} imports engine.{b}" for b in found - allowed]
+    assert bad == []
+
+
+def test_nothing_in_the_engine_imports_its_transfers() -> None:
+    users = [p.relative_to(ROOT) for p in ENGINE.rglob("*.py") if "transfer" not in p.parts
+             and "transfer" in engine_rooms_imported(p)]
+    assert users == []
+
+
+def test_every_engine_room_says_what_it_owns() -> None:
+    rooms = {p.name for p in ENGINE.iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ENGINE_ROOMS)
+    for room in rooms:
+        assert (ENGINE / room / "__init__.py").read_text().startswith('"""'), room
+
+
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Every module under `root` -> the modules under it that it imports (a lazy or
+    TYPE_CHECKING import counts: a reader follows it all the same)."""
+    mods: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(("prefixd", *rel.parts)).removesuffix(".__init__")
+        mods[name] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    target = full if full in mods else node.module
+                    if target in mods and target != name:
+                        graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_worker_has_no_import_circle() -> None:
+    assert cycles(module_graph(WORKER)) == []
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_folder_under_backends_holds_more_than_15_modules() -> None:
+    crowded = {str(d.relative_to(ROOT)): n for d in [ROOT / "backends",
+                                                    *(ROOT / "backends").rglob("*")]
+               if d.is_dir() and (n := len(list(d.glob("*.py")))) > 15}
+    assert crowded == {}

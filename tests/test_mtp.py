@@ -23,7 +23,7 @@ from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.engine import Engine
-from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter
+from prefixd.backends.mlx.engine.spec.mtpdraft import MTP, MTPDrafter
 from prefixd.backends.mlx.model import mtp
 from prefixd.backends.mlx.model.tiny import (
     model_from_config,

@@ -1,4 +1,4 @@
-"""Verify passes that keep no state per drafted position (`engine/captured.py`, `Replay`): on
+"""Verify passes that keep no state per drafted position (`engine/inpass/captured.py`, `Replay`): on
 a model whose recurrent state is large, a verify pass computes the state at the accepted
 position again from the pass's own inputs instead of holding one state per drafted token.
 Replies stay those of decoding without drafts, replies closed among accepted tokens leave

@@ -27,17 +27,17 @@ from prefixd.api.structured import Constraint
 from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
-from prefixd.backends.mlx.engine.captured import Captured, RowOf
 from prefixd.backends.mlx.engine.config import EngineConfig
-from prefixd.backends.mlx.engine.draft import (
+from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.engine.inpass.captured import Captured, RowOf
+from prefixd.backends.mlx.engine.spec.draft import (
     BatchPace,
     Pace,
     PassCosts,
-    PromptLookup,
     fair_width,
 )
-from prefixd.backends.mlx.engine.drafter import ModelDrafter
-from prefixd.backends.mlx.engine.engine import Engine
+from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
+from prefixd.backends.mlx.engine.spec.lookup import PromptLookup
 from prefixd.backends.mlx.model.tiny import (
     ARCHS,
     EXTRA_ARCHS,
@@ -66,25 +66,30 @@ LOGPROB_TOLERANCE = 1e-4
 LONG_LOGPROB_TOLERANCE = 5e-4
 
 
+def _proposed(lookup: PromptLookup, k: int) -> tuple[list[int], int]:
+    """What `lookup` proposes after the tokens it holds, and how far its match reaches."""
+    return lookup.propose(lookup.buf[:lookup.n].tolist(), k), lookup.reach
+
+
 # --- drafting policy (pure) --------------------------------------------------------------------
 def test_prompt_lookup_copies_from_the_occurrence_whose_match_reaches_furthest_back() -> None:
     # the suffix [2, 3] occurs at 1 (preceded by 1, as the suffix is: a 3-token match) and at
     # 6 (preceded by 9): the longer match is copied, not the latest
     lookup = PromptLookup([1, 2, 3, 4, 7, 9, 2, 3, 5, 1, 2, 3], capacity=8, ngram=2)
-    assert lookup.propose(3) == ([4, 7, 9], 3)
+    assert _proposed(lookup, 3) == ([4, 7, 9], 3)
     lookup.extend([8])           # [3, 8] never occurred
-    assert lookup.propose(3) == ([], 0)
-    assert lookup.propose(0) == ([], 0)
+    assert _proposed(lookup, 3) == ([], 0)
+    assert _proposed(lookup, 0) == ([], 0)
     ties = PromptLookup([5, 6, 1, 5, 6, 2, 5, 6], capacity=4, ngram=2)
-    assert ties.propose(1) == ([2], 2)      # equal matches: the latest
+    assert _proposed(ties, 1) == ([2], 2)      # equal matches: the latest
 
 
 def test_prompt_lookup_continues_a_copy_that_runs_into_its_own_end() -> None:
     loop = PromptLookup([9, 1, 2, 3, 1, 2, 3, 1, 2], capacity=2, ngram=2)
-    assert loop.propose(7) == ([3, 1, 2, 3, 1, 2, 3], 5)
+    assert _proposed(loop, 7) == ([3, 1, 2, 3, 1, 2, 3], 5)
     loop.extend([3, 1, 2, 3])    # past its capacity: the buffer grows
-    assert loop.propose(2) == ([1, 2], 9)   # back to the 9 it starts after
-    assert PromptLookup([4], capacity=1, ngram=2).propose(3) == ([], 0)
+    assert _proposed(loop, 2) == ([1, 2], 9)   # back to the 9 it starts after
+    assert _proposed(PromptLookup([4], capacity=1, ngram=2), 3) == ([], 0)
 
 
 def test_a_request_whose_drafts_fail_drafts_rarely_and_one_that_copies_drafts_long() -> None:

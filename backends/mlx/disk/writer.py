@@ -17,16 +17,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from prefixd.backends.mlx.disk import chain
 from prefixd.backends.mlx.disk import fmt as diskfmt
 from prefixd.backends.mlx.disk.records import Block, Record
-
-if TYPE_CHECKING:
-    from prefixd.backends.mlx.disk.index import DiskTier
 
 log = logging.getLogger("prefixd.worker.disk")
 
@@ -68,10 +66,33 @@ class Job:
         self.done.set()
 
 
+class Shelf(Protocol):
+    """The index the writer writes for, as it uses it (`index.DiskTier`): its folder and key,
+    its lock and counters, room under the budget, and what it indexes."""
+
+    root: Path
+    salt: str
+    layout: Any
+    block: int
+    blocks: dict[str, Block]
+    counters: collections.Counter[str]
+    lock: threading.Lock
+
+    def touch(self, rid: str) -> bool: ...
+
+    def make_room(self, need: int, keep: set[str]) -> bool: ...
+
+    def drop_unused(self, bids: set[str]) -> None: ...
+
+    def add_block(self, bid: str, blk: Block) -> None: ...
+
+    def add_record(self, rec: Record) -> None: ...
+
+
 class DiskWriter:
     """The one thread that writes a tier's files (started by `DiskTier.start`)."""
 
-    def __init__(self, tier: DiskTier) -> None:
+    def __init__(self, tier: Shelf) -> None:
         self.tier = tier
         self._jobs: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition(tier.lock)

@@ -4,7 +4,8 @@ with checkpoints, decode, and commit what the KV state holds back to the checkpo
 Owns: the prefill/decode loop (so prefill chunks can end exactly at checkpoint positions), the
 restore decision and its fallbacks, taking checkpoints and the commit at the end of a request
 (`engine/checkpointing.py`, a mixin), per-request `PromptStats`, and the face other workers' states
-come in and go out through (`engine/bundle.py`). What this model's cache supports is probed at start
+come in and go out through (`engine/transfer/bundle.py`). What this model's cache supports is
+probed at start
 (`engine/probe.py`); the counts and cache metrics are `engine/counts.py`; policy (placement, lookup,
 budget) lives in `cache/placement.py` and `cache/store.py`; per-class cache handling in
 `cache/snapshot.py`; the disk tier behind `engine/tierglue.py`. Called from one thread only (the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -29,15 +30,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.engine import probe
-from prefixd.backends.mlx.engine.batch import Batch
+from prefixd.backends.mlx.engine.batch.executor import Batch
+from prefixd.backends.mlx.engine.batch.passes import PassCounts
+from prefixd.backends.mlx.engine.batch.stacking import unbatchable
 from prefixd.backends.mlx.engine.checkpointing import Checkpointing
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.counts import CacheCounts
-from prefixd.backends.mlx.engine.pacing import Turn
-from prefixd.backends.mlx.engine.passes import PassCounts
+from prefixd.backends.mlx.engine.pacing import Pacing
 from prefixd.backends.mlx.engine.run import Run, Step
-from prefixd.backends.mlx.engine.speculate import Speculation, spec_config
-from prefixd.backends.mlx.engine.stacking import unbatchable
+from prefixd.backends.mlx.engine.spec.speculate import Speculation, spec_config
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
 from prefixd.backends.mlx.group.lockstep import Lockstep
@@ -45,8 +46,23 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 if TYPE_CHECKING:
     import mlx.nn as nn
 
+    from prefixd.backends.mlx.cache.store import Entry
+
 
 log = logging.getLogger("prefixd.worker.cache")
+
+
+
+@dataclass(eq=False)
+class Turn:
+    """One request's own view of the Engine (several may be under way: `scheduler/`): its
+    pacing (the next pass's size and whether a pass pauses, set by its scheduler before each
+    step), its stats and store entry (set when it starts) and its live state."""
+
+    pacing: Pacing
+    stats: PromptStats | None = None
+    entry: Entry | None = None
+    run: Run | None = None
 
 
 class Engine(Checkpointing):
@@ -62,7 +78,7 @@ class Engine(Checkpointing):
         self.config = config
         self.lockstep = lockstep = lockstep or Lockstep()
         # what identifies the model's weights (`tierglue.model_fingerprint`): states move
-        # only between workers of the same one (`engine/bundle.py`)
+        # only between workers of the same one (`engine/transfer/bundle.py`)
         self.model_id = model_id or (disk.model_id if disk else None)
         self._reference: list[Any] | None = None
         self.logits_bytes = 0   # one position's logits (`reference_leaves`)
@@ -101,13 +117,13 @@ class Engine(Checkpointing):
         # estimated size of one checkpoint
         self.checkpoint_bytes = (self.interval_choice.checkpoint_bytes if self.interval_choice
                                  else None)
-        # decode steps of the running requests share one forward pass (`engine/batch.py`)
+        # decode steps of the running requests share one forward pass (`engine/batch/executor.py`)
         self.passes = PassCounts()
         self.batch = Batch(model, self.passes)
         self.unbatchable = unbatchable(template)
         if self.unbatchable:
             log.warning("decode steps run one request at a time: %s", self.unbatchable)
-        # speculative decoding (`engine/speculate.py`): a verify pass goes back exactly
+        # speculative decoding (`engine/spec/speculate.py`): a verify pass goes back exactly
         self.spec, self.unspeculative = spec_config(
             config, self._snap_idx, self.inpass, self._unsupported, not lockstep.untimed,
             draft_model, lambda: probe.inpass_leaves(model, self.fresh_cache, self._snap_idx,
@@ -168,9 +184,10 @@ class Engine(Checkpointing):
         return cache, match.pos
 
     def restore_only(self, prompt: list[int], stats: PromptStats,
-                     namespace: str = "") -> tuple[list[Any], int]:
-        """`_restore` for an export (`engine/bundle.py`): the same restore, without counting a hit
-        or a miss in the tier metrics (no request is served)."""
+                     namespace: str = "") -> tuple[list[Any],
+                     int]:
+        """`_restore` for an export (`engine/transfer/bundle.py`): the same restore, without
+        counting a hit or a miss in the tier metrics (no request is served)."""
         if self._unsupported:
             return self.fresh_cache(), 0
         return self._restore(prompt, stats, count=False, namespace=namespace)
@@ -183,7 +200,7 @@ class Engine(Checkpointing):
 
     def reference_leaves(self) -> list[Any]:
         """This model's cache leaves after a one-token pass: the classes, array shapes and
-        dtypes an imported state must have (`engine/bundle.py`)."""
+        dtypes an imported state must have (`engine/transfer/bundle.py`)."""
         if self._reference is None:
             cache = self.fresh_cache()
             logits = self.model(mx.array([[0]]), cache=cache)
@@ -228,7 +245,7 @@ class Engine(Checkpointing):
         prefill ended; the commit time at the end) and its store entry. `namespace`: the
         request's cache partition (per-key isolation): it restores from and is stored in that
         partition only. When the engine speculates it may decode by drafts verified in one
-        pass (`engine/speculate.py`)."""
+        pass (`engine/spec/speculate.py`)."""
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)

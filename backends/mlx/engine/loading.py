@@ -88,7 +88,7 @@ def load_draft(settings: WorkerSettings, tokenizer: Any, alone: bool
         return None, None
     if not alone:
         return None, "a group worker does not draft with one"
-    from prefixd.backends.mlx.engine.drafter import draft_model_problem
+    from prefixd.backends.mlx.engine.spec.draftmodel import draft_model_problem
     from prefixd.backends.mlx.model.provision import load_model, resolve_model
 
     spec = settings.spec_draft_model
@@ -113,7 +113,7 @@ def load_mtp(settings: WorkerSettings, model: Any, folder: str, alone: bool
     all finite (`model/mtp.py`). None, None: off, or none in its checkpoint."""
     if not settings.spec_mtp or not settings.speculative:
         return None, None
-    from prefixd.backends.mlx.engine.mtpdraft import MTP
+    from prefixd.backends.mlx.engine.spec.mtpdraft import MTP
     from prefixd.backends.mlx.model.mtp import load_head, parts
 
     head, why = load_head(model, folder)

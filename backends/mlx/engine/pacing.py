@@ -4,19 +4,13 @@ A step of `Engine.steps` is one forward pass: `Prefilled` (a prefill pass ended)
 prefill pass stopped between two layers; the next step resumes it), or the token a decode
 step sampled. Before each step its caller sets the `Pacing`: the next pass's size (decided in
 one place, the scheduler's `Schedule.pass_tokens`) and whether a pass pauses for another job;
-the request's `Turn` holds its pacing, stats, store entry and live state.
+the request's `engine.Turn` holds its pacing, stats, store entry and live state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from prefixd.backends.mlx.cache.store import Entry
-    from prefixd.backends.mlx.engine.run import Run
-    from prefixd.backends.mlx.engine.stats import PromptStats
 
 
 @dataclass(frozen=True)
@@ -44,15 +38,3 @@ class Pacing:
     preempt: Callable[[], bool] | None = None
     share: int = 0   # a prompt position other requests wait for: a pass ends there, published
     pausable: bool = True   # False: no newcomer can outrank it, so the pass is evaluated whole
-
-
-@dataclass(eq=False)
-class Turn:
-    """One request's own view of the Engine (several may be under way: `scheduler/`): its
-    pacing (the next pass's size and whether a pass pauses, set by its scheduler before each
-    step), its stats and store entry (set when it starts) and its live state."""
-
-    pacing: Pacing
-    stats: PromptStats | None = None
-    entry: Entry | None = None
-    run: Run | None = None

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.cache.placement import auto_interval, compute_interval
-from prefixd.backends.mlx.engine import tap
+from prefixd.backends.mlx.engine.inpass import tap
 
 log = logging.getLogger("prefixd.worker.cache")
 PROBE_TOKENS = 256  # the longer pass of the cost probe (or prefill_chunk if smaller)

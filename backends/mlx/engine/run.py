@@ -5,7 +5,7 @@ generated tokens are in it), and whether an exception left it in an unknown stat
 Knows nothing of the checkpoint store: the Engine says where to capture (`marks`) and what to do
 there (`capture`), and commits `tokens` with `cache` when the run ends. With `inpass` (the
 model passed `tap.verify`), a pass is not cut at marks: the marks inside it are captured from
-the pass itself (`engine/tap.py`), so checkpoints add no forward passes.
+the pass itself (`engine/inpass/tap.py`), so checkpoints add no forward passes.
 
 The steps are typed: a prefill pass yields `Prefilled` when it ends, `Paused(layer)` when it
 stops between two layers, a decode step the token it sampled. A pass's size is the `Pacing`
@@ -24,22 +24,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.sample_utils import greedy_sampler
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine import tap
-from prefixd.backends.mlx.engine.mtpdraft import taken
+from prefixd.backends.mlx.engine.batch.passes import PassCounts
+from prefixd.backends.mlx.engine.inpass import tap
+from prefixd.backends.mlx.engine.live.state import Live
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
-from prefixd.backends.mlx.engine.passes import PassCounts
+from prefixd.backends.mlx.engine.spec.mtpdraft import taken
 from prefixd.backends.mlx.engine.stats import PromptStats
-
-if TYPE_CHECKING:
-    from prefixd.backends.mlx.engine.batch import Batch
-    from prefixd.backends.mlx.engine.speculate import Speculation
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
 # checkpoint payload when the pass computed it (an in-pass mark), else None: take it from the
@@ -53,50 +49,26 @@ Step = Prefilled | Paused | int   # an int: the token a decode step sampled
 Forward = tuple[mx.array, dict[int, "snapshot.Snapshot"]]   # logits, in-pass checkpoints
 
 
-class Run:
-    """The live state of one generation."""
+class Run(Live):
+    """One generation: its live state (`Live`), its prefill's own state, and its steps."""
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
                  pacing: Pacing, should_stop: Callable[[], bool],
                  inpass: tuple[int, ...] | None = None,
                  passes: PassCounts | None = None,
                  publish: Callable[[int], None] = lambda pos: None) -> None:
-        self.model, self.cache, self.prompt, self.pacing = model, cache, prompt, pacing
-        self.passes, self.publish = passes or PassCounts(), publish
+        super().__init__(model, cache, prompt, start, should_stop)
+        self.pacing, self.passes, self.publish = pacing, passes or PassCounts(), publish
         self.yields = 0  # how many times a prefill pass paused in the middle
         self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
-        self.start, self.should_stop = start, should_stop
         self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
         self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
-        self.pos = start  # prompt tokens in the KV state
-        self.fed: list[int] = []  # generated tokens in the KV state
-        self.pending: int | None = None  # the last yielded token, not yet fed to the model
-        self.broken = False  # an exception hit mid-forward: the cache state is unknown
         self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
-        # decoding in a `Batch` (`engine/batch.py`): the batch holds the cache (`cache` is
-        # empty), feeds `pending` with the other members' and leaves the next logits here
-        self.batch: Batch | None = None
-        self.incoming: mx.array | None = None
-        self.sampled, self.max_tokens = 0, 0   # decode steps sampled, of at most max_tokens
-        self.batched = 0   # the requests of each decode pass that fed it, summed
-        self.drawn: mx.array | int | None = None   # its next token, drawn in a batch's pass
-        self.sampler: Callable[[mx.array], mx.array] = lambda x: x
-        self.processors: list = []
-        self.spec: Speculation | None = None   # drafting, when this request speculates
-        self.ahead: list[int] = []   # tokens a verify pass accepted, not yet yielded
-        # (reply tokens, the recurrent states there): where a possible stop string began
-        self.stop_mark: tuple[int, snapshot.Snapshot] | None = None
-        self.hidden: mx.array | None = None   # its last pass's hidden states, for an MTP head
 
-    @property
-    def tokens(self) -> list[int]:
-        """Every token the cache holds."""
-        return self.prompt[:self.pos] + self.fed
-
-    @property
-    def watched(self) -> bool:
-        """Whether its passes' hidden states feed its drafter (an MTP head's)."""
-        return self.spec is not None and self.spec.config.watches
+    def release(self) -> None:
+        """`Live.release`, and the prompt's last logits."""
+        super().release()
+        self.logits = None
 
     def saw(self, start: int, n: int) -> None:
         """Its last pass's hidden states at positions start..start + n to its drafter."""
@@ -211,8 +183,8 @@ class Run:
                processors: list, max_tokens: int, stats: PromptStats
                ) -> Generator[int, None, None]:
         """Sample, yield the token, feed it: alone (a forward pass of its own, or a verify pass
-        of it and a draft, `engine/speculate.py`, when `spec` drafts), or, when a `Batch` fed it
-        with others' before this step resumed, from the logits it left in `incoming` (and the
+        of it and a draft, `engine/spec/speculate.py`, when `spec` drafts), or, when a `Batch` fed
+        it with others' before this step resumed, from the logits it left in `incoming` (and the
         token it drew from them in the same evaluation, `drawn`). After a verify pass the
         tokens it accepted are yielded one per step, with no pass between them."""
         self.max_tokens, self.sampler, self.processors = max_tokens, sampler, processors
@@ -227,8 +199,6 @@ class Run:
             if i == 0:
                 stats.first_token_s = time.perf_counter() - t0
             self.sampled = i + 1
-            if self.spec is not None:
-                self.spec.lookup.extend([token])
             yield token
             if self.ahead:
                 continue
@@ -257,43 +227,6 @@ class Run:
             self.batched += 1
             self.fed.append(token)
             self.pending = None
-
-    @property
-    def plain(self) -> bool:
-        """Whether its draw is the argmax of its logits alone (mlx-lm's greedy sampler, no
-        processors, no log-probability tap): rows of such runs draw together (`argmax_rows`)."""
-        return self.sampler is greedy_sampler and not self.processors
-
-    def draw(self, logits: mx.array, history: list[int] | None = None) -> mx.array:
-        """The next token from `logits` (lazy): its processors (penalties, a grammar's mask)
-        on `history` (default: what the cache holds), then its sampler."""
-        if self.processors:
-            tokens = mx.array(self.prompt + self.fed if history is None else history)
-            for proc in self.processors:
-                logits = proc(tokens, logits)
-        return self.sampler(logits - mx.logsumexp(logits, keepdims=True))
-
-    def wants_feed(self) -> bool:
-        """Whether its next step feeds the token it sampled last (it goes on decoding)."""
-        return (self.pending is not None and self.sampled < self.max_tokens
-                and not self.broken and not self.should_stop())
-
-    def release(self) -> None:
-        """Let go of its arrays once it has ended (the store holds what it keeps of the cache):
-        a finished job's objects refer to one another (its scheduler slot, its pacing, its
-        stop check), so whatever they reach waits for Python's cycle collector, which runs
-        seldom in a worker that allocates few Python objects: measured, ~12 MiB of a finished
-        request's KV buffers on the built-in model, GBs over a few dozen requests."""
-        self.cache, self.logits, self.incoming, self.drawn = [], None, None, None
-        self.hidden = None
-        self.stop_mark = None
-        if self.spec is not None:
-            self.spec.release()
-
-    def settle(self) -> None:
-        """Take its cache back from a batch it decoded in (before it steps alone or ends)."""
-        if self.batch is not None:
-            self.batch.leave(self)
 
     def mark_stop(self) -> None:
         """The text from the token just yielded on may be a stop string (its caller holds it
@@ -361,10 +294,3 @@ class Run:
         self.batched += 1
         self.fed.append(token)
 
-
-def argmax_rows(logits: mx.array) -> mx.array:
-    """The greedy draw of every row of `logits` ([rows, vocab]) in one graph: row i's is
-    `Run.draw`'s of logits[i:i + 1] for a `plain` run, bit for bit (each row normalized by its
-    own log-sum-exp, then its argmax). A batch of 16 rows of a 49,152-token vocabulary draws in
-    0.8 ms this way against 8.6 ms a row at a time (2 CPU cores)."""
-    return greedy_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

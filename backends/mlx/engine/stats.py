@@ -58,7 +58,7 @@ class PromptStats:
     known_tokens: int = 0  # the longest restorable prefix the worker knew of for this prompt
     miss: str | None = None  # why fewer than known_tokens were restored (tiers.MISS_REASONS)
     disk_load_s: float = 0.0  # reading and rebuilding a disk record (part of restore)
-    # speculative decoding (`engine/speculate.py`): None when the request did not speculate
+    # speculative decoding (`engine/spec/speculate.py`): None when the request did not speculate
     speculative: dict[str, int] | None = None
 
     def seconds(self) -> dict[str, float]:

@@ -78,7 +78,7 @@ class GrammarMask:
     once a call repeats an earlier one (`oai.extract_tool_calls` drops the repeat).
 
     Each call consumes the token before it (the one drawn at the previous call), then masks.
-    Under speculative decoding (`engine/speculate.py`) the calls run over a draft: a drafted
+    Under speculative decoding (`engine/spec/speculate.py`) the calls run over a draft: a drafted
     token the grammar does not allow is not consumed (the draws from there on are discarded
     anyway: the draw before it, under the mask, differs from it), and `rewind` undoes the
     calls of the positions the verify pass did not keep (the matcher rolled back)."""

@@ -78,7 +78,8 @@ def memory_info(mlx_snapshot: dict[str, Any]) -> dict[str, Any]:
 
 def trim_heap() -> None:
     """Give the C heap's free memory back to the system (glibc's `malloc_trim`; elsewhere
-    nothing). After a decode batch's join or leave (`engine/batch.py`) has freed the copies it
+    nothing). After a decode batch's join or leave (`engine/batch/executor.py`) has freed the
+    copies it
     made: their buffers (a few MiB a layer) come from the heap, where glibc keeps what is freed
     resident. Measured on the built-in model: four sub-agents' batched second turns left the
     process at 1,393 MiB, and 1,187 MiB with the heap trimmed (unbatched: 1,145 MiB). A few

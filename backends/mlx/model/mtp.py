@@ -15,7 +15,7 @@ layers (experts stacked into `switch_mlp` from each expert's projections or from
 fused ones, the zero-centred norms shifted by one: the layouts checkpoints ship), and
 building the head (`MTPHead`), which shares the model's embedding and output projection
 (`Parts`), refusing weights that do not fit it or are not all finite (`checks.py`). Nothing
-here decodes: `engine/mtpdraft.py` drafts with it.
+here decodes: `engine/spec/mtpdraft.py` drafts with it.
 """
 
 from __future__ import annotations

@@ -221,8 +221,8 @@ def stop_strings(s: Sampling, fmt: ToolFormat) -> tuple[tuple[str, ...], str | N
 
 def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:
     """One decode step of every job in `actives` (journaled first, as one entry), their
-    pending tokens fed in one forward pass (`engine/batch.py`); then each samples its own next
-    token. `stops`: each job's `Decision.stop` (a stopping job is not fed; it ends). Never
+    pending tokens fed in one forward pass (`engine/batch/executor.py`); then each samples its own
+    next token. `stops`: each job's `Decision.stop` (a stopping job is not fed; it ends). Never
     raises: a failed pass fails every job it fed."""
     lockstep = actives[0].lockstep
     lockstep.journal({"op": "batch", "jobs": [a.job.id for a in actives], "stop": stops})

@@ -158,7 +158,7 @@ class Generator:
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """`fn(engine)` on the generation thread, between two passes (a state export or
-        import: `engine/bundle.py`); then the status is refreshed."""
+        import: `engine/transfer/bundle.py`); then the status is refreshed."""
         assert self.loaded is not None
         engine = self.loaded.engine
 

@@ -76,7 +76,7 @@ class SeededSampler:
 
     def rewind(self, draws: int) -> None:
         """Undo the last `draws` draws (a verify pass drew tokens it did not emit,
-        `engine/speculate.py`): the key is the one the next emitted token draws with."""
+        `engine/spec/speculate.py`): the key is the one the next emitted token draws with."""
         self.key, self.keys = self.keys[-draws], self.keys[:-draws]
 
 

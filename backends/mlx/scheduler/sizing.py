@@ -25,7 +25,7 @@ def request_bytes(leaves: Sequence[Any], logits_bytes: int, width: int, goes_bac
     """Rough bytes one request holds under way besides its KV, from a model's cache leaves
     after a one-token pass (`leaves`) and one position's logits: its fixed-size states
     (recurrent and convolution: `ArraysCache`), twice where a verify pass keeps the state
-    before it to go back (`goes_back`: `engine/captured.py`), and its rows of a pass's
+    before it to go back (`goes_back`: `engine/inpass/captured.py`), and its rows of a pass's
     logits and draws (`width` positions: a verify pass's)."""
     states = sum(a.nbytes for c in leaves if isinstance(getattr(c, "cache", None), list)
                  for a in c.cache if a is not None)

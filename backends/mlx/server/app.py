@@ -30,8 +30,8 @@ from prefixd.api.schema import Kind, cache_namespace, decode_json, parse_body
 from prefixd.backends.mlx.chat.oai import ChatOutput, Shapes
 from prefixd.backends.mlx.chat.prompt import Prompt, Renderer, encode
 from prefixd.backends.mlx.chat.request import GenRequest, check_vocab, gen_request, parse_request
-from prefixd.backends.mlx.engine import bundle
 from prefixd.backends.mlx.engine.loading import Loaded
+from prefixd.backends.mlx.engine.transfer import bundle
 from prefixd.backends.mlx.model.memory import memory_info
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import WorkerClosed
@@ -233,7 +233,8 @@ def _single(request: web.Request) -> None:
 
 async def _export(request: web.Request) -> web.Response:
     """A chat or completions body → the state of the longest prefix of its prompt this worker
-    restores (RAM or disk), as a bundle (`engine/bundle.py`) with `X-Prefixd-Tokens: <pos>` and,
+    restores (RAM or disk), as a bundle (`engine/transfer/bundle.py`) with `X-Prefixd-Tokens:
+    <pos>` and,
     with a transfer secret, its MAC (`cacheio.signed`); 404 when it holds none. Runs on the
     generation thread, after the request in progress."""
     _single(request)

@@ -11,10 +11,10 @@ error with a named code, counted in `prefixd_worker_cache_imports_total{outcome}
 - 408 `request_timeout`: the body did not arrive within `body_timeout_s` (the connection is
   closed: a peer holding the worker's token cannot hold it open by trickling);
 - 403 `bad_mac`: the MAC, computed chunk by chunk as the body streams in, does not verify;
-- then the bundle's own checks on the generation thread (`engine/bundle.py`,
-`engine/bundlecheck.py`: 400
+- then the bundle's own checks on the generation thread (`engine/transfer/bundle.py`,
+`engine/transfer/check.py`: 400
   with the reason as the code, 409 `other_model`).
-The bundle format and its checks are `engine/bundle.py`'s; the MAC is `server/seal.py`'s.
+The bundle format and its checks are `engine/transfer/bundle.py`'s; the MAC is `server/seal.py`'s.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pydantic import SecretStr
 from prefixd.api.errors import ApiError
 from prefixd.api.reading import within
 from prefixd.api.schema import cache_namespace
-from prefixd.backends.mlx.engine import bundle
 from prefixd.backends.mlx.engine.loading import Loaded
+from prefixd.backends.mlx.engine.transfer import bundle
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import WorkerClosed
 from prefixd.backends.mlx.server import seal

@@ -12,7 +12,7 @@ lacks a long prefix another worker of the same model holds or is computing, it a
 to export the prefix and this one to import it, instead of recomputing it. The state is the
 exporting worker's own, so a request restored from it gives what that worker's restore would.
 
-An import is untrusted input, checked before anything is stored (`engine/bundlecheck.py`): the
+An import is untrusted input, checked before anything is stored (`engine/transfer/check.py`): the
 worker first verifies the bundle's MAC over the bytes it received (`server/seal.py`, in
 `server/cacheio.py`); then its checksum, its key (model fingerprint, file format, cache layout, KV
 quantization) must be this model's, its token ids int32 and in the vocabulary, its tensors finite,
@@ -35,10 +35,10 @@ import safetensors.numpy
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.disk import fmt as diskfmt
-from prefixd.backends.mlx.engine import bundlecheck as check
-from prefixd.backends.mlx.engine.bundlecheck import BundleError
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import layout
+from prefixd.backends.mlx.engine.transfer import check
+from prefixd.backends.mlx.engine.transfer.check import BundleError
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.engine import Engine
@@ -95,7 +95,7 @@ def _digest(tensors: dict[str, np.ndarray]) -> str:
 def parse(data: bytes, key: str, vocab: int) -> tuple[dict[str, Any], dict[str, mx.array],
                                                       list[int]]:
     """(description, arrays, tokens) of a bundle for the model with bundle key `key` and a
-    vocabulary of `vocab` ids; `BundleError` for anything else (`engine/bundlecheck.py`)."""
+    vocabulary of `vocab` ids; `BundleError` for anything else (`engine/transfer/check.py`)."""
     try:
         meta = _meta(data)
         host = safetensors.numpy.load(data)

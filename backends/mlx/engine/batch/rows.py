@@ -4,11 +4,11 @@ their drafts (`Batch.verify`): what a batched verify pass needs of every cache k
 Owns: which batch caches can go back per row (`verifiable`), putting rotated windows in
 temporal order before a multi-token pass (`in_order`), and going back (`back`): full-attention
 KV trimmed by the fewest dropped, the rest of each row masked where it is (`GappedKVCache`,
-`engine/gapped.py`: the batch's own) or rolled into its left padding (a plain `BatchKVCache`:
+`engine/batch/gapped.py`: the batch's own) or rolled into its left padding (a plain `BatchKVCache`:
 mlx-lm's own right-padding `finalize`); sliding windows (`BatchRotatingKVCache`)
 rolled the same way, never trimmed (the next step's window is cut from the buffer's end);
 recurrent and convolution states (`ArraysCache`: Gated-DeltaNet, Mamba, LFM2) replaced row by
-row by the state the in-pass tap captured at that row's position (`engine/captured.py`: kept
+row by the state the in-pass tap captured at that row's position (`engine/inpass/captured.py`: kept
 from the pass, or computed again for that row alone).
 """
 
@@ -20,8 +20,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine.captured import Captured
-from prefixd.backends.mlx.engine.gapped import GappedKVCache
+from prefixd.backends.mlx.engine.batch.gapped import GappedKVCache
+from prefixd.backends.mlx.engine.inpass.captured import Captured
 
 
 def verifiable(cache: list[Any], captured: tuple[int, ...]) -> bool:
@@ -61,7 +61,7 @@ def back(cache: list[Any], kept: list[int], width: int, captured: Captured | Non
     for i, leaf in enumerate(snapshot.leaves(cache)):
         kind = type(leaf)
         if kind is GappedKVCache:
-            squeezed |= leaf.drop(drops)     # masked where they are (`engine/gapped.py`)
+            squeezed |= leaf.drop(drops)     # masked where they are (`engine/batch/gapped.py`)
         elif kind is BatchKVCache:
             drop(leaf, drops)
         elif kind is BatchRotatingKVCache:

@@ -1,6 +1,6 @@
 """What a tapped pass captured, at any of its offsets (`Captured`).
 
-Owns: turning an in-pass tap's record (`engine/tap.py`: per recurrence its states after each
+Owns: turning an in-pass tap's record (`engine/inpass/tap.py`: per recurrence its states after each
 offset, or what it needs to compute them again; per convolution its padded input; a sliding
 window's buffer after the pass) into the leaves a pass cut at an offset would have left, for
 the whole batch of the pass or one row of it.

@@ -1,10 +1,11 @@
 """Speculative decoding of one request: a draft verified in one forward pass, and the live
 cache brought back exactly to the last accepted token, on every cache type prefixd serves.
 
-Owns: a run's drafter and pace (`engine/draft.py`), the verify pass, the acceptance rule, and
+Owns: a run's drafter and pace (`engine/spec/draft.py`), the verify pass, the acceptance rule, and
 the states it keeps to go back: per position of the pass, the recurrent and convolution states
 (Gated-DeltaNet, Mamba, short convolutions) and sliding windows, captured inside the pass by
-the in-pass tap (`engine/tap.py`, proven equal to a pass cut there at start-up); full-attention
+the in-pass tap (`engine/inpass/tap.py`, proven equal to a pass cut there at start-up);
+full-attention
 KV is trimmed. So the state after accepting `a` of `k` drafted tokens is the one `a + 1`
 one-token passes would have left, never an approximation. Should the tap fail in a pass, the
 snapshotted leaves go back to their state before it and the accepted tokens are fed again (one
@@ -26,24 +27,38 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine import tap
-from prefixd.backends.mlx.engine.captured import Captured, RowOf
-from prefixd.backends.mlx.engine.draft import DraftCosts, Pace, PassCosts, PromptLookup
-from prefixd.backends.mlx.engine.drafter import ModelDrafter
-from prefixd.backends.mlx.engine.mtpdraft import MTP, MTPDrafter, taken
-from prefixd.backends.mlx.engine.run import argmax_rows
+from prefixd.backends.mlx.engine.inpass import tap
+from prefixd.backends.mlx.engine.inpass.captured import Captured, RowOf
+from prefixd.backends.mlx.engine.spec.draft import DraftCosts, Pace, PassCosts
+from prefixd.backends.mlx.engine.spec.drafter import Context, Drafter
+from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
+from prefixd.backends.mlx.engine.spec.lookup import PromptLookup
+from prefixd.backends.mlx.engine.spec.mtpdraft import MTP, MTPDrafter, taken
+from prefixd.backends.mlx.engine.spec.row import Row, argmax_rows
 
 log = logging.getLogger("prefixd.worker.cache")
 
-if TYPE_CHECKING:
-    from prefixd.backends.mlx.engine.config import EngineConfig
-    from prefixd.backends.mlx.engine.run import Run
+
+class SpecSettings(Protocol):
+    """What `spec_config` reads of the worker's settings (`engine.config.EngineConfig`)."""
+
+    @property
+    def speculative(self) -> bool: ...
+
+    @property
+    def spec_draft_max(self) -> int | None: ...
+
+    @property
+    def spec_ngram(self) -> int: ...
+
+    @property
+    def spec_capture_bytes(self) -> int: ...
 
 
 # The longest draft by default: where every layer trims (full attention) a longer draft costs
@@ -63,7 +78,7 @@ class SpecConfig:
     ngram: int
     leaves: tuple[int, ...]
     costs: PassCosts
-    draft_model: Any = None     # drafts where the context has nothing to copy (`drafter.py`)
+    draft_model: Any = None     # drafts where the context has nothing to copy (`draftmodel.py`)
     draft_costs: DraftCosts | None = None
     capture_bytes: int = 64 * 2**20   # a verify pass's kept states at most (`replays`)
     mtp: MTP | None = None      # the model's own MTP head: drafts before a draft model would
@@ -76,7 +91,7 @@ class SpecConfig:
     def replays(self, cache: list[Any], width: int) -> bool:
         """Whether a verify pass `width` tokens wide over `cache` (every row) computes the
         captured recurrent states again where asked for instead of keeping one per position
-        (`engine/captured.py`): where those kept would pass `capture_bytes`."""
+        (`engine/inpass/captured.py`): where those kept would pass `capture_bytes`."""
         kept = sum(leaf.cache[-1].nbytes for i, leaf in enumerate(snapshot.leaves(cache))
                    if i in self.leaves and type(leaf) is ArraysCache and len(leaf.cache) > 1
                    and leaf.cache[-1] is not None)
@@ -93,7 +108,8 @@ class Speculation:
         self.config = config
         self.lookup = PromptLookup(prompt, max_tokens + config.max_draft + 1, config.ngram)
         self.pace = Pace(config.max_draft, config.costs)
-        self.model: ModelDrafter | MTPDrafter | None = \
+        # where the context has nothing to copy: the model's own head, else a draft model
+        self.model: Drafter | None = \
             MTPDrafter(config.mtp) if config.mtp is not None else \
             ModelDrafter(config.draft_model) if config.draft_model is not None else None
         self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs)
@@ -104,12 +120,14 @@ class Speculation:
         self.held = 0   # positions of the last verify pass in the live cache
         self.reach = 0  # how far back the last draft's match reached
 
-    def draft(self, run: Run, token: int, room: int, rows: int = 1) -> list[int]:
+    def draft(self, run: Row, token: int, room: int, rows: int = 1) -> list[int]:
         """The draft to verify after `token` (at most `room` tokens; empty: decode one) in a
         pass of `rows` requests: a copy from the context where there is one that pays, else
         the draft model's."""
         limit = min(room, self.config.max_draft)
-        tokens, self.reach = self.lookup.propose(limit)
+        context = Context(run.prompt, run.fed, token)
+        tokens = self.lookup.propose(context, limit)
+        self.reach = self.lookup.reach
         self.source = self.pace
         k = self.pace.length(self.reach, rows) if tokens else 0
         costs = self.config.draft_costs
@@ -119,11 +137,11 @@ class Speculation:
         if not k:
             return []
         self.source, self.reach = self.model_pace, Pace.MODEL
-        out = self.model.propose(run.prompt + run.fed + [token], k)
+        out = self.model.propose(context, k)
         costs.observe(self.model.passes, self.model.seconds)
         return out
 
-    def verify(self, run: Run, token: int, draft: list[int]) -> list[int]:
+    def verify(self, run: Row, token: int, draft: list[int]) -> list[int]:
         """Feed `token` and `draft` in one pass: the tokens the run yields from here (the
         accepted drafted ones, then the first draw that differs from the draft or the draw
         after it), with the cache (and `run.fed`) holding `token` and the accepted ones."""
@@ -155,7 +173,7 @@ class Speculation:
         return emitted
 
     @staticmethod
-    def draws(run: Run, x: list[int], logits: mx.array) -> list[mx.array]:
+    def draws(run: Row, x: list[int], logits: mx.array) -> list[mx.array]:
         """The run's draw at each position of `x` (lazy; `logits`: [len(x), vocab]), its
         processors seeing the tokens of `x` before it as decoded; a `plain` run's in one array
         of them all (`argmax_rows`)."""
@@ -164,7 +182,7 @@ class Speculation:
         history = run.prompt + run.fed
         return [run.draw(logits[i:i + 1], history + x[:i + 1]) for i in range(len(x))]
 
-    def accept(self, run: Run, x: list[int], draws: list[mx.array]) -> tuple[int, list[int]]:
+    def accept(self, run: Row, x: list[int], draws: list[mx.array]) -> tuple[int, list[int]]:
         """The drafted tokens of `x` (after its first) that equal the draws (evaluated):
         how many, and the tokens the run yields (those, then the first draw that differs or
         the one after them); the sampler's unused draws undone, the counts and pace updated,
@@ -186,7 +204,7 @@ class Speculation:
         run.fed.extend(x[:a + 1])
         return a, [*draft[:a], got[a]]
 
-    def go_back(self, run: Run, keep: int) -> bool:
+    def go_back(self, run: Row, keep: int) -> bool:
         """Keep the first `keep` positions of the last verify pass in the live cache: full
         attention trimmed, the other leaves replaced by their state there (captured in the
         pass), or, for a wrapped window the pass left whole (a batch's row: a batch does not
@@ -216,7 +234,7 @@ class Speculation:
         self.held = keep
         return True
 
-    def _refeed(self, run: Run, before: snapshot.Snapshot, kept: list[int], n: int) -> None:
+    def _refeed(self, run: Row, before: snapshot.Snapshot, kept: list[int], n: int) -> None:
         """The tap failed: the snapshotted leaves back to their state before the pass, the
         KV trimmed to it, and the kept tokens fed again."""
         run.cache = snapshot.rewound(run.cache, before, n)
@@ -229,7 +247,7 @@ class Speculation:
     def saw(self, start: int, hidden: mx.array | None, row: int, n: int) -> None:
         """The served model's hidden states at positions start..start + n of this request (row
         `row` of the pass that just ran: `mtpdraft.taken`): what an MTP head drafts from."""
-        if isinstance(self.model, MTPDrafter):
+        if self.model is not None:
             self.model.saw(start, hidden, row, n)
 
     @property
@@ -238,7 +256,7 @@ class Speculation:
         model)."""
         if self.source is not self.model_pace:
             return "lookup"
-        return "mtp" if isinstance(self.model, MTPDrafter) else "model"
+        return self.model.kind if self.model is not None else "model"
 
     def went_back_by(self) -> str:
         """How its last verify pass captured the states to go back (`PassCounts.verify`)."""
@@ -267,7 +285,7 @@ def _rewind(fn: Callable[..., mx.array], draws: int) -> None:
         rewind(draws)
 
 
-def spec_config(config: EngineConfig, snap_idx: tuple[int, ...], inpass: tuple[int, ...] | None,
+def spec_config(config: SpecSettings, snap_idx: tuple[int, ...], inpass: tuple[int, ...] | None,
                 unsupported: str | None, timed: bool, draft_model: Any = None,
                 probe: Callable[[], tuple[int, ...] | None] = lambda: None,
                 mtp: MTP | None = None

@@ -1,4 +1,4 @@
-"""A draft model's drafts for speculative decoding (`speculate.py`): a smaller model with the
+"""A draft model's drafts for speculative decoding (a `drafter.Drafter`): a smaller model with the
 served model's tokenizer writes the next tokens greedily, for the verify pass to check. One
 whose tokenizer is not the served model's token for token, whose weights are not all finite,
 or whose cache cannot go back is refused at load (`draft_model_problem`).
@@ -17,6 +17,7 @@ output is the served model's whatever it drafts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -46,6 +47,8 @@ def draft_model_problem(model: Any, tokenizer: Any, draft_tokenizer: Any) -> str
 class ModelDrafter:
     """One request's draft model state."""
 
+    kind = "model"
+
     def __init__(self, model: Any) -> None:
         self.model = model
         self.cache = make_prompt_cache(model)
@@ -55,12 +58,12 @@ class ModelDrafter:
         self.mark: tuple[int, snapshot.Snapshot] | None = None
         self.passes, self.seconds = 0, 0.0   # of its last draft
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
         """`k` tokens the draft model writes greedily after `context` (the request's tokens,
         the one about to be fed last)."""
         t0 = time.perf_counter()
         self._back(context)
-        missing = context[len(self.tokens):]
+        missing = list(context[len(self.tokens):])
         passes = 0
         for i in range(0, len(missing), CHUNK):
             logits = self.model(mx.array(missing[i:i + CHUNK])[None], cache=self.cache)
@@ -82,7 +85,7 @@ class ModelDrafter:
         self.passes, self.seconds = passes, time.perf_counter() - t0
         return out
 
-    def _back(self, context: list[int]) -> None:
+    def _back(self, context: Sequence[int]) -> None:
         """Keep of its cache what the request's `context` shares, leaving at least one token
         of it to feed (its logits draft): trimmed where every layer trims, else back to its
         mark (or, if the context left it, to nothing)."""
@@ -101,11 +104,14 @@ class ModelDrafter:
         self.cache = snapshot.rewound(self.cache, snap, len(self.tokens) - at)
         del self.tokens[at:]
 
+    def saw(self, start: int, hidden: mx.array | None, row: int = 0, n: int = -1) -> None:
+        """It reads tokens only (its own model's states are its cache's)."""
+
     def reset(self) -> None:
         """Hold nothing (let go of its cache: `Speculation.release`, or starting again)."""
         self.cache, self.tokens, self.mark = make_prompt_cache(self.model), [], None
 
-    def _common(self, context: list[int]) -> int:
+    def _common(self, context: Sequence[int]) -> int:
         """How many of its tokens are the request's: the request only appends, and what it
         holds past them is its own last draft (at most `TAIL` tokens), so only the tail is
         compared."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 import mlx.core as mx
@@ -70,6 +71,7 @@ class MTPDrafter:
     """One request's MTP head state. `next`: the first position whose pair the head has not
     been fed; `guessed`: positions its cache holds past it (its last draft's guesses)."""
 
+    kind = "mtp"
     HELD = 2048   # hidden states kept between drafts (a request not drafting for long)
 
     def __init__(self, mtp: MTP) -> None:
@@ -120,7 +122,7 @@ class MTPDrafter:
         self.cache, self.guessed = KVCache(), 0
         return first, hidden
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
         """`k` tokens the head guesses after `context` (the request's tokens, the one about to
         be fed last; the served model's hidden states seen up to the one before it)."""
         t0 = time.perf_counter()
@@ -133,7 +135,7 @@ class MTPDrafter:
             self.cache.trim(self.guessed)
             self.guessed = 0
         head, parts = self.mtp.head, self.mtp.parts
-        out = head(hidden[None], parts.embed(mx.array(context[first + 1:end + 1])[None]),
+        out = head(hidden[None], parts.embed(mx.array(list(context[first + 1:end + 1]))[None]),
                    self.cache)
         self.next, self.rows, self.held = end, [], 0
         guesses: list[mx.array] = []

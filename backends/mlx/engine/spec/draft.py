@@ -1,10 +1,6 @@
-"""Drafting for speculative decoding: what to propose and how much, pure (numpy, no mlx).
+"""How much to draft for speculative decoding, and when it pays: pure (no mlx).
 
-Owns: `PromptLookup`, the drafter that needs no second model: the reply's last few tokens
-looked up in the request's own context (prompt and reply so far), and the tokens that followed
-their latest earlier occurrence proposed as the continuation (an edit's `old_string`, a file
-rewritten with one change, a path echoed from a tool result are copies of the context);
-`Pace`, the per-request policy that sizes each draft from the acceptance seen so far and what
+Owns: `Pace`, the per-request policy that sizes each draft from the acceptance seen so far and what
 a pass of each length costs, and drafts nothing when drafting does not pay; and `PassCosts`,
 what a decode pass of each length costs (measured as the worker runs, or a fixed shape where
 decisions may not depend on time: a group's ranks).
@@ -18,61 +14,6 @@ may reach a part that copies).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
-
-
-class PromptLookup:
-    """The request's tokens so far (prompt, then each token it generates) and the lookup over
-    them. `ngram`: the fewest tokens a match must have (the last `ngram` tokens looked up)."""
-
-    def __init__(self, prompt: list[int], capacity: int, ngram: int = 2) -> None:
-        self.buf = np.zeros(max(len(prompt) + capacity, 16), dtype=np.int64)
-        self.buf[:len(prompt)] = prompt
-        self.n = len(prompt)
-        self.min_ngram = max(1, ngram)
-
-    def extend(self, tokens: list[int]) -> None:
-        need = self.n + len(tokens)
-        if need > len(self.buf):
-            self.buf = np.concatenate([self.buf, np.zeros(need, dtype=np.int64)])
-        self.buf[self.n:need] = tokens
-        self.n = need
-
-    def propose(self, k: int) -> tuple[list[int], int]:
-        """Up to `k` tokens that followed an earlier occurrence of the tokens so far, and how
-        many tokens that occurrence matches (0: none). Occurrences of the last `min_ngram`
-        tokens are candidates; the one whose match reaches furthest back wins (up to `REACH`
-        tokens: the same line of the same file, not another line that ends alike), the
-        latest among equals."""
-        if k <= 0 or self.n <= self.min_ngram:
-            return [], 0
-        seq, n = self.buf[:self.n], self.n
-        size = self.min_ngram
-        starts = np.flatnonzero(seq[:n - size] == seq[n - size])
-        for j in range(1, size):
-            starts = starts[seq[starts + j] == seq[n - size + j]]
-        if not starts.size:
-            return [], 0
-        # extend each candidate's match backwards, one token at a time, while any still grows
-        reach = np.full(starts.shape, size)
-        alive = np.ones(starts.shape, dtype=bool)
-        for back in range(1, self.REACH - size + 1):
-            at = starts - back
-            grow = alive & (at >= 0)
-            grow[grow] = seq[at[grow]] == seq[n - size - back]
-            if not grow.any():
-                break
-            reach[grow] += 1
-            alive = grow
-        best = int(reach.max())
-        src = int(starts[np.flatnonzero(reach == best)[-1]]) + size
-        out = seq[src:src + k].tolist()
-        while len(out) < k:     # a copy that runs into the end goes on copying its own copy
-            out.append(out[len(out) - (n - src)])
-        return out, best
-
-    REACH = 64
 
 
 @dataclass
@@ -160,7 +101,7 @@ class Pace:
     MARGIN = 1.02
     MAX_WAIT = 64
 
-    MODEL = -1          # the reach of a draft model's drafts (`drafter.py`): its own rate
+    MODEL = -1          # the reach of a draft model's drafts (`draftmodel.py`): its own rate
     MODEL_PRIOR = 0.6
 
     def _rate(self, reach: int) -> Rate:

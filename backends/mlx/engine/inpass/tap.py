@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine.captured import Captured, Replay
+from prefixd.backends.mlx.engine.inpass.captured import Captured, Replay
 
 log = logging.getLogger("prefixd.worker.cache")
 _local = threading.local()

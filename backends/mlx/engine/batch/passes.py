@@ -1,10 +1,10 @@
 """What each forward pass of the worker carried: how many requests and how many tokens.
 
 Owns: the totals since start by kind (a prefill pass: one request's slice; a decode pass: the
-pending tokens of every request it fed, `engine/batch.py`, or one request's token and the
-draft it verified, `engine/speculate.py`), the largest decode batch, the last one, the
+pending tokens of every request it fed, `engine/batch/executor.py`, or one request's token and the
+draft it verified, `engine/spec/speculate.py`), the largest decode batch, the last one, the
 tokens drafted and accepted, the verify passes after which a batch squeezed its rows' gaps
-out (`engine/gapped.py`), and their Prometheus series (`metrics/worker.py`). Generation
+out (`engine/batch/gapped.py`), and their Prometheus series (`metrics/worker.py`). Generation
 thread only, like the Engine that owns it; read for `GET /v1/cache` (`batch`,
 `speculative`) and the status page.
 """
@@ -39,8 +39,8 @@ class PassCounts:
         """A decode pass of `requests` that verified drafts: `tokens` kept in all
         (`drafts` counts each request's); `states`: how it captured the recurrent and
         window states to go back ("kept" at each position, "recomputed" where needed:
-        `engine/captured.py`, "none": every layer trims); `squeezed`: the batch's KV rows
-        then had their gaps squeezed out (`engine/gapped.py`: one gather of every row)."""
+        `engine/inpass/captured.py`, "none": every layer trims); `squeezed`: the batch's KV rows
+        then had their gaps squeezed out (`engine/batch/gapped.py`: one gather of every row)."""
         self.decode(requests, tokens)
         self.spec["verify_passes"] += 1
         self.spec["recomputed_passes"] += states == "recomputed"

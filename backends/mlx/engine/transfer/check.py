@@ -6,7 +6,8 @@ Owns: what a bundle may hold, judged as untrusted input against this model: its 
 and every leaf's state (this model's cache class, structure, array dtypes and shapes for that
 many positions, and scalars: sizes, quantization and window equal to this model's, positions
 consistent with the bundle's). Every refusal is a `BundleError` with a named `reason`.
-Pure checks: nothing here stores anything (`engine/bundle.py` builds and stores what passes).
+Pure checks: nothing here stores anything (`engine/transfer/bundle.py` builds and stores what
+passes).
 """
 
 from __future__ import annotations

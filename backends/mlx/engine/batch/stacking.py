@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine.gapped import GappedKVCache
+from prefixd.backends.mlx.engine.batch.gapped import GappedKVCache
 from prefixd.backends.mlx.model.memory import trim_heap
 
 

@@ -12,7 +12,7 @@ each old layer freed before the next is copied. While it is in the batch, its ow
 empty (the batch holds the only copy: no memory twice).
 
 A step feeds every member's pending token (the one it sampled last) in one pass of shape
-[members, 1] and hands each member its row of logits (`Run.incoming`); each request then
+[members, 1] and hands each member its row of logits (`Live.incoming`); each request then
 samples on its own (its sampler, processors, seed, grammar). mlx-lm's masks keep each row's
 attention to its own tokens (left padding masked), so a row's logits are those of the request
 alone up to kernel rounding (measured: identical on the tiny qwen3, qwen3_next, qwen3_5 and
@@ -20,7 +20,7 @@ falcon_h1; within 2e-5 in log-probability on gemma3's sliding windows). A forwar
 raises leaves every member's state unknown: each is marked `broken` (not cached) and the batch
 is emptied. With speculative decoding, a step carries every member's draft (`verify`, rows
 padded to the longest), and each row goes back to its own last accepted token
-(`engine/rows.py`), on every cache kind.
+(`engine/batch/rows.py`), on every cache kind.
 
 Why mlx-lm's batch caches and not our own: they are the model classes' own masks and offsets
 (per-row RoPE offsets, left padding), kept in step with every model mlx-lm adds. Why prefixd's
@@ -39,19 +39,20 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine import rows, tap
-from prefixd.backends.mlx.engine.captured import RowOf
-from prefixd.backends.mlx.engine.draft import BatchPace, fair_width
-from prefixd.backends.mlx.engine.mtpdraft import taken
-from prefixd.backends.mlx.engine.passes import PassCounts
-from prefixd.backends.mlx.engine.run import argmax_rows
-from prefixd.backends.mlx.engine.stacking import GROWTH, release, stack, stackable
+from prefixd.backends.mlx.engine.batch import rows
+from prefixd.backends.mlx.engine.batch.passes import PassCounts
+from prefixd.backends.mlx.engine.batch.stacking import GROWTH, release, stack, stackable
+from prefixd.backends.mlx.engine.inpass import tap
+from prefixd.backends.mlx.engine.inpass.captured import RowOf
+from prefixd.backends.mlx.engine.spec.draft import BatchPace, fair_width
+from prefixd.backends.mlx.engine.spec.mtpdraft import taken
+from prefixd.backends.mlx.engine.spec.row import argmax_rows
 
 if TYPE_CHECKING:
-    from prefixd.backends.mlx.engine.run import Run
+    from prefixd.backends.mlx.engine.live.state import Live
 
 
-def _draft(run: Run, rows: int) -> list[int]:
+def _draft(run: Live, rows: int) -> list[int]:
     """A batch member's draft for this step in a pass of `rows` requests (empty: it feeds its
     pending token alone)."""
     room = run.max_tokens - run.sampled - 1
@@ -60,7 +61,7 @@ def _draft(run: Run, rows: int) -> list[int]:
     return run.spec.draft(run, run.pending, room, rows)
 
 
-def _timed(members: list[Run], tokens: int, t0: float) -> float:
+def _timed(members: list[Live], tokens: int, t0: float) -> float:
     """A batch pass of `tokens` tokens (rows x width) took the time since `t0`: into the
     costs its members' drafts are sized by. The seconds (0: none of them speculates, or their
     costs are untimed: a group's, whose decisions may not depend on time)."""
@@ -72,7 +73,7 @@ def _timed(members: list[Run], tokens: int, t0: float) -> float:
     return seconds
 
 
-def _draw(run: Run) -> mx.array | None:
+def _draw(run: Live) -> mx.array | None:
     try:
         return run.draw(run.incoming) if run.incoming is not None else None
     except Exception:
@@ -84,11 +85,11 @@ class Batch:
 
     def __init__(self, model: Any, passes: PassCounts) -> None:
         self.model, self.passes = model, passes
-        self.runs: list[Run] = []
+        self.runs: list[Live] = []
         self.cache: list[Any] | None = None
         self.pace = BatchPace()   # whether its members draft at all (each: its own pace)
 
-    def step(self, runs: list[Run], drafts: bool = True) -> None:
+    def step(self, runs: list[Live], drafts: bool = True) -> None:
         """Feed each run's pending token in one forward pass; each run's logits for its next
         token land in its `incoming`. Members not in `runs` leave first (their requests end).
         With drafts (`verify`), each run's draft goes through the same pass. Raises what the
@@ -154,10 +155,10 @@ class Batch:
         captured = next((r.spec.config.leaves for r in self.runs if r.spec is not None), ())
         return self.cache is not None and rows.verifiable(self.cache, captured)
 
-    def verify(self, members: list[Run], drafts: list[list[int]]) -> None:
+    def verify(self, members: list[Live], drafts: list[list[int]]) -> None:
         """One pass of every member's pending token and draft (rows padded to the longest):
         each accepts its drafted tokens while they equal its own draws (`Speculation.accept`),
-        yields them and its first draw that differs (`Run.ahead`); then each row goes back to
+        yields them and its first draw that differs (`Live.ahead`); then each row goes back to
         its last accepted token (`rows.back`). Should the tap fail, the batch goes back to
         where it was and steps its pending tokens alone."""
         assert self.cache is not None
@@ -219,7 +220,7 @@ class Batch:
         for r in members:
             r.broken = False
 
-    def _join(self, runs: list[Run]) -> None:
+    def _join(self, runs: list[Live]) -> None:
         """Merge the runs' caches into the batch a layer at a time, each run's layer dropped
         once copied: joining holds about the larger of the two (the runs' caches, the batch),
         not both. A failure leaves every member and joiner `broken`, and the batch empty."""
@@ -256,7 +257,7 @@ class Batch:
             r.broken, r.batch, r.drawn = True, None, None
         self.runs, self.cache = [], None
 
-    def states_of(self, run: Run, kept: tuple[int, ...]) -> snapshot.Snapshot:
+    def states_of(self, run: Live, kept: tuple[int, ...]) -> snapshot.Snapshot:
         """`run`'s row of the batch's recurrent and convolution leaves `kept`, in arrays of its
         own (the batch's are replaced at its next step): what a stop mark keeps."""
         assert self.cache is not None
@@ -264,7 +265,7 @@ class Batch:
         live = snapshot.leaves(self.cache)
         return {k: snapshot.own_row(live[k], i) for k in kept}
 
-    def row(self, run: Run) -> list[Any]:
+    def row(self, run: Live) -> list[Any]:
         """A copy of `run`'s cache as the batch holds it (it stays a member)."""
         assert self.cache is not None
         i = self.runs.index(run)
@@ -276,7 +277,7 @@ class Batch:
             raise
         return mine
 
-    def leave(self, run: Run) -> None:
+    def leave(self, run: Live) -> None:
         """`run` takes its own cache back out of the batch (its row dropped), a layer at a
         time (the old layer freed before the next is copied)."""
         assert self.cache is not None

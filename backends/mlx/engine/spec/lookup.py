@@ -1,0 +1,89 @@
+"""Prompt lookup: the drafter that needs no second model (`PromptLookup`, a `Drafter`).
+
+The reply's last few tokens are looked up in the request's own context (prompt and reply so
+far), and the tokens that followed their earlier occurrence are proposed as the continuation:
+an edit's `old_string`, a file rewritten with one change, a path echoed from a tool result are
+copies of the context. Pure (numpy, no mlx arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+
+class PromptLookup:
+    """The request's tokens so far (prompt, then each token it generates) and the lookup over
+    them. `ngram`: the fewest tokens a match must have (the last `ngram` tokens looked up)."""
+
+    kind = "lookup"
+    passes, seconds = 0, 0.0   # it runs no forward pass
+
+    def __init__(self, prompt: list[int], capacity: int, ngram: int = 2) -> None:
+        self.reach = 0   # how many tokens its last proposal's match covers (0: none)
+        self.buf = np.zeros(max(len(prompt) + capacity, 16), dtype=np.int64)
+        self.buf[:len(prompt)] = prompt
+        self.n = len(prompt)
+        self.min_ngram = max(1, ngram)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        need = self.n + len(tokens)
+        if need > len(self.buf):
+            self.buf = np.concatenate([self.buf, np.zeros(need, dtype=np.int64)])
+        self.buf[self.n:need] = tokens
+        self.n = need
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed an earlier occurrence of `context`'s last tokens
+        (the context is the request's: only what it adds to the tokens seen so far is read);
+        `reach`: how many tokens that occurrence matches (0: none)."""
+        if len(context) > self.n:
+            self.extend(context[self.n:])
+        out, self.reach = self._propose(k)
+        return out
+
+    def saw(self, start: int, hidden: mx.array | None, row: int = 0, n: int = -1) -> None:
+        """It reads tokens only."""
+
+    def reset(self) -> None:
+        """It holds the request's tokens only (let go with it)."""
+
+    def _propose(self, k: int) -> tuple[list[int], int]:
+        """Up to `k` tokens that followed an earlier occurrence of the tokens so far, and how
+        many tokens that occurrence matches (0: none). Occurrences of the last `min_ngram`
+        tokens are candidates; the one whose match reaches furthest back wins (up to `REACH`
+        tokens: the same line of the same file, not another line that ends alike), the
+        latest among equals."""
+        if k <= 0 or self.n <= self.min_ngram:
+            return [], 0
+        seq, n = self.buf[:self.n], self.n
+        size = self.min_ngram
+        starts = np.flatnonzero(seq[:n - size] == seq[n - size])
+        for j in range(1, size):
+            starts = starts[seq[starts + j] == seq[n - size + j]]
+        if not starts.size:
+            return [], 0
+        # extend each candidate's match backwards, one token at a time, while any still grows
+        reach = np.full(starts.shape, size)
+        alive = np.ones(starts.shape, dtype=bool)
+        for back in range(1, self.REACH - size + 1):
+            at = starts - back
+            grow = alive & (at >= 0)
+            grow[grow] = seq[at[grow]] == seq[n - size - back]
+            if not grow.any():
+                break
+            reach[grow] += 1
+            alive = grow
+        best = int(reach.max())
+        src = int(starts[np.flatnonzero(reach == best)[-1]]) + size
+        out = seq[src:src + k].tolist()
+        while len(out) < k:     # a copy that runs into the end goes on copying its own copy
+            out.append(out[len(out) - (n - src)])
+        return out, best
+
+    REACH = 64
