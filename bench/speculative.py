@@ -26,9 +26,17 @@ Decode rate: (completion tokens - 1) / (time after the first token);
 acceptance from the worker's `prefixd.speculative` (accepted / drafted tokens). Every reply is
 compared with prefixd-off's, token for token (the text of a greedy reply). All servers of a
 model run at once, idle but for the request sent to each in turn (`--repeats` times, median).
+The conversations: `specshapes.py`.
+Concurrent (`--concurrent 1,4,8`, instead of the shapes): N different edit-shaped requests at
+once to each of prefixd, prefixd-off and stock, per N the aggregate decode rate, the median
+time per output token, drafts and verify passes, replies against prefixd-off's and stock's
+(`speccompany.py`, where each figure is defined). Writes bench/out/speculative.json, .md, .png
+(concurrent: speculative_concurrent.json, .md).
 
     ./run bench speculative
     ./run bench speculative --shapes edit,prose --repeats 1
+    ./run bench speculative --models builtin --concurrent 1,4,8
+    ./run bench speculative --models qwen3_next --concurrent 1,4 --repeats 1
 """
 
 from __future__ import annotations
@@ -39,178 +47,16 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interactive import builtin_f32
-from multiturn import OUT, start_server, stop_server, stream_chat, wait_ready
+from multiturn import OUT, Server, stop_server
+from speccompany import COMPANY, SERVERS, company_table, measure, run_company, start_servers
+from specshapes import SHAPES, conversations
 
 from prefixd.backends.mlx.model.tiny import save_tiny_model
-
-SHAPES = ("rewrite", "edit", "patch", "paths", "json", "prose")
-SYSTEM = "You are a coding agent. Follow the instructions exactly."
-
-# Two files: the conversation shows the agent's answer on the first (a turn earlier in the
-# conversation, as agents' histories do), the request asks the same of the second.
-LIMITER = '''import time
-
-
-class RateLimiter:
-    """Allows `rate` calls per second, in bursts of at most `burst`."""
-
-    def __init__(self, rate: float, burst: int = 10) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = float(burst)
-        self.stamp = time.monotonic()
-
-    def allow(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return True
-        return False
-'''
-
-PACING = '''from dataclasses import dataclass
-
-
-@dataclass
-class Pacing:
-    """What the caller decides before each step: the next pass's size in tokens, and
-    whether a pass under way pauses between two layers."""
-
-    tokens: int
-    share: int = 0
-    pausable: bool = True
-
-    def next_size(self, remaining: int) -> int:
-        if remaining <= 0:
-            return 0
-        size = min(self.tokens, remaining)
-        if self.share and size > self.share:
-            size = self.share
-        return max(1, size)
-
-    def pauses(self, waiting: int) -> bool:
-        return self.pausable and waiting > 0
-'''
-
-
-def _method(src: str, name: str) -> str:
-    lines = src.splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith(f"def {name}("))
-    end = next((i for i in range(start + 1, len(lines))
-                if lines[i].strip().startswith("def ")), len(lines))
-    return "\n".join(lines[start:end]).rstrip()
-
-
-def _patch(path: str, old: str, new: str) -> str:
-    body = "\n".join([*("-" + ln for ln in old.splitlines()),
-                      *("+" + ln for ln in new.splitlines())])
-    return f"*** Begin Patch\n*** Update File: {path}\n@@\n{body}\n*** End Patch"
-
-
-def _record(job: str, name: str, status: str) -> dict[str, Any]:
-    return {"id": job, "status": status, "owner": {"name": name,
-            "email": f"{name.split()[0].lower()}@example.com"},
-            "labels": ["cache", "prefix", "worker"],
-            "limits": {"cpu": 2, "memory_gb": 24, "max_tokens": 4096},
-            "created": "2026-11-28T09:31:33Z", "steps": [
-                {"name": "restore", "ms": 12}, {"name": "prefill", "ms": 840},
-                {"name": "decode", "ms": 5120}]}
-
-
-def _turns(ask: Callable[[str, str], str], answer: Callable[[str], str],
-           example: tuple[str, str], task: tuple[str, str]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": ask(*example)},
-            {"role": "assistant", "content": answer(example[1])},
-            {"role": "user", "content": ask(*task)}]
-
-
-def conversations() -> dict[str, list[dict[str, str]]]:
-    files = (("limiter.py", LIMITER), ("pacing.py", PACING))
-    renames = {"limiter.py": ("RateLimiter", "Limiter"), "pacing.py": ("Pacing", "Pace")}
-    edits = {"limiter.py": ("allow", "return False", "return self.tokens >= 1"),
-             "pacing.py": ("pauses", "waiting > 0", "waiting > 1")}
-
-    def fence(path: str, src: str) -> str:
-        return f"Here is the file {path}:\n```python\n{src}```\n"
-
-    def rewrite_ask(path: str, src: str) -> str:
-        old, new = renames[path]
-        return fence(path, src) + (f"Rewrite the whole file with the class `{old}` renamed to "
-                                   f"`{new}`. Reply with the full file only.")
-
-    def rewrite_answer(src: str) -> str:
-        path = next(p for p, s in files if s == src)
-        return "```python\n" + src.replace(*renames[path]) + "```"
-
-    def edit_ask(path: str, src: str) -> str:
-        name, old, new = edits[path]
-        return fence(path, src) + (f"Use the Edit tool to change `{old}` to `{new}` in "
-                                   f"`{name}`. Reply with the tool call's JSON arguments: "
-                                   "file_path, old_string (the whole method as it is), "
-                                   "new_string (the method after the change).")
-
-    def edit_answer(src: str) -> str:
-        path = next(p for p, s in files if s == src)
-        name, old, new = edits[path]
-        method = _method(src, name)
-        return json.dumps({"file_path": path, "old_string": method,
-                           "new_string": method.replace(old, new)}, indent=1)
-
-    def patch_ask(path: str, src: str) -> str:
-        name, old, new = edits[path]
-        return fence(path, src) + (f"Write an apply_patch patch that changes `{old}` to "
-                                   f"`{new}` in `{name}`, the whole method in - and + lines.")
-
-    def patch_answer(src: str) -> str:
-        path = next(p for p, s in files if s == src)
-        name, old, new = edits[path]
-        method = _method(src, name)
-        return _patch(path, method, method.replace(old, new))
-
-    listing = {"src": [f"src/prefixd/{d}/{m}.py" for d in ("engine", "cache")
-                       for m in ("run", "batch", "store", "tap", "probe")],
-               "tests": [f"tests/test_{m}_{k}.py" for m in ("engine", "cache", "worker")
-                         for k in ("unit", "e2e", "load", "disk")]}
-
-    def paths_ask(kind: str, listed: str) -> str:
-        return (f"The tool `list_files` returned:\n{listed}\nCall the tool `read_file` on "
-                "every path above, in order: one JSON object per line.")
-
-    def paths_answer(listed: str) -> str:
-        return "\n".join(json.dumps({"name": "read_file", "arguments": {"path": p}})
-                         for p in listed.splitlines())
-
-    records = {"a": _record("job-17", "Grace Hopper", "queued"),
-               "b": _record("job-4711", "Ada Lovelace", "running")}
-
-    def json_ask(key: str, text: str) -> str:
-        return (f"The tool `get_job` returned:\n{text}\nReturn this JSON object exactly as "
-                'it is, with "status" set to "done". Reply with the JSON only.')
-
-    def json_answer(text: str) -> str:
-        return json.dumps({**json.loads(text), "status": "done"}, indent=2)
-
-    return {
-        "rewrite": _turns(rewrite_ask, rewrite_answer, files[0], files[1]),
-        "edit": _turns(edit_ask, edit_answer, files[0], files[1]),
-        "patch": _turns(patch_ask, patch_answer, files[0], files[1]),
-        "paths": _turns(paths_ask, paths_answer, ("src", "\n".join(listing["src"])),
-                        ("tests", "\n".join(listing["tests"]))),
-        "json": _turns(json_ask, json_answer, ("a", json.dumps(records["a"], indent=2)),
-                       ("b", json.dumps(records["b"], indent=2))),
-        "prose": [{"role": "system", "content": SYSTEM},
-                  {"role": "user", "content": "Write a short story, about 200 words, about a "
-                   "lighthouse keeper who finds a message in a bottle."}],
-    }
 
 
 def words_model(arch: str, models_dir: Path) -> Path:
@@ -222,53 +68,13 @@ def words_model(arch: str, models_dir: Path) -> Path:
     return path
 
 
-def body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
-
-
-def measure(port: int, text: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    reply, usage, ttft, total = stream_chat(port, body(text, max_tokens), timeout=900)
-    n = int(usage.get("completion_tokens", 0))
-    spec = (usage.get("prefixd") or {}).get("speculative") or {}
-    return {"text": reply, "tokens": n, "ttft": ttft, "decode_s": total - ttft,
-            "rate": (n - 1) / (total - ttft) if n > 1 and total > ttft else None,
-            "drafted": spec.get("drafted"), "accepted": spec.get("accepted"),
-            "passes": spec.get("passes"), "model_drafted": spec.get("model_drafted")}
-
-
-SERVERS: dict[str, tuple[str, dict[str, str], bool]] = {
-    # name: (kind, env, whether stock gets --draft-model)
-    "prefixd": ("prefixd", {}, False),
-    "prefixd-off": ("prefixd", {"PREFIXD_SPECULATIVE": "false"}, False),
-    "prefixd-draft": ("prefixd", {}, True),
-    "stock": ("stock", {}, False),
-    "stock-draft": ("stock", {}, True),
-}
-
-
 def run_model(model_dir: Path, names: list[str], args: argparse.Namespace,
               texts: dict[str, list[dict[str, str]]], max_tokens: int) -> dict[str, Any]:
     """Every server in `names` up at once (idle while another answers), each request sent to
     each server in turn: the same machine state for all of them."""
-    servers, out = {}, {}
+    servers: dict[str, Server] = {}
     try:
-        for name in names:
-            kind, env, draft = SERVERS[name]
-            if draft and kind == "prefixd":
-                env = {**env, "PREFIXD_SPEC_DRAFT_MODEL": str(model_dir)}
-            ns = argparse.Namespace(prefixd_env={"PREFIXD_DISK_CACHE_BYTES": "0", **env},
-                                    kv_bits=None, out=args.out / "speculative-logs")
-            extra = ("--draft-model", str(model_dir)) if draft and kind == "stock" else ()
-            servers[name] = start_server(kind, model_dir, ns, extra=extra, label=name)
-        for name, server in servers.items():
-            out[name] = {}
-            try:
-                wait_ready(server)
-                stream_chat(server.port, body([{"role": "user", "content": "warm up"}], 4),
-                            timeout=300)
-            except RuntimeError as e:       # stock refusing a draft model on a hybrid
-                out[name] = {"refused": str(e)[:300], "log": _log_tail(args, model_dir, name)}
+        out = start_servers(model_dir, names, args, servers)
         live = [n for n in names if "refused" not in out[n]]
         for shape, text in texts.items():
             runs: dict[str, list[dict[str, Any]]] = {n: [] for n in live}
@@ -283,7 +89,7 @@ def run_model(model_dir: Path, names: list[str], args: argparse.Namespace,
                       f"{_f(r['rate'])} tok/s, drafted {r['drafted']} accepted "
                       f"{r['accepted']}", flush=True)
         edits = {k: v for k, v in texts.items() if k != "prose"}
-        for name in [n for n in live if n in TOGETHER] if args.together and edits else []:
+        for name in [n for n in live if n in COMPANY] if args.together and edits else []:
             out[name]["together"] = together(servers[name].port, edits, max_tokens,
                                              out[name])
             print(f"  {model_dir.name} {name} together: {out[name]['together']}", flush=True)
@@ -291,9 +97,6 @@ def run_model(model_dir: Path, names: list[str], args: argparse.Namespace,
         for server in servers.values():
             stop_server(server)
     return out
-
-
-TOGETHER = ("prefixd", "prefixd-off", "stock")
 
 
 def together(port: int, texts: dict[str, list[dict[str, str]]], max_tokens: int,
@@ -313,16 +116,6 @@ def together(port: int, texts: dict[str, list[dict[str, str]]], max_tokens: int,
             "accepted": sum(r["accepted"] or 0 for r in got.values()),
             "same_as_alone": sum(r["text"] == alone.get(k, {}).get("text")
                                  for k, r in got.items())}
-
-
-def _log_tail(args: argparse.Namespace, model_dir: Path, name: str) -> str:
-    path = args.out / "speculative-logs" / "logs" / f"{model_dir.name}-{name}.log"
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    hits = [ln for ln in lines if "Speculative" in ln or "Error" in ln]
-    return (hits or lines[-3:] or [""])[-1][:300]
 
 
 def _f(x: Any, fmt: str = ".1f") -> str:
@@ -402,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--together", action=argparse.BooleanOptionalAction, default=True,
                     help="also send the edit-shaped requests at once (agents side by side)")
+    ap.add_argument("--concurrent", default="", metavar="N,N,...",
+                    help="instead of the shapes one at a time: N different edit-shaped requests "
+                         "at once, for each N (prefixd, prefixd-off, stock), e.g. 1,4,8")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
+    ns = [int(n) for n in args.concurrent.split(",") if n]
     args.models_dir = args.out / "models"
     args.cache_dir = Path(os.environ.get("PREFIXD_CACHE_DIR", "~/.cache/prefixd")).expanduser()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -418,10 +215,19 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in args.servers.split(",")
                  if builtin or n in ("prefixd", "prefixd-off", "prefixd-draft", "stock",
                                      "stock-draft")]
+        if ns:
+            results[model] = run_company(model_dir, names, args, ns, args.max_tokens)
+            text += company_table(model, results[model], ns) + "\n"
+            continue
         results[model] = run_model(model_dir, names, args, texts, args.max_tokens)
         text += table(model, results[model], shapes) + "\n"
     text = f"# bench/speculative.py ({time.monotonic() - t0:.0f} s)\n\n" + text
     print(text)
+    if ns:
+        (args.out / "speculative_concurrent.json").write_text(json.dumps(results, indent=1))
+        (args.out / "speculative_concurrent.md").write_text(text)
+        print(f"wrote {args.out}/speculative_concurrent.json, speculative_concurrent.md")
+        return 0
     (args.out / "speculative.json").write_text(json.dumps(results, indent=1))
     (args.out / "speculative.md").write_text(text)
     plot(results, shapes, args.out / "speculative.png")
