@@ -74,7 +74,9 @@ class Lockstep:
 
     # --- journaled decisions ----------------------------------------------------------------
     def journal(self, record: dict[str, Any]) -> None:
-        """A decision every rank must take as this one does (a follower reads it in order)."""
+        """A decision every rank must take as this one does (a follower reads it in order):
+        a typed record of the scheduler's, encoded as a JSON-able dict (`scheduler/journal.py`);
+        the group carries it as it is and only numbers it."""
 
     def failed(self, why: str) -> None:
         """A job's step failed: one process fails that job alone (this returns); a group's

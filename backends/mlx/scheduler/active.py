@@ -32,6 +32,7 @@ from prefixd.backends.mlx.engine.stats import PromptStats, breakdown, observe
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers, grammar_mask
 from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler.jobs import Failed, Finished, Job
+from prefixd.backends.mlx.scheduler.journal import BatchEntry, PublishEntry, StepEntry, encode
 from prefixd.backends.mlx.scheduler.output import LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.scheduler.steps import Decision, Decoded, Step
 from prefixd.metrics import worker as metrics
@@ -75,8 +76,7 @@ class Active:
         group's followers replay it). Never raises."""
         self.turn.pacing.tokens, self.stopping = decision.tokens, decision.stop
         self.turn.pacing.share, self.turn.pacing.pausable = decision.share, decision.pausable
-        self.lockstep.journal({"op": "step", "job": self.job.id, "tokens": decision.tokens,
-                               "stop": decision.stop, "share": decision.share})
+        self.lockstep.journal(encode(StepEntry(self.job.id, decision)))
         return self.advance()
 
     def publish(self, at: int) -> int | None:
@@ -86,7 +86,7 @@ class Active:
         run = self.turn.run
         if run is None or run.broken:
             return None
-        self.lockstep.journal({"op": "publish", "job": self.job.id, "at": at})
+        self.lockstep.journal(encode(PublishEntry(self.job.id, at)))
         return self.loaded.engine.publish_live(run, self.turn.entry, at, self.job.namespace)
 
     def feeding(self) -> Run | None:
@@ -225,7 +225,7 @@ def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:
     next token. `stops`: each job's `Decision.stop` (a stopping job is not fed; it ends). Never
     raises: a failed pass fails every job it fed."""
     lockstep = actives[0].lockstep
-    lockstep.journal({"op": "batch", "jobs": [a.job.id for a in actives], "stop": stops})
+    lockstep.journal(encode(BatchEntry([a.job.id for a in actives], list(stops))))
     for a, stop in zip(actives, stops, strict=True):
         a.stopping = stop
     fed = [(a, run) for a in actives if (run := a.feeding()) is not None]

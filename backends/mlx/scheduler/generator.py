@@ -40,8 +40,8 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler import writes
 from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
+from prefixd.backends.mlx.scheduler.journal import JobEntry, encode
 from prefixd.backends.mlx.scheduler.loop import drive
-from prefixd.backends.mlx.scheduler.replay import job_record
 from prefixd.backends.mlx.scheduler.schedule import Schedule
 from prefixd.backends.mlx.scheduler.sizing import kv_bytes_per_token, request_bytes
 from prefixd.backends.mlx.scheduler.slots import Task
@@ -253,7 +253,7 @@ class Generator:
 
     def _start(self, job: Job, preempt: Callable[[], bool] | None) -> Active:
         assert self.loaded is not None
-        self.lockstep.journal(job_record(job))
+        self.lockstep.journal(encode(JobEntry.of(job)))
         return Active(self.loaded, self.grammars, job, self.lockstep, preempt)
 
     def _end(self, job: Job, result: Finished | Failed) -> None:

@@ -1,28 +1,25 @@
 """A follower rank of a group worker: no HTTP, no decisions, the generation loop's copy. It
 proves itself to its leader, joins the ring with the other ranks, loads its shard of the model
 with the same Engine, then replays the leader's journal in order, read through its lockstep
-(`group/follower.py`: numbered entries, heartbeats): each job as the leader started it, each
-step with the leader's `Decision`, so its forward passes, checkpoints, restores and evictions
-are the leader's on its own layers (the values only a rank knows are agreed inside the Engine).
-Replies and text are computed and dropped.
+(`group/follower.py`: numbered entries, heartbeats), each decoded into its typed record
+(`journal.py`): each job as the leader started it, each step on the leader's `Decision` (its
+pass size, stop, share and pausable alike), so its forward passes, checkpoints, restores and
+evictions are the leader's on its own layers (the values only a rank knows are agreed inside
+the Engine). Replies and text are computed and dropped.
 
-Owns: the follower's jobs under way (by the leader's job id) and the journal's two ends
-(`job_record` / `job_from`). Ends when the leader says so or its channel closes (exit 0), or
+Owns: the follower's jobs under way (by the leader's job id) and what each record does to
+them (`Replay.apply`, one exhaustive `match` over `journal.Record`: a record type without its
+case fails the type check). Ends when the leader says so or its channel closes (exit 0), or
 on any failure (exit 3: the leader then stops the group, which restarts as one).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
-from dataclasses import replace
-from typing import Any
+from typing import assert_never
 
-from prefixd.api.structured import Constraint
-from prefixd.backends.mlx.chat.prompt import Prompt
-from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.loading import Loaded, load
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
 from prefixd.backends.mlx.group.control import connect
@@ -32,7 +29,18 @@ from prefixd.backends.mlx.group.start import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_E
 from prefixd.backends.mlx.model.memory import memory_info, mlx_memory
 from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Job
-from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished
+from prefixd.backends.mlx.scheduler.journal import (
+    BatchEntry,
+    ExitEntry,
+    JobEntry,
+    PersistEntry,
+    PublishEntry,
+    Record,
+    StepEntry,
+    WriteEntry,
+    decode,
+)
+from prefixd.backends.mlx.scheduler.steps import Failed, Finished
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker.group")
@@ -80,66 +88,56 @@ def serve(settings: WorkerSettings, spec: str) -> int:
 
 def replay(loaded: Loaded, lockstep: Follower) -> None:
     """The journal, entry by entry, until the leader's `exit`."""
-    engine, grammars = loaded.engine, GrammarTokenizers()
-    jobs: dict[int, Active] = {}
+    follower = Replay(loaded, lockstep)
     lockstep.status = lambda: {"memory": memory_info(mlx_memory()),
-                               "cache_bytes": engine.store.bytes_used, "jobs": len(jobs)}
+                               "cache_bytes": loaded.engine.store.bytes_used,
+                               "jobs": len(follower.jobs)}
     lockstep.beat()
-    while True:
-        entry = lockstep.next()
-        op = entry.get("op")
-        if op == "exit":
-            return
-        if op == "job":
-            job = job_from(entry)
-            jobs[job.id] = Active(loaded, grammars, job, lockstep)
-        elif op == "step":
-            decision = Decision(int(entry["tokens"]), bool(entry["stop"]),
-                                int(entry.get("share", 0)))
-            if isinstance(jobs[entry["job"]].step(decision), Finished | Failed):
-                del jobs[entry["job"]]
-        elif op == "batch":             # decode steps of several jobs in one pass
-            ids = [int(i) for i in entry["jobs"]]
-            for i, step in zip(ids, step_batch([jobs[i] for i in ids],
-                                               [bool(x) for x in entry["stop"]]), strict=True):
-                if isinstance(step, Finished | Failed):
-                    del jobs[i]
-        elif op == "publish":           # a prefix others wait for, from a job's live state
-            jobs[int(entry["job"])].publish(int(entry["at"]))
-        elif op == "write":             # the entries the leader hands its disk writer
-            engine.write([int(i) for i in entry["entries"]])
-        elif op == "persist":           # at shutdown: what this rank's disk tier lacks
-            engine.persist()
-            lockstep.answer({"done": engine.close(float(entry["timeout"]))})
-        else:
-            raise LockstepError(f"unknown journal entry {op!r}")
+    while follower.apply(decode(lockstep.next())):
+        pass
 
 
-def job_record(job: Job) -> dict[str, Any]:
-    """What a follower needs to run `job` exactly as the leader does (the journal's `job`)."""
-    s = job.sampling
-    sampling = {**s.__dict__, "stop": list(s.stop),
-                "logit_bias": None if s.logit_bias is None else list(s.logit_bias.items()),
-                "constraint": None if s.constraint is None else {
-                    **s.constraint.__dict__, "tools": [list(t) for t in s.constraint.tools]}}
-    return {"op": "job", "id": job.id, "tokens": job.prompt.tokens,
-            "boundaries": job.prompt.boundaries, "thinking": job.prompt.thinking,
-            "max_tokens": job.max_tokens,
-            "logprobs": job.logprobs, "namespace": job.namespace, "sampling": sampling}
+class Replay:
+    """A follower's jobs under way (by the leader's job id), each record of the journal
+    applied to them as the leader took it."""
 
+    def __init__(self, loaded: Loaded, lockstep: Follower) -> None:
+        self.loaded, self.lockstep = loaded, lockstep
+        self.grammars = GrammarTokenizers()
+        self.jobs: dict[int, Active] = {}
 
-def job_from(record: dict[str, Any]) -> Job:
-    """`job_record` back into a Job (its events go nowhere)."""
-    raw = dict(record["sampling"])
-    constraint = raw.pop("constraint")
-    bias = raw.pop("logit_bias")
-    sampling = replace(Sampling(), **{**raw, "stop": tuple(raw["stop"])},
-                       logit_bias=None if bias is None else {int(k): v for k, v in bias},
-                       constraint=None if constraint is None else Constraint(
-                           **{**constraint, "tools": tuple((n, p) for n, p in
-                                                           constraint["tools"])}))
-    prompt = Prompt(list(record["tokens"]), list(record["boundaries"]),
-                    thinking=bool(record["thinking"]))
-    return Job(prompt, sampling,
-               int(record["max_tokens"]), record["logprobs"], lambda event: None,
-               asyncio.Queue(), namespace=str(record["namespace"]), id=int(record["id"]))
+    def start(self, job: Job) -> Active:
+        return Active(self.loaded, self.grammars, job, self.lockstep)
+
+    def apply(self, record: Record) -> bool:
+        """Take `record` as the leader did; False once it says the group ends (`exit`)."""
+        engine = self.loaded.engine
+        match record:
+            case JobEntry():
+                self.jobs[record.id] = self.start(record.job())
+            case StepEntry(job=job, decision=decision):
+                if isinstance(self._job(job).step(decision), Finished | Failed):
+                    del self.jobs[job]
+            case BatchEntry(jobs=ids, stop=stops):   # decode steps of several jobs, one pass
+                steps = step_batch([self._job(i) for i in ids], list(stops))
+                for i, step in zip(ids, steps, strict=True):
+                    if isinstance(step, Finished | Failed):
+                        del self.jobs[i]
+            case PublishEntry(job=job, at=at):   # a prefix others wait for, from a live run
+                self._job(job).publish(at)
+            case WriteEntry(entries=entries):    # the entries the leader hands its writer
+                engine.write(list(entries))
+            case PersistEntry(timeout=timeout):  # at shutdown: what this rank's disk lacks
+                engine.persist()
+                self.lockstep.answer({"done": engine.close(timeout)})
+            case ExitEntry():
+                return False
+            case _:
+                assert_never(record)
+        return True
+
+    def _job(self, job: int) -> Active:
+        try:
+            return self.jobs[job]
+        except KeyError:
+            raise LockstepError(f"the journal names job {job}, not under way here") from None

@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from prefixd.backends.mlx.scheduler.journal import WriteEntry, encode
+
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.engine import Engine
     from prefixd.backends.mlx.group.lockstep import Lockstep
@@ -36,7 +38,7 @@ def hand_over(engine: Engine, lockstep: Lockstep, at: float | None = None) -> in
     positions = engine.due_writes(at)
     if not positions:
         return 0
-    lockstep.journal({"op": "write", "entries": positions})
+    lockstep.journal(encode(WriteEntry(positions)))
     return engine.write(positions)
 
 
