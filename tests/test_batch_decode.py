@@ -98,6 +98,38 @@ async def test_requests_decoding_together_share_a_pass_and_reply_as_alone(
     assert after["largest_decode_batch"] == 4
 
 
+async def test_a_newcomer_ends_its_prefill_in_the_decoding_requests_pass(
+        gen: Generator) -> None:
+    """Requests that arrive while another decodes feed their prompt's last token as rows of
+    its next decode pass (no pass of their own for their first token): each replies as it
+    does alone, and its next turn restores what that pass left (warm) and equals cold."""
+    prompts = _prompts(8, (24, 41, 57))
+    alone = await _alone(gen, prompts, "ride-alone")
+    before = _batch(gen)
+    first = _submit(gen, prompts[0], "ride", max_tokens=64)
+    events = first.events()
+    async for _ in events:      # its first token: it decodes now
+        break
+    later = await asyncio.gather(*(collect(_submit(gen, p, "ride")) for p in prompts[1:]))
+    async for _ in events:
+        pass
+    after = _batch(gen)
+    assert after["prompts_ended_in_decode"] - before["prompts_ended_in_decode"] >= 2
+    _same(later, alone[1:])
+    assert gen.loaded is not None
+    store, rng = gen.loaded.engine.store, random.Random(8)
+    follow = []
+    for p in prompts[1:]:
+        held = max((e.tokens for e in store.entries
+                    if e.namespace == "ride" and e.tokens[:len(p)] == p), key=len)
+        follow.append([*held, *(rng.randrange(1, 1000) for _ in range(5))])
+    warm = await _alone(gen, follow, "ride")
+    cold = await _alone(gen, follow, "ride-cold")
+    _same(warm, cold)
+    for (_, _, end), p in zip(warm, follow, strict=True):
+        assert end.cached_tokens >= len(p) - 5 - 1
+
+
 async def test_the_next_turn_after_a_batched_reply_is_warm_and_equals_cold(
         gen: Generator) -> None:
     """The states committed out of a batch (extracted, then stored) restore to what a cold

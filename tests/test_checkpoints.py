@@ -452,17 +452,19 @@ def append_only_turn(engine: Engine, rng: random.Random, first: int, bounds: tup
 
 def test_an_append_only_turn_takes_two_prefill_passes_like_stock(model: CountingModel) -> None:
     """Checkpoints for free: the next turn restores the previous prompt + reply and prefills
-    the rest in two passes (as stock mlx-lm: all but the tail, then the tail), taking its
-    checkpoints where the passes end anyway: the last message's end and the prompt's end.
-    An all-KV model takes no checkpoints: all but the last token, then the last token."""
+    the rest in two passes (as stock mlx-lm): all but the last token, then the last token
+    (which rides a decode pass when others decode), taking its checkpoints where the passes
+    end anyway (the prompt's end) or inside them (the last message's end, in-pass); where
+    checkpoints cannot be taken inside a pass, all but the tail, then the tail. An all-KV
+    model takes no checkpoints."""
     engine = Engine(model, _settings(checkpoint_interval=512, prefill_chunk=512,
                                      checkpoint_tail=4))
     turn2, r, warm = append_only_turn(engine, random.Random(22), 160, (3, 73, 155), 105)
     n = len(turn2)
     stats = warm[2]
     assert stats.cached_tokens == r
-    all_kv = not snapshot.snapshot_indices(make_prompt_cache(model))
-    assert [tokens for tokens, _ in stats.segments] == ([n - 1 - r, 1] if all_kv
+    last_token = not snapshot.snapshot_indices(make_prompt_cache(model)) or engine.inpass
+    assert [tokens for tokens, _ in stats.segments] == ([n - 1 - r, 1] if last_token
                                                          else [n - 5 - r, 5])
     (entry,) = engine.store.entries
     if not entry.trimmable:  # the tail mark and the end are checkpoints, nothing in between

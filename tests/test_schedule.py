@@ -68,6 +68,9 @@ class Observed:
     def remaining(self) -> int:
         return self.active.remaining()
 
+    def ready(self) -> bool:
+        return self.active.ready()
+
     def pass_rate(self) -> float | None:
         return None
 
@@ -298,6 +301,9 @@ class FakeTask:
 
     def remaining(self) -> int:
         return self.left
+
+    def ready(self) -> bool:
+        return False
 
     def length(self) -> int:
         return self.held

@@ -53,12 +53,16 @@ class Checkpointing:
     def _capture(self, entry: Entry | None, run: Run, pos: int, interval: bool,
                  stats: PromptStats, payload: snapshot.Snapshot | None = None) -> None:
         """Checkpoint at `pos`: `payload` (taken inside the pass), else the live cache, which is
-        at `pos`. A failure costs the checkpoint, not the reply."""
+        at `pos` (its row of a decode batch, when a decode pass fed its prompt's last token).
+        A failure costs the checkpoint, not the reply."""
         if entry is None or self.lockstep.any(payload is LOST):   # lost in the pass (a rank's)
             return
         t0 = time.perf_counter()
         try:
-            if payload is None:
+            if payload is None and run.batch is not None:
+                payload = run.batch.leaves_of(run, self._snap_idx)
+                size = snapshot.payload_bytes(payload)
+            elif payload is None:
                 payload, size = snapshot.take(run.cache, self._snap_idx)
             else:
                 size = snapshot.payload_bytes(payload)

@@ -257,6 +257,8 @@ class Engine(Checkpointing):
         run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
                   self.passes, lambda pos: self._publish(prompt[:pos], run.cache, namespace))
         turn.run = run
+        run.max_tokens, run.sampler = max_tokens, sampler
+        run.processors = logits_processors or []
         if self.spec is not None:
             run.spec = Speculation(self.spec, prompt, max_tokens)
         del cache   # the run's own from here: a decode batch takes it over (no second copy)
@@ -285,8 +287,7 @@ class Engine(Checkpointing):
             self.counts.request(stats, start, run.pos - start)
             self.tiers.prefilled(stats)
             if run.logits is not None:
-                yield from run.decode(run.logits, sampler, logits_processors or [], max_tokens,
-                                      stats)
+                yield from run.decode(run.logits, stats)
         finally:
             t0 = time.perf_counter()
             try:

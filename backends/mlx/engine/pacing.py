@@ -21,6 +21,14 @@ class Prefilled:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """The prompt is in the live cache but its last token, which waits as the run's `pending`
+    token: the next step feeds it, in a decode pass beside the requests decoding (a row of
+    the batch's, `engine/batch/executor.py`) or, when none is, in a pass of its own. Either
+    way its logits give the first token."""
+
+
+@dataclass(frozen=True)
 class Paused:
     """A prefill pass stopped after evaluating cache leaf `layer` (of `layers`); the next step
     resumes it there."""

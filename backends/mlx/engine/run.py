@@ -33,7 +33,7 @@ from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.live.state import Live
-from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
+from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready
 from prefixd.backends.mlx.engine.spec.mtpdraft import taken
 from prefixd.backends.mlx.engine.stats import PromptStats
 
@@ -45,7 +45,7 @@ LOST: Any = {"lost": True}
 Capture = Callable[[int, bool, "snapshot.Snapshot | None"], None]
 
 
-Step = Prefilled | Paused | int   # an int: the token a decode step sampled
+Step = Prefilled | Ready | Paused | int   # an int: the token a decode step sampled
 Forward = tuple[mx.array, dict[int, "snapshot.Snapshot"]]   # logits, in-pass checkpoints
 
 
@@ -119,18 +119,23 @@ class Run(Live):
         return (last if last is not None else out), snaps
 
     def prefill_passes(self, marks: dict[int, bool], final: int,
-                       capture: Capture) -> Generator[Prefilled | Paused, None, None]:
+                       capture: Capture) -> Generator[Prefilled | Ready | Paused, None, None]:
         """Run prompt[pos:] through the model, ending a pass at every mark and calling
         `capture` there; the last pass runs from `final` (or from where the prefill is, if
         beyond) to the end. One forward pass per step: `Prefilled` after each pass but the
         last, `Paused` between two layers of one when `preempt()` says so (a scheduler may run
         other jobs' passes then; the live cache waits as it is); the last pass leaves the
-        last token's logits in `logits` (None if should_stop() ended it). A pass is
+        last token's logits in `logits` (None if should_stop() ended it). Where the last pass
+        is the last token alone (no checkpoint after it), `Ready` comes first: the token waits
+        as `pending`, and a decode pass may feed it as a row of its batch (its logits then
+        come from that pass, and no pass of its own runs). A pass is
         `pacing.tokens` (read before each pass); checkpoints land at the same positions
         whatever the pass sizes (marks inside a pass are captured in it, or the pass is cut
         there)."""
         n = len(self.prompt)
-        final = min(max(final, self.pos), n - 1)
+        # a mark inside a pass costs nothing where passes capture them (`inpass`): the last
+        # pass is then the last token, which can ride a decode pass
+        final = n - 1 if self.inpass is not None else min(max(final, self.pos), n - 1)
         cuts = [] if self.inpass is not None else sorted(p for p in marks
                                                           if self.pos < p < final)
         self.logits = None
@@ -150,6 +155,17 @@ class Run(Live):
             yield Prefilled(end - start)
         if self.should_stop():
             return
+        if self.pos == n - 1:   # its last token: in a decode pass, or alone
+            self.pending, self.prompt_pending = self.prompt[-1], True
+            yield Ready()
+            if self.incoming is not None:      # a decode pass fed it (its row in the batch)
+                self.logits, self.incoming = self.incoming, None
+                if n in marks:
+                    capture(n, marks[n], None)   # from its row of the batch
+                return
+            self.pending, self.prompt_pending = None, False
+            if self.should_stop():
+                return
         self.logits = yield from self._pass(n, marks, capture, logits=True)
 
     def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
@@ -179,16 +195,15 @@ class Run(Live):
             capture(end, marks[end], None)
         return out
 
-    def decode(self, logits: mx.array, sampler: Callable[[mx.array], mx.array],
-               processors: list, max_tokens: int, stats: PromptStats
-               ) -> Generator[int, None, None]:
+    def decode(self, logits: mx.array, stats: PromptStats) -> Generator[int, None, None]:
         """Sample, yield the token, feed it: alone (a forward pass of its own, or a verify pass
         of it and a draft, `engine/spec/speculate.py`, when `spec` drafts), or, when a `Batch` fed
         it with others' before this step resumed, from the logits it left in `incoming` (and the
         token it drew from them in the same evaluation, `drawn`). After a verify pass the
-        tokens it accepted are yielded one per step, with no pass between them."""
-        self.max_tokens, self.sampler, self.processors = max_tokens, sampler, processors
-        for i in range(max_tokens):
+        tokens it accepted are yielded one per step, with no pass between them. Its sampler,
+        processors and `max_tokens` are set before its prefill (a decode pass that feeds its
+        prompt's last token draws its first token)."""
+        for i in range(self.max_tokens):
             t0 = time.perf_counter()
             if self.ahead:       # accepted in a verify pass (all but the last are in the cache)
                 token = self.ahead.pop(0)
@@ -282,6 +297,9 @@ class Run(Live):
         turn starts after it. Not when should_stop() ended the request (the client left).
         Tokens a verify pass accepted and nobody yielded leave the cache first. Raises what
         the model raises (the run is then `broken`)."""
+        if self.prompt_pending:   # it ended before its last prompt token was fed: left out
+            self.pending, self.prompt_pending = None, False
+            return
         unyielded = len(self.ahead) - 1
         if unyielded > 0 and self.spec is not None and not self.broken \
                 and self.spec.go_back(self, self.spec.held - unyielded):

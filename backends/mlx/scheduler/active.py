@@ -24,7 +24,7 @@ from prefixd.backends.mlx.chat.oai import ToolFormat
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.engine import Turn
 from prefixd.backends.mlx.engine.loading import Loaded
-from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled
+from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready
 from prefixd.backends.mlx.engine.restorable import digest
 from prefixd.backends.mlx.engine.run import Run
 from prefixd.backends.mlx.engine.run import Step as EngineStep
@@ -89,6 +89,12 @@ class Active:
         self.lockstep.journal(encode(PublishEntry(self.job.id, at)))
         return self.loaded.engine.publish_live(run, self.turn.entry, at, self.job.namespace)
 
+    def ready(self) -> bool:
+        """Whether its prefill waits for its prompt's last token (`engine.pacing.Ready`): its
+        next step can share a decode pass (`step_batch`)."""
+        run = self.turn.run
+        return run is not None and run.prompt_pending and not run.broken
+
     def feeding(self) -> Run | None:
         """Its run, when its next step feeds the token it sampled last (a decode step that
         can share a pass: `step_batch`)."""
@@ -133,7 +139,7 @@ class Active:
     def _stopping(self) -> bool:
         return self.stopping
 
-    def _step(self) -> Prefilled | Paused | Decoded | None:
+    def _step(self) -> Prefilled | Ready | Paused | Decoded | None:
         """One step of the Engine; None when the job is done."""
         if self.steps is None:
             if self.stopping:
@@ -144,7 +150,7 @@ class Active:
             step = next(self.steps, None)
             if step is None:           # the generator ended (max_tokens, or should_stop)
                 return None
-            if isinstance(step, Prefilled | Paused):
+            if isinstance(step, Prefilled | Ready | Paused):
                 return step
             if step in self.eos:
                 self.finish = "stop"

@@ -320,14 +320,15 @@ class Schedule:
         return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
 
     def decoding(self, slot: Slot) -> list[Slot]:
-        """The jobs whose decode steps run in `slot`'s pass: with `slot` decoding, the started
-        jobs decoding and not held for room whose rows fit the budget as a batch pads them
+        """The jobs whose decode steps run in `slot`'s pass: with `slot` decoding (or ready:
+        its prompt's last token waits, `Task.ready`), the started jobs decoding or ready and
+        not held for room whose rows fit the budget as a batch pads them
         (`room.Room.batch_rows`; their steps share one forward pass), if `slot` is one of
-        them; else `slot` (a pass of its own)."""
-        if slot.task is None or slot.remaining() != 0:
+        them; else `slot` (a pass of its own). So a newcomer's first token comes from the
+        decoding jobs' next pass, which they do not wait through a pass of its own for."""
+        if not _rides(slot):
             return [slot]
-        rows = [s for s in self.active if s.task is not None and s.remaining() == 0
-                and s not in self.waits]
+        rows = [s for s in self.active if _rides(s) and s not in self.waits]
         batch = self.room.batch_rows(rows, self.active) if slot in rows else []
         return batch if slot in batch else [slot]
 
@@ -342,3 +343,9 @@ class Schedule:
         self.changed()      # its state is stored now
         self._shared = {k: v for k, v in self._shared.items() if id(slot.job) not in k}
         self._tried = {k for k in self._tried if k[0] != id(slot.job)}
+
+
+def _rides(s: Slot) -> bool:
+    """Whether `s`'s next step can be a row of a decode pass: it decodes, or its prompt's
+    last token waits for one."""
+    return s.task is not None and (s.remaining() == 0 or s.task.ready())

@@ -24,6 +24,11 @@ class Task(Protocol):
         """Prompt tokens still to prefill (0 once decoding)."""
         ...
 
+    def ready(self) -> bool:
+        """Whether its prefill waits for its prompt's last token, which a decode pass of
+        the decoding jobs can feed as one of its rows."""
+        ...
+
     def pass_rate(self) -> float | None:
         """Tokens per second of its last prefill pass (None before its first)."""
         ...

@@ -1,7 +1,8 @@
 """The scheduler's step protocol: pure, no mlx.
 
 Before each step of a job the scheduler takes a `Decision` (its prefill pass size, whether it
-stops); the step returns what happened, typed: `Prefilled` (a prefill pass ended), `Paused`
+stops); the step returns what happened, typed: `Prefilled` (a prefill pass ended), `Ready`
+(the prompt is in but its last token, which a decode pass may carry), `Paused`
 (one stopped between two layers, to resume at the next step), `Decoded` (a token sampled),
 or the job's end, `Finished` / `Failed` (its last event).
 """
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixd.backends.mlx.engine.pacing import Paused, Prefilled
+from prefixd.backends.mlx.engine.pacing import Paused, Prefilled, Ready
 from prefixd.backends.mlx.scheduler.jobs import Failed, Finished
 
-__all__ = ["Decision", "Decoded", "Failed", "Finished", "Paused", "Prefilled", "Step"]
+__all__ = ["Decision", "Decoded", "Failed", "Finished", "Paused", "Prefilled", "Ready", "Step"]
 
 
 @dataclass(frozen=True)
@@ -35,4 +36,4 @@ class Decoded:
     n: int
 
 
-Step = Prefilled | Paused | Decoded | Finished | Failed
+Step = Prefilled | Ready | Paused | Decoded | Finished | Failed

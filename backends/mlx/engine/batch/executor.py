@@ -11,7 +11,8 @@ disk tier and transfers see no batch; then `filter` drops its row). Both go a la
 each old layer freed before the next is copied. While it is in the batch, its own `cache` is
 empty (the batch holds the only copy: no memory twice).
 
-A step feeds every member's pending token (the one it sampled last) in one pass of shape
+A step feeds every member's pending token (the one it sampled last; a newcomer's, its prompt's
+last token: its prefill ends in the batch's pass, not in one of its own) in one pass of shape
 [members, 1] and hands each member its row of logits (`Live.incoming`); each request then
 samples on its own (its sampler, processors, seed, grammar). mlx-lm's masks keep each row's
 attention to its own tokens (left padding masked), so a row's logits are those of the request
@@ -50,15 +51,23 @@ from prefixd.backends.mlx.engine.spec.row import argmax_rows
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.live.state import Live
+    from prefixd.backends.mlx.engine.spec.speculate import Speculation
 
 
 def _draft(run: Live, rows: int) -> list[int]:
     """A batch member's draft for this step in a pass of `rows` requests (empty: it feeds its
     pending token alone)."""
     room = run.max_tokens - run.sampled - 1
-    if run.spec is None or run.pending is None or room <= 0:
+    if run.spec is None or run.pending is None or run.prompt_pending or room <= 0:
         return []
     return run.spec.draft(run, run.pending, room, rows)
+
+
+def _drafts(run: Live) -> Speculation | None:
+    """Its speculation, when its row of a verify pass is its pending token and a draft (None:
+    its pending token alone, a run that does not speculate or a newcomer's last prompt
+    token)."""
+    return None if run.prompt_pending else run.spec
 
 
 def _timed(members: list[Live], tokens: int, t0: float) -> float:
@@ -99,6 +108,7 @@ class Batch:
         self._join([r for r in runs if r not in self.runs])
         assert self.cache is not None
         members = list(self.runs)
+        self.passes.riders(sum(r.prompt_pending for r in members))
         proposed = [_draft(r, len(members)) for r in members] \
             if drafts and self._verifies() and self.pace.drafts() else []
         if any(proposed) and not all(proposed):   # those not drafting: slowed at most FAIR
@@ -121,8 +131,8 @@ class Batch:
                 assert r.pending is not None
                 if r.spec is not None:
                     r.spec.saw(r.pos + len(r.fed), hidden, i, 1)
-                r.fed.append(r.pending)
-                r.pending, r.incoming = None, logits[i:i + 1]
+                r.fed_pending()
+                r.incoming = logits[i:i + 1]
             # each one's next token drawn in the same evaluation (one sync for the pass): the
             # greedy ones together, the others each with its own sampler; a member whose draw
             # cannot be built draws in its own step (and fails alone)
@@ -187,8 +197,8 @@ class Batch:
                     r.broken = False
                 return self.step(members, drafts=False)
             # a member that does not speculate draws its next token as in `step`
-            draws = [r.spec.draws(r, x, logits[i, :len(x)]) if r.spec else
-                     [r.draw(logits[i, :1], r.prompt + r.fed + x)]
+            draws = [spec.draws(r, x, logits[i, :len(x)]) if (spec := _drafts(r)) else
+                     [r.draw(logits[i, :1], r.tokens + x)]
                      for i, (r, x) in enumerate(zip(members, xs, strict=True))]
             snapshot.evaluate(self.cache, logits, *(d for row in draws for d in row),
                               *(captured.arrays() if captured else ()))
@@ -196,15 +206,16 @@ class Batch:
             for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
                 if r.spec is not None:   # before accepting (`saw` replaces from `start` on)
                     r.spec.saw(starts[i], hidden, i, len(x))
-                if r.spec is None:
-                    r.fed.append(x[0])
-                    r.pending, r.incoming, r.drawn = None, logits[i, :1], d[0]
+                spec = _drafts(r)
+                if spec is None:
+                    r.fed_pending()
+                    r.incoming, r.drawn = logits[i, :1], d[0]
                     kept.append(1)
                     continue
-                a, r.ahead = r.spec.accept(r, x, d)
-                r.spec.held = a + 1
-                r.spec.captured = RowOf(captured, i) if captured else None
-                self.passes.drafts(len(x) - 1, a, r.spec.kind)
+                a, r.ahead = spec.accept(r, x, d)
+                spec.held = a + 1
+                spec.captured = RowOf(captured, i) if captured else None
+                self.passes.drafts(len(x) - 1, a, spec.kind)
                 r.pending, r.incoming, r.drawn = None, None, None
                 kept.append(a + 1)
             for r, k in zip(members, kept, strict=True):
@@ -264,6 +275,22 @@ class Batch:
         i = self.runs.index(run)
         live = snapshot.leaves(self.cache)
         return {k: snapshot.own_row(live[k], i) for k in kept}
+
+    def leaves_of(self, run: Live, kept: tuple[int, ...]) -> snapshot.Snapshot:
+        """`run`'s row of the batch's leaves `kept`, each a cache of its own class alone (a
+        recurrent or convolution leaf's row copied, a window's extracted): a checkpoint of the
+        state its row holds now, as `snapshot.take` of its cache alone would be."""
+        assert self.cache is not None
+        i = self.runs.index(run)
+        live = snapshot.leaves(self.cache)
+        try:
+            out = {k: snapshot.own_row(live[k], i) if type(live[k]) is ArraysCache
+                   else live[k].extract(i) for k in kept}
+            snapshot.evaluate(list(out.values()))
+        except BaseException:
+            self._break()
+            raise
+        return out
 
     def row(self, run: Live) -> list[Any]:
         """A copy of `run`'s cache as the batch holds it (it stays a member)."""

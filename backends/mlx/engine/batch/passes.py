@@ -1,7 +1,8 @@
 """What each forward pass of the worker carried: how many requests and how many tokens.
 
 Owns: the totals since start by kind (a prefill pass: one request's slice; a decode pass: the
-pending tokens of every request it fed, `engine/batch/executor.py`, or one request's token and the
+pending tokens of every request it fed, a newcomer's last prompt token among them (counted too:
+`prompts_ended_in_decode`), `engine/batch/executor.py`, or one request's token and the
 draft it verified, `engine/spec/speculate.py`), the largest decode batch, the last one, the
 tokens drafted and accepted, the verify passes after which a batch squeezed its rows' gaps
 out (`engine/batch/gapped.py`), and their Prometheus series (`metrics/worker.py`). Generation
@@ -24,6 +25,7 @@ class PassCounts:
         self.spec = {"verify_passes": 0, "drafted": 0, "accepted": 0,
                      "largest_verify_batch": 0, "recomputed_passes": 0, "squeezed_passes": 0}
         self.by_source: dict[str, dict[str, int]] = {}   # drafted, accepted per drafter
+        self.rode = 0   # prompts whose last token a decode pass fed (no pass of their own)
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -33,6 +35,10 @@ class PassCounts:
         verified their drafts)."""
         self.largest, self.last = max(self.largest, requests), requests
         self._count("decode", requests, requests if tokens is None else tokens)
+
+    def riders(self, prompts: int) -> None:
+        """A decode pass fed the last token of `prompts` newcomers' prompts as rows."""
+        self.rode += prompts
 
     def verify(self, requests: int, tokens: int, states: str = "none",
                squeezed: bool = False) -> None:
@@ -79,4 +85,4 @@ class PassCounts:
                 "mean_decode_batch": round(self.tokens["decode"] / decode, 2) if decode else 0,
                 "largest_decode_batch": self.largest, "last_decode_batch": self.last,
                 "prefill_passes": self.passes["prefill"],
-                "prefill_tokens": self.tokens["prefill"]}
+                "prefill_tokens": self.tokens["prefill"], "prompts_ended_in_decode": self.rode}

@@ -30,6 +30,10 @@ class Seat(Protocol):
         """Its row out of the batch: its own cache back."""
         ...
 
+    def leaves_of(self, run: Any, kept: tuple[int, ...]) -> snapshot.Snapshot:
+        """Its row of the batch's leaves `kept` (any kind), as a checkpoint holds them."""
+        ...
+
     def row(self, run: Any) -> list[Any]:
         """A copy of its row's cache (it stays in the batch)."""
         ...
