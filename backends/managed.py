@@ -3,7 +3,8 @@ and stops — the Backend face of it.
 
 Owns: `ensure_ready()` (start the worker if needed, wait for an outcome), `forward()` over
 HTTP to the worker, `status()` and `stop()`. The lifecycle itself (states, the supervisor
-task) lives in `supervisor`, the child process in `process`.
+task) lives in `supervision/supervisor.py`, the child process in
+`supervision/process.py`.
 Invariants: a request is handed to the worker only in state `ready` and after any failed
 request was checked, with the current worker's token; a request that failed before any
 response byte because the worker was gone (refused at connect, or the connection dropped
@@ -37,12 +38,12 @@ from prefixd.backends.base import (
     WorkerLink,
 )
 from prefixd.backends.config import BackendConfig
-from prefixd.backends.health import local_session
 from prefixd.backends.http import dropped, post_stream
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.process import EXIT_LOAD_FAILED, CommandBuilder, worker_command
-from prefixd.backends.states import ProcState
-from prefixd.backends.supervisor import EnvBuilder, Supervisor
+from prefixd.backends.supervision.health import local_session
+from prefixd.backends.supervision.process import EXIT_LOAD_FAILED, CommandBuilder, worker_command
+from prefixd.backends.supervision.states import ProcState
+from prefixd.backends.supervision.supervisor import EnvBuilder, Supervisor
 
 log = logging.getLogger("prefixd.backend")
 

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from prefixd.backends.base import Backend
-from prefixd.backends.parent import follow_parent, watch_parent
+from prefixd.backends.supervision.parent import follow_parent, watch_parent
 from prefixd.proxy.app import build_app
 from prefixd.proxy.guard import Guard, GuardedRunner, raise_fd_limit
 from prefixd.proxy.pipeline import Proxy

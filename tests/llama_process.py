@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixd.backends.llama.command import LlamaSetupError, find_binary, resolve_gguf
-from prefixd.backends.process import free_port
+from prefixd.backends.supervision.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"

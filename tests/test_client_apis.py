@@ -25,7 +25,7 @@ from fake_upstream import FakeUpstream
 from proxy_fixtures import StartProxy
 
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from prefixd.backends.mlx.model.provision import BUILTIN_MODELS, config_window
-from prefixd.backends.process import free_port
+from prefixd.backends.supervision.process import free_port
 
 CACHE = Path(os.environ.get("PREFIXD_TEST_CACHE_DIR", "~/.cache/prefixd-test")).expanduser()
 

@@ -214,7 +214,7 @@ async def test_a_managed_group_shows_its_ranks_and_restarts_as_one(
     import aiohttp
 
     from prefixd.backends.managed import ManagedBackend
-    from prefixd.backends.states import ProcState
+    from prefixd.backends.supervision.states import ProcState
     from prefixd.proxy.server import Server, make_proxy
     from prefixd.proxy.settings import Settings
 
@@ -384,7 +384,7 @@ async def test_a_stopped_or_failing_follower_restarts_the_group_and_no_request_i
     import aiohttp
 
     from prefixd.backends.managed import ManagedBackend
-    from prefixd.backends.states import ProcState
+    from prefixd.backends.supervision.states import ProcState
     from prefixd.proxy.server import Server, make_proxy
     from prefixd.proxy.settings import Settings
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.backends.process import worker_env
+from prefixd.backends.supervision.process import worker_env
 from prefixd.proxy.cli import effective_backends, load_settings
 
 PAIR = ["127.0.0.1", "127.0.0.1"]

@@ -341,7 +341,7 @@ async def test_a_managed_group_starts_from_an_env_file(
     import aiohttp
 
     from prefixd.backends.managed import ManagedBackend
-    from prefixd.backends.states import ProcState
+    from prefixd.backends.supervision.states import ProcState
     from prefixd.proxy.cli import effective_backends, load_settings
     from prefixd.proxy.server import Server, make_proxy
 

@@ -20,7 +20,7 @@ from worker_fixtures import chat
 
 from prefixd.api.schema import NAMESPACE_HEADER
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.keys import cache_namespace
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings

@@ -39,7 +39,7 @@ from prefixd.backends.config import BackendConfig
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.process import worker_env
+from prefixd.backends.supervision.process import worker_env
 from prefixd.kvevents.index import Held
 from prefixd.kvevents.prefix import CHUNK
 from prefixd.kvevents.subscriber import Feed

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.backends.process import free_port
 from prefixd.backends.registry import build_backends
+from prefixd.backends.supervision.process import free_port
 from prefixd.proxy.launch import RECIPES, Target
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings

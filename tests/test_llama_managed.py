@@ -290,7 +290,7 @@ async def test_no_llama_server_outlives_a_killed_prefixd(binary, gguf, tmp_path,
     import sys
     import time
 
-    from prefixd.backends.process import free_port
+    from prefixd.backends.supervision.process import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}

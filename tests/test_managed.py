@@ -22,8 +22,8 @@ from fake_worker import fake_command, gone
 
 from prefixd.backends.base import Backend, BackendError, BackendUnavailable, UpstreamRequest
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.process import GROUP_FIELDS, TOKEN_ENV, worker_command, worker_env
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.process import GROUP_FIELDS, TOKEN_ENV, worker_command, worker_env
+from prefixd.backends.supervision.states import ProcState
 from prefixd.metrics import REGISTRY
 from prefixd.proxy.settings import BackendConfig, Settings
 
@@ -375,7 +375,7 @@ def test_worker_command_and_env() -> None:
 
 def test_proxy_side_never_imports_mlx() -> None:
     code = ("import sys; from prefixd.backends.managed import ManagedBackend; "
-            "from prefixd.backends.process import worker_env; "
+            "from prefixd.backends.supervision.process import worker_env; "
             "from prefixd.proxy.settings import BackendConfig, Settings; "
             "worker_env(BackendConfig(name='w', kind='mlx', model='m'), "
             "Settings(_env_file=None, use_system_blas=True)); "

@@ -19,8 +19,8 @@ from fake_worker import fake_command, gone
 from proxy_fixtures import read_until
 
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.process import TOKEN_ENV, free_port
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.process import TOKEN_ENV, free_port
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 

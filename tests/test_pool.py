@@ -19,7 +19,7 @@ from proxy_fixtures import read_until
 
 from prefixd.backends.budget import PROCESS_OVERHEAD, CacheNeed, cache_shares
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.metrics import proxy as m
 from prefixd.metrics import render
 from prefixd.proxy.server import Server, StartupError, make_proxy, serve

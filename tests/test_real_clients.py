@@ -37,7 +37,7 @@ import aiohttp
 import pytest
 from fake_upstream import FakeUpstream
 
-from prefixd.backends.process import free_port
+from prefixd.backends.supervision.process import free_port
 from prefixd.proxy.prefix.detect import Verdict
 from prefixd.proxy.prefix.report import PrefixReport, header
 

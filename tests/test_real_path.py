@@ -11,7 +11,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.metrics.federate import label_worker_metrics
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings

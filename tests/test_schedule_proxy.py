@@ -18,7 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 

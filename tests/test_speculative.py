@@ -51,7 +51,7 @@ from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
 from prefixd.backends.mlx.server.app import create_app
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 from tests.engine_steps import generate, turn_for

@@ -18,7 +18,7 @@ from real_schemas import PYDANTIC_ORDER
 from schema_check import violation
 
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 from prefixd.proxy.translate import AnthropicTranslator, ResponsesTranslator, TranslateError

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from worker_process import running_worker
 
 from prefixd.backends.config import BackendConfig
-from prefixd.backends.process import (
+from prefixd.backends.supervision.process import (
     TRANSFER_SECRET_ENV,
     run_transfer_secret,
     worker_command,

@@ -14,9 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from mlx_lm.tool_parsers import mistral as mistral_tools
 from worker_fixtures import HELLO, NAME, SETTINGS, chat, post, post_get, stream, streamed_text
 
-from prefixd.backends.mlx.chat.oai import ChatOutput, StopMatcher, ToolFormat, extract_tool_calls
+from prefixd.backends.mlx.chat.oai import ChatOutput, ToolFormat, extract_tool_calls
 from prefixd.backends.mlx.chat.prompt import Renderer
 from prefixd.backends.mlx.chat.request import GenRequest, Sampling, parse_request
+from prefixd.backends.mlx.chat.stops import StopMatcher
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.server.app import create_app
 

@@ -20,7 +20,7 @@ from test_cut_short import APIS, assert_cut_short, sse_events
 from tokenizers import Tokenizer
 
 from prefixd.backends.managed import ManagedBackend
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.states import ProcState
 from prefixd.proxy.server import Server, make_proxy
 from prefixd.proxy.settings import Settings
 

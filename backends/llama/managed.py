@@ -23,7 +23,6 @@ import aiohttp
 
 from prefixd.backends.base import BackendStatus, BackendUnavailable, Capabilities, WorkerLink
 from prefixd.backends.config import BackendConfig
-from prefixd.backends.health import local_session
 from prefixd.backends.llama import command as cmd
 from prefixd.backends.llama.api import LlamaAPI, NoEndpoint
 from prefixd.backends.llama.info import ServerInfo, SlotState, advice, parse_props, parse_slots
@@ -31,7 +30,8 @@ from prefixd.backends.llama.keeper import SlotKeeper
 from prefixd.backends.llama.slotfiles import SlotFiles
 from prefixd.backends.managed import ManagedBackend
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.states import ProcState
+from prefixd.backends.supervision.health import local_session
+from prefixd.backends.supervision.states import ProcState
 
 log = logging.getLogger("prefixd.backend")
 SLOT_DIR = "llama-slots"      # <cache_dir>/llama-slots/<backend>/<fingerprint>/

@@ -33,7 +33,7 @@ from prefixd.backends.mlx.scheduler.replay import serve as follower_serve
 from prefixd.backends.mlx.server.app import TOKEN_ENV, create_app
 from prefixd.backends.mlx.server.protocol import WorkerRunner
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.parent import follow_parent, watch_parent
+from prefixd.backends.supervision.parent import follow_parent, watch_parent
 
 log = logging.getLogger("prefixd.worker")
 PERSIST_TIMEOUT_S = 15.0   # writing the cache at shutdown (the supervisor's grace is longer)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from prefixd.backends.mlx.chat.logprobs import TokenLogprob
-from prefixd.backends.mlx.chat.oai import StopMatcher
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.chat.stops import StopMatcher
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from prefixd.backends.process import WorkerProcess, wait_event
-from prefixd.backends.states import HEALTH_PATH
+from prefixd.backends.supervision.process import WorkerProcess, wait_event
+from prefixd.backends.supervision.states import HEALTH_PATH
 
 
 def local_session() -> aiohttp.ClientSession:

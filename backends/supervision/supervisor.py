@@ -1,12 +1,13 @@
-"""The lifecycle of one managed worker: its state machine and the ONE task that drives it.
+"""The lifecycle of one managed worker: the ONE task that drives its state machine.
 
-Owns: the face the Backend (`managed`) calls (it reads the state, reports requests and
-failures, asks for retries and unloads) and the supervisor task, which alone starts the child
-(with a fresh secret token each time), waits for its /health with a deadline, health-checks
-it, unloads it, stops it, and restarts it or marks it failed as `lifecycle.RestartPolicy`
-decides. The states, their transitions and the one setter are `states.py`; the decisions
-(backoff, giving up, retries, idle unloads) are `lifecycle.py`; the child process is
-`process.py`. Every wait ends at a deadline or when the child exits.
+Owns: the supervisor task, which alone starts the child (with a fresh secret token each time),
+waits for its /health with a deadline, health-checks it, unloads it, stops it, and restarts it
+or marks it failed as `lifecycle.RestartPolicy` decides; and the Backend's calls that start,
+retry or end it. What the Backend reads and reports (counts, requests in flight, failures,
+unloads asked for) is `face.py`, the base of `Supervisor`; the states, their transitions and
+the one setter are `states.py`; the decisions (backoff, giving up, retries, idle unloads) are
+`lifecycle.py`; the child process is `process.py`. Every wait ends at a deadline or when the
+child exits.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from prefixd.backends.config import BackendConfig
-from prefixd.backends.health import await_healthy, local_session, probe
-from prefixd.backends.lifecycle import Idle, RestartPolicy, Usage
 from prefixd.backends.mlx.settings import WorkerSettings
-from prefixd.backends.process import (
+from prefixd.backends.supervision.face import WorkerFace
+from prefixd.backends.supervision.health import await_healthy, local_session, probe
+from prefixd.backends.supervision.lifecycle import Idle
+from prefixd.backends.supervision.process import (
     EXIT_LOAD_FAILED,
     CommandBuilder,
     WorkerProcess,
@@ -30,18 +32,17 @@ from prefixd.backends.process import (
     wait_event,
     worker_env,
 )
-from prefixd.backends.states import HEALTH_MISSES, HEALTH_PATH, ProcState, S, StateMachine
+from prefixd.backends.supervision.states import HEALTH_MISSES, HEALTH_PATH, S
 from prefixd.metrics.proxy import BACKEND_RESTARTS, MODEL_LOAD_SECONDS, MODEL_LOADS, MODEL_UNLOADS
 
 log = logging.getLogger("prefixd.backend")
-__all__ = ["ProcState", "Supervisor"]     # ProcState: where `managed` imports it from
 # the child's environment for a start: (its secret token, the cache budget the pool gave)
 EnvBuilder = Callable[[str, int | None], dict[str, str]]
 SAVE_BEFORE_STOP_S = 60.0     # the most a `before_stop` hook may take
 
 
-class Supervisor(StateMachine):
-    """One managed worker's state machine, its task, and the face its Backend calls."""
+class Supervisor(WorkerFace):
+    """One managed worker's task, over the state and face its Backend reads (`WorkerFace`)."""
 
     def __init__(self, config: BackendConfig, settings: WorkerSettings, command: CommandBuilder, *,
                  grace_s: float, backoff_s: tuple[float, float], stable_s: float,
@@ -49,7 +50,7 @@ class Supervisor(StateMachine):
                  load_failed_exit: int | None = EXIT_LOAD_FAILED) -> None:
         """`env` builds the child's environment (default: a prefixd worker's);
         `load_failed_exit` is the exit code that means it cannot load its model (no retry)."""
-        super().__init__(config.name)
+        super().__init__(config, backoff_s, stable_s, retry_min_s)
         self._cfg, self._settings, self._command = config, settings, command
         self._env: EnvBuilder = env or (lambda token, cache: worker_env(
             config, settings, token=token, cache_bytes=cache))
@@ -58,52 +59,9 @@ class Supervisor(StateMachine):
         # unload, shutdown): never after a crash. Bounded by SAVE_BEFORE_STOP_S.
         self.before_stop: Callable[[], Awaitable[None]] | None = None
         self._grace = grace_s
-        self.policy = RestartPolicy(config, backoff_s, stable_s, retry_min_s)
-        self.usage = Usage()
-        self._poke = asyncio.Event()           # wakes the task (watching, or failed and waiting)
-        self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
-        self.worker: WorkerProcess | None = None
-        self.base_url: str | None = None
-        self.last_error: str | None = None
-        self.start_failures = 0                # monotonic: lets waiters see a failed attempt
-        self.token: str | None = None          # the running worker's secret; never published
-        # Under a model pool a scheduled retry starts the worker only if it fits beside what
-        # is loaded, without unloading anything (a request goes through the pool instead).
-        self.may_start: Callable[[], bool] = lambda: True
-        self.suspect = False                   # a request failed: verify before handing out
-        self.cache_bytes = config.cache_bytes  # the worker's cache budget (the pool may set it)
-        self._set_gauges()
 
-    def _now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    # --- what the Backend face calls ----------------------------------------------------
-    @property
-    def restarts(self) -> int:
-        return self.policy.restarts
-
-    @property
-    def consecutive(self) -> int:
-        """Failed starts in a row."""
-        return self.policy.consecutive
-
-    @property
-    def active(self) -> int:
-        """Requests in flight."""
-        return self.usage.active
-
-    @property
-    def auth(self) -> dict[str, str]:
-        """The header every request to the current worker carries."""
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    @property
-    def restarting(self) -> bool:
-        """Stopped after a crash, its task waiting to start it again (it holds no memory now
-        but will without asking the model pool, unless unloaded meanwhile)."""
-        return self.state is S.STOPPED and self._task is not None and not self._task.done()
-
+    # --- the task: running it, and the Backend's calls that start or end it -------------
     def start(self) -> None:
         """Run the supervisor task if the worker is stopped (or failed) and nothing runs it."""
         if self.state in (S.STOPPED, S.FAILED) and (self._task is None or self._task.done()):
@@ -123,36 +81,6 @@ class Supervisor(StateMachine):
             self._poke.set()
         self.start()
         return True
-
-    def retry_in(self) -> float | None:
-        """Seconds until a failed backend's next scheduled start; None when none is."""
-        retry_at = self.policy.retry_at
-        if self.state is not S.FAILED or retry_at is None:
-            return None
-        return max(0.0, retry_at - self._now())
-
-    def request_unload(self, why: str, reason: str) -> None:
-        """Stop the worker once no request is in flight (it can start again on demand)."""
-        self.usage.unload = (why, reason)
-        self._poke.set()
-
-    def request_started(self) -> None:
-        self.usage.active += 1
-        self.usage.last_used = self._now()
-
-    def request_ended(self) -> None:
-        self.usage.active -= 1
-        self.usage.last_used = self._now()
-        self._poke.set()        # the idle clock restarts now
-
-    def touch(self) -> None:
-        self.usage.last_used = self._now()
-
-    def report_failure(self) -> None:
-        """A request to the worker failed: have it checked before the next one is sent."""
-        if self.state is S.READY:
-            self.suspect = True
-            self._poke.set()
 
     async def shutdown(self) -> None:
         task, self._task = self._task, None
