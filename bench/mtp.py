@@ -1,12 +1,15 @@
 """What drafting with a model's own multi-token-prediction head (`spec_mtp`) costs where the head
-guesses badly: decode tok/s of three workers on one tiny qwen3_next folder that ships a random
-head in `mtp.safetensors` (the head on, `spec_mtp` false, speculation off), greedy, one request
-at a time, replies compared with speculation off. In-process, no server (stock mlx-lm drops the
-head: it has nothing to compare). No checkpoint with a trained head is available offline, so
-this measures the head's cost, not what a trained one is worth.
+guesses badly, float and stored quantized: decode tok/s of four workers on one tiny qwen3_next
+folder that ships a random head in `mtp.safetensors` (the head on; the same head's weights
+stored quantized as a conversion stores them, in a copy of the folder; `spec_mtp` false;
+speculation off), greedy, one request at a time, replies compared with speculation off.
+In-process, no server (stock mlx-lm drops the head: it has nothing to compare). No checkpoint
+with a trained head is available offline, so this measures the head's cost, not what a trained
+one is worth.
 
     ./run bench mtp                  # prose-like (1,024-token vocabulary): ~1 min
     ./run bench mtp --words 3        # replies that repeat: prompt lookup drafts first
+    ./run bench mtp --bits 8         # the head at 8 bits (default 4, groups of 64)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -21,14 +25,18 @@ from typing import Any
 
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.model.mtp import MTP_FILE
+from prefixd.backends.mlx.model.mtpquant import store_quantized
 from prefixd.backends.mlx.model.tiny import save_tiny_model
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished
 from prefixd.backends.mlx.scheduler.output import Delta
 from prefixd.backends.mlx.settings import WorkerSettings
 
-CONFIGS = (("head on", {}), ("spec_mtp false", {"spec_mtp": False}),
-           ("speculation off", {"speculative": False}))
+# name, folder (the float head's, or the copy with it quantized), settings
+CONFIGS = (("head on", "float", {}), ("quantized head on", "quantized", {}),
+           ("spec_mtp false", "float", {"spec_mtp": False}),
+           ("speculation off", "float", {"speculative": False}))
 
 
 async def _load(path: Path, extra: dict[str, Any]) -> Generator:
@@ -50,13 +58,23 @@ async def _one(gen: Generator, prompt: list[int], tokens: int, ns: str) -> tuple
 
 
 async def main(args: argparse.Namespace) -> None:
-    folder = Path(tempfile.mkdtemp(prefix="prefixd-mtp-")) / "model"
-    save_tiny_model("qwen3_next", folder, words=args.words, mtp=True)
-    gens = {name: await _load(folder, extra) for name, extra in CONFIGS}
+    root = Path(tempfile.mkdtemp(prefix="prefixd-mtp-"))
+    folders = {"float": root / "model", "quantized": root / "quantized"}
+    save_tiny_model("qwen3_next", folders["float"], words=args.words, mtp=True)
+    shutil.copytree(folders["float"], folders["quantized"])
+    done = store_quantized(folders["quantized"] / MTP_FILE, args.bits, args.group_size)
+    print(f"head stored quantized: {done} matrices at {args.bits} bits, groups of "
+          f"{args.group_size}")
+    gens = {name: await _load(folders[kind], extra) for name, kind, extra in CONFIGS}
+    for name, gen in gens.items():      # a head refused would bench nothing
+        refused = gen.loaded.engine.refused if gen.loaded is not None else {}
+        if refused:
+            raise SystemExit(f"{name}: {refused}")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(100)] for _ in range(args.prompts)]
-    rows: dict[str, dict[str, Any]] = {n: {"tokens": 0, "s": 0.0, "head": 0, "drafted": 0,
-                                           "accepted": 0, "texts": []} for n in gens}
+    rows: dict[str, dict[str, Any]] = {n: {"tokens": 0, "s": 0.0, "head": 0, "head_accepted": 0,
+                                           "drafted": 0, "accepted": 0, "texts": []}
+                                       for n in gens}
     try:
         for rep in range(args.repeats):
             for name, gen in gens.items():      # alternated, each prompt in a fresh namespace
@@ -68,6 +86,7 @@ async def main(args: argparse.Namespace) -> None:
                     row["tokens"] += end.completion_tokens
                     spec = dict((end.prefixd or {}).get("speculative") or {})
                     row["head"] += spec.get("model_drafted", 0)
+                    row["head_accepted"] += spec.get("model_accepted", 0)
                     row["drafted"] += spec.get("drafted", 0)
                     row["accepted"] += spec.get("accepted", 0)
                     if rep == 0:
@@ -76,11 +95,13 @@ async def main(args: argparse.Namespace) -> None:
         for gen in gens.values():
             gen.close()
     off = rows["speculation off"]["texts"]
-    print("| worker | tok/s | drafted by the head | drafted / accepted (all) | replies = off |")
+    print("| worker | tok/s | drafted / accepted (the head) | drafted / accepted (all) | "
+          "replies = off |")
     print("|---|---|---|---|---|")
     for name, row in rows.items():
-        print(f"| {name} | {row['tokens'] / row['s']:.1f} | {row['head']} | "
-              f"{row['drafted']} / {row['accepted']} | {row['texts'] == off} |")
+        print(f"| {name} | {row['tokens'] / row['s']:.1f} | {row['head']} / "
+              f"{row['head_accepted']} | {row['drafted']} / {row['accepted']} | "
+              f"{row['texts'] == off} |")
 
 
 if __name__ == "__main__":
@@ -90,4 +111,6 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bits", type=int, default=4, help="the quantized head's bits")
+    parser.add_argument("--group-size", type=int, default=64)
     asyncio.run(main(parser.parse_args()))

@@ -185,7 +185,9 @@ def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(arch:
         assert turn.stats is not None
         firsts[tuple(p)] = len(p) - turn.stats.segments[-1][0]
 
+    assert on.spec is not None
     for p in prompts:       # alone
+        on.spec.standing.rate = None   # each from the prior, not the last one's misses
         turn = turn_for(on)
         got = []
         for token in generate(on, p, sampler=_greedy, max_tokens=40, turn=turn):
@@ -197,6 +199,7 @@ def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(arch:
         began(p, turn)
         replies[tuple(p)] = got
     together = [[9, *p] for p in prompts]
+    on.spec.standing.rate = None
     turns = [turn_for(on) for _ in together]
     steps = [generate(on, p, sampler=_greedy, max_tokens=30, turn=t)
              for p, t in zip(together, turns, strict=True)]

@@ -144,8 +144,11 @@ class WorkerSettings(BaseSettings):
         "where its checkpoint carries one (Qwen3-Next, Qwen3.5: `mtp.*` weights in the model "
         "folder's safetensors, which mlx-lm drops; beside an mlx conversion, put them in "
         "mtp.safetensors), where the context has nothing to copy, before spec_draft_model. "
-        "A head that does not fit the model or whose weights are not all finite is not used "
-        "(logged, /v1/cache speculative.refused). Not in a group.")
+        "Float or quantized in mlx's layout (weight, scales, biases; bits and group size from "
+        "config.json's quantization, else as the shapes imply). A head that does not fit the "
+        "model, cannot load or whose weights are not all finite is not used (logged, "
+        "/v1/cache speculative.refused). In a group: pipeline-parallel only, every rank "
+        "holding it.")
     spec_capture_bytes: int = Field(
         64 * 2**20, ge=0, description="Worker: the most bytes of recurrent state (Gated-"
         "DeltaNet, Mamba) a verify pass keeps, for all its requests, one per drafted position "

@@ -67,7 +67,7 @@ def load(settings: WorkerSettings, spec: str, lockstep: Lockstep | None = None) 
     model_id += lockstep.shard   # a group's ranks: each disk tier holds its own shard's states
     disk = disk_spec(settings, model_id)
     draft, draft_why = load_draft(settings, tokenizer, group is None)
-    mtp, mtp_why = load_mtp(settings, model, target, group is None)
+    mtp, mtp_why = load_mtp(settings, model, target, lockstep)
     engine = Engine(model, EngineConfig.from_settings(
         settings, cache_bytes=lockstep.min(ram_budget(settings))), disk, model_id, lockstep,
         draft, mtp, refusals(settings, target, draft_why, mtp_why))
@@ -106,22 +106,33 @@ def load_draft(settings: WorkerSettings, tokenizer: Any, alone: bool
     return draft, None
 
 
-def load_mtp(settings: WorkerSettings, model: Any, folder: str, alone: bool
-             ) -> tuple[Any, str | None]:
+def load_mtp(settings: WorkerSettings, model: Any, folder: str,
+             lockstep: Lockstep | None = None) -> tuple[Any, str | None]:
     """The model's own multi-token-prediction head (`spec_mtp`), or None and why the one its
-    checkpoint carries is not used: in a group, or one that does not fit the model or is not
-    all finite (`model/mtp.py`). None, None: off, or none in its checkpoint."""
+    checkpoint carries is not used: one that does not fit the model or is not all finite
+    (`model/mtp.py`), or, in a group, where not every rank can draft alike. A group's ranks
+    each load the head and draft alike where the model is split pipeline-parallel: every rank
+    then holds the model's final hidden states (mlx-lm gathers the last rank's to all), its
+    embedding and whole output projection, so its drafts, like its sampled tokens, are a
+    function of the journaled tokens; tensor-parallel ranks each hold a slice of the output
+    projection (refused). Every rank must have loaded it (agreed), else none drafts with it.
+    None, None: off, or none in its checkpoint."""
     if not settings.spec_mtp or not settings.speculative:
         return None, None
     from prefixd.backends.mlx.engine.spec.mtpdraft import MTP
     from prefixd.backends.mlx.model.mtp import load_head, parts
 
+    lockstep = lockstep or Lockstep()
     head, why = load_head(model, folder)
     found = parts(model)
+    if lockstep.size > 1:
+        if head is not None and lockstep.mode != "pipeline":
+            head, why = None, (f"a {lockstep.mode}-parallel group splits the output projection "
+                               "across its ranks (a pipeline-parallel one drafts with it)")
+        if not lockstep.all(head is not None) and head is not None:   # every rank asks
+            head, why = None, "another rank of the group has no MTP head it can use"
     if head is None or found is None:
         return None, why
-    if not alone:
-        return None, "a group worker does not draft with one"
     log.info("worker: the model's MTP head drafts for speculative decoding")
     return MTP(head, found), None
 

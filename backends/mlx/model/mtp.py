@@ -12,10 +12,12 @@ checkpoint's shards, or `mtp.safetensors` beside an mlx conversion, which drops 
 main weights' files mlx-lm reads are `model*.safetensors`, so a separate file never reaches
 its strict load), putting them in mlx's layout as mlx-lm's sanitize puts the model's own
 layers (experts stacked into `switch_mlp` from each expert's projections or from Qwen3.5-MoE's
-fused ones, the zero-centred norms shifted by one: the layouts checkpoints ship), and
+fused ones, the zero-centred norms shifted by one: the layouts checkpoints ship; a module
+stored quantized, in mlx's layout, stacked and split with its scales and biases), and
 building the head (`MTPHead`), which shares the model's embedding and output projection
-(`Parts`), refusing weights that do not fit it or are not all finite (`checks.py`). Nothing
-here decodes: `engine/spec/mtpdraft.py` drafts with it.
+(`Parts`): float, or quantized where its weights are (`mtpquant.py`), refusing weights that
+do not fit it or are not all finite (`checks.py`). Nothing here decodes:
+`engine/spec/mtpdraft.py` drafts with it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from prefixd.backends.mlx.model import mtpquant
 from prefixd.backends.mlx.model.checks import nonfinite
 
 log = logging.getLogger("prefixd.worker")
@@ -123,17 +126,21 @@ def sanitize(weights: dict[str, mx.array], experts: int) -> dict[str, mx.array]:
     gate half first, and `experts.down_proj`), zero-centred norms shifted."""
     out = {k.removeprefix("mtp."): v for k, v in weights.items()}
     for layer in sorted({k.split(".")[1] for k in out if k.startswith("layers.")}):
-        prefix = f"layers.{layer}.mlp"
-        fused = out.pop(f"{prefix}.experts.gate_up_proj", None)   # Qwen3.5-MoE: [E, 2I, H]
-        if fused is not None:
-            mid = fused.shape[-2] // 2
-            out[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[..., :mid, :]
-            out[f"{prefix}.switch_mlp.up_proj.weight"] = fused[..., mid:, :]
-            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
-        for proj in ("up_proj", "down_proj", "gate_proj"):
-            keys = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(experts)]
-            if experts and all(k in out for k in keys):
-                out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([out.pop(k) for k in keys])
+        base, switch = f"layers.{layer}.mlp.experts", f"layers.{layer}.mlp.switch_mlp"
+        for part in ("weight", "scales", "biases"):   # a quantized head stores all three
+            tail = "" if part == "weight" else f".{part}"   # fused: no `.weight` suffix
+            fused = out.pop(f"{base}.gate_up_proj{tail}", None)   # Qwen3.5-MoE: [E, 2I, H]
+            if fused is not None:
+                mid = fused.shape[-2] // 2
+                out[f"{switch}.gate_proj.{part}"] = fused[..., :mid, :]
+                out[f"{switch}.up_proj.{part}"] = fused[..., mid:, :]
+                down = out.pop(f"{base}.down_proj{tail}", None)
+                if down is not None:
+                    out[f"{switch}.down_proj.{part}"] = down
+            for proj in ("up_proj", "down_proj", "gate_proj"):
+                keys = [f"{base}.{e}.{proj}.{part}" for e in range(experts)]
+                if experts and all(k in out for k in keys):
+                    out[f"{switch}.{proj}.{part}"] = mx.stack([out.pop(k) for k in keys])
     for k, v in out.items():
         if any(("mtp." + k).endswith(sfx) for sfx in _CENTRED) and v.ndim == 1:
             out[k] = v + 1.0
@@ -147,25 +154,30 @@ def new_head(model: Any) -> MTPHead:
     if found is None:
         raise ValueError(f"{type(model).__module__} has no MTP head of a kind prefixd knows")
     args = found.holder.args
-    full = next((layer for layer in found.inner.layers if not layer.is_linear), None)
-    if full is None:
-        raise ValueError("the model has no full-attention layer to model the MTP layer on")
-    # a full-attention layer of the model's own kind (its mixture of experts where it has one)
-    layer = type(full)(args, args.full_attention_interval - 1)
+    # any layer this process holds (a pipeline rank holds only its own: None for the others')
+    held = next((layer for layer in found.inner.layers if layer is not None), None)
+    if held is None:
+        raise ValueError("the model holds no decoder layer to model the MTP layer on")
+    # a full-attention layer of the model's own kind (its mixture of experts where it has
+    # one): the index of the first full-attention layer makes one
+    layer = type(held)(args, args.full_attention_interval - 1)
     return MTPHead(args.hidden_size, args.rms_norm_eps, layer)
 
 
-def build_head(model: Any, weights: dict[str, mx.array]) -> MTPHead:
-    """The head for `model` with `weights` (checkpoint layout); raises ValueError when they do
-    not fit it (a tensor missing, extra or of another shape) or are not all finite."""
+def build_head(model: Any, weights: dict[str, mx.array],
+               quantization: dict[str, Any] | None = None) -> MTPHead:
+    """The head for `model` with `weights` (checkpoint layout; modules stored quantized in
+    mlx's layout are read as such: `mtpquant.py`, `quantization` the model folder's config's);
+    raises ValueError when they do not fit it (a tensor missing, extra or of another shape,
+    a quantized one no bits and group size fit) or are not all finite."""
     head = new_head(model)
     args = model_args(model)
     dtype = cast(Parts, parts(model)).inner.norm.weight.dtype
     ready = sanitize(weights, getattr(args, "num_experts", 0) or 0)
-    if any(not mx.issubdtype(v.dtype, mx.floating) for v in ready.values()):
-        raise ValueError("its MTP weights are quantized (only float MTP weights are read)")
-    try:
-        head.load_weights([(k, v.astype(dtype)) for k, v in ready.items()], strict=True)
+    mtpquant.quantize(head, ready, quantization)
+    try:   # floats as the model runs them; packed weights (and uint8 scales) as stored
+        head.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
+                           for k, v in ready.items()], strict=True)
     except ValueError as e:
         raise ValueError(f"its MTP weights do not fit the model: {e}") from e
     mx.eval(head.parameters())
@@ -186,7 +198,7 @@ def load_head(model: Any, folder: str) -> tuple[MTPHead | None, str | None]:
         weights = read_weights(path)
         if not weights:
             return None, None
-        return build_head(model, weights), None
+        return build_head(model, weights, mtpquant.folder_quantization(path)), None
     except Exception as e:    # a damaged file costs the head, not the model
         return None, str(e) or type(e).__name__
 

@@ -8,12 +8,15 @@ decisions may not depend on time: a group's ranks).
 Why the decision is per request and adaptive: one request copies (edits, tool calls echoing
 paths) and another writes prose; a draft that is rejected costs a pass longer than one token,
 so a request whose drafts are rejected stops drafting, and tries again now and then (its reply
-may reach a part that copies).
+may reach a part that copies). A model drafter (the served model's MTP head, a draft model)
+that keeps missing waits longer between its probes (to `Pace.MODEL_MAX_WAIT` tokens), and its
+standing carries from one request to the next (`Standing`): where it never guesses right it
+costs about nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -66,13 +69,15 @@ class Rate:
     """The acceptance of one kind of draft (`Pace.BUCKETS`): the chance `alpha` that a drafted
     token is accepted given the ones before it were, an exponentially weighted estimate over
     its verify passes from a prior, and how long it waits before drafting again after a draft
-    that failed or did not pay (twice as long each time, up to `Pace.MAX_WAIT`)."""
+    that failed or did not pay (twice as long each time, up to `cap` steps; back to one once a
+    draft of it is accepted)."""
 
     accepted: float
     rejected: float
     wait: int = 0
     backoff: int = 1
     probe: bool = False       # the next length is a one-token probe if nothing pays
+    cap: int = 64             # `Pace.MAX_WAIT`, a model's drafts' `Pace.MODEL_MAX_WAIT`
 
     @property
     def alpha(self) -> float:
@@ -80,7 +85,20 @@ class Rate:
 
     def back_off(self) -> None:
         self.wait, self.probe = self.backoff, True
-        self.backoff = min(self.backoff * 2, Pace.MAX_WAIT)
+        self.backoff = min(self.backoff * 2, self.cap)
+
+
+@dataclass
+class Standing:
+    """The worker's last word on its model drafter's drafts (its MTP head's or its draft
+    model's `Rate`): each request's pace starts from it and leaves its own there, so a head
+    that keeps missing stays backed off from one request to the next (a probe every
+    `Pace.MODEL_MAX_WAIT` tokens at most) instead of each request trying it afresh (a long
+    draft on the prior, then a probe after 1, 2, 4, ... tokens: about 7 in 200), and one that
+    starts being accepted drafts again from its next probe on. Decided by acceptance alone:
+    the same on a group's ranks."""
+
+    rate: Rate | None = None
 
 
 @dataclass
@@ -95,6 +113,7 @@ class Pace:
     max_draft: int
     costs: PassCosts | DraftCosts
     rates: dict[int, Rate] = field(default_factory=dict)
+    standing: Standing | None = None   # the worker's, for the model drafter's rate
     # reach (tokens matched) -> its bucket's prior alpha, over ~3 drafted tokens
     BUCKETS = ((2, 0.35), (3, 0.45), (5, 0.6), (9, 0.7), (17, 0.8))
     DECAY = 0.85
@@ -103,13 +122,26 @@ class Pace:
 
     MODEL = -1          # the reach of a draft model's drafts (`draftmodel.py`): its own rate
     MODEL_PRIOR = 0.6
+    # a model drafter's wait grows further: each of its probes costs its passes too, and the
+    # context (which a copy may reach any time) says nothing of when it starts to guess right
+    MODEL_MAX_WAIT = 256
 
     def _rate(self, reach: int) -> Rate:
-        low, prior = (self.MODEL, self.MODEL_PRIOR) if reach == self.MODEL else \
-            max((b, p) for b, p in self.BUCKETS if b <= max(reach, 2))
+        if reach == self.MODEL:
+            if self.MODEL not in self.rates:
+                kept = self.standing.rate if self.standing is not None else None
+                self.rates[self.MODEL] = replace(kept) if kept is not None else Rate(
+                    3 * self.MODEL_PRIOR, 3 * (1 - self.MODEL_PRIOR), cap=self.MODEL_MAX_WAIT)
+            return self.rates[self.MODEL]
+        low, prior = max((b, p) for b, p in self.BUCKETS if b <= max(reach, 2))
         if low not in self.rates:
-            self.rates[low] = Rate(3 * prior, 3 * (1 - prior))
+            self.rates[low] = Rate(3 * prior, 3 * (1 - prior), cap=self.MAX_WAIT)
         return self.rates[low]
+
+    def _keep(self, reach: int) -> None:
+        """The model drafter's rate left where the worker's next requests start from."""
+        if reach == self.MODEL and self.standing is not None:
+            self.standing.rate = replace(self.rates[self.MODEL])
 
     def length(self, reach: int, rows: int = 1) -> int:
         """The draft length to verify at this step for a match of `reach` tokens (0: decode
@@ -117,6 +149,11 @@ class Pace:
         pass of rows x (k + 1) tokens against rows, and the other members, one token each,
         pay for it too: the length is the one that maximizes the tokens the whole pass emits
         over its cost)."""
+        k = self._length(reach, rows)
+        self._keep(reach)
+        return k
+
+    def _length(self, reach: int, rows: int) -> int:
         rate = self._rate(reach)
         if self.max_draft <= 0:
             return 0
@@ -151,6 +188,7 @@ class Pace:
             rate.back_off()
         else:
             rate.backoff = 1
+        self._keep(reach)
 
 
 # How much slower a decode batch member that drafts nothing may step because another's draft

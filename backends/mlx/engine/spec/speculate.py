@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
@@ -35,7 +35,7 @@ from mlx_lm.models.cache import ArraysCache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import Captured, RowOf
-from prefixd.backends.mlx.engine.spec.draft import DraftCosts, Pace, PassCosts
+from prefixd.backends.mlx.engine.spec.draft import DraftCosts, Pace, PassCosts, Standing
 from prefixd.backends.mlx.engine.spec.drafter import Context, Drafter
 from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
 from prefixd.backends.mlx.engine.spec.lookup import PromptLookup
@@ -82,6 +82,8 @@ class SpecConfig:
     draft_costs: DraftCosts | None = None
     capture_bytes: int = 64 * 2**20   # a verify pass's kept states at most (`replays`)
     mtp: MTP | None = None      # the model's own MTP head: drafts before a draft model would
+    # where each request's model drafter pace starts: the last one's (`draft.Standing`)
+    standing: Standing = field(default_factory=Standing)
 
     @property
     def watches(self) -> bool:
@@ -112,7 +114,8 @@ class Speculation:
         self.model: Drafter | None = \
             MTPDrafter(config.mtp) if config.mtp is not None else \
             ModelDrafter(config.draft_model) if config.draft_model is not None else None
-        self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs)
+        self.model_pace = Pace(config.max_draft, config.draft_costs or config.costs,
+                               standing=config.standing)
         self.source = self.pace   # whose draft was verified last
         self.drafted = self.accepted = self.passes = self.model_drafted = 0
         self.model_accepted = 0
