@@ -30,10 +30,12 @@ from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.engine.inpass.captured import Captured, RowOf
+from prefixd.backends.mlx.engine.spec.company import Offer, emitted, width
 from prefixd.backends.mlx.engine.spec.draft import (
     BatchPace,
     Pace,
     PassCosts,
+    Rate,
     fair_width,
 )
 from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
@@ -180,6 +182,33 @@ def test_a_member_drafting_nothing_steps_at_most_fair_times_slower() -> None:
     for n in range(1, 80):
         flat.observe(n, 0.010)
     assert fair_width(flat, 4, 17) == 17
+
+
+def test_a_batch_of_copying_rows_drafts_together_where_each_alone_would_not() -> None:
+    """The width of a batch's verify pass is decided for the whole pass: four rows copying
+    (acceptance 0.8) each pay for their own positions, so together they verify drafts that
+    no one of them would size for itself in company (its own tokens against the whole pass)."""
+    costs = PassCosts(timed=False)     # the prior: +15% a token
+    copying = [Offer(list(range(8)), 0.8) for _ in range(4)]
+    pace = Pace(8, costs)
+    pace.rates[9] = Rate(0.8 * 3, 0.2 * 3)     # a long match's rate at 0.8
+    assert pace.length(9, rows=4) == 0         # alone in company: 1.6 tokens for 2.7x
+    # together: 4 x 2.44 tokens for 2.65x of one token's pass, against 4 for 1.45x (wider
+    # emits more a pass, less a unit of cost: 4 x 2.95 for 3.25x)
+    assert width(copying, costs) == 3
+    # a row that offers nothing keeps its pass at most FAIR times a plain step's
+    assert width([*copying[:3], None], costs) == fair_width(costs, 4, 9)
+    # rows that guess badly verify nothing; a long offer beside short ones is cut to the width
+    assert width([Offer([1, 2], 0.2)] * 4, costs) == 1
+    # ... but a row probing after its wait is verified anyway (one drafted token), to learn
+    assert width([Offer([1, 2], 0.2, probe=True), *[Offer([1, 2], 0.2)] * 3], costs) == 2
+    mixed = [Offer(list(range(8)), 0.95), Offer([7], 0.95), Offer([5, 6], 0.95), None]
+    assert width(mixed, costs) <= fair_width(costs, 4, 9)
+    flat = PassCosts()
+    for n in range(1, 80):
+        flat.observe(n, 0.010)
+    assert width(copying, flat) == 9           # a pass as cheap however wide: all of it
+    assert emitted(0.8, 0) == 1.0 and emitted(0.5, 2) == 1.75
 
 
 def test_a_batch_stops_drafting_while_its_verify_passes_emit_less_per_second() -> None:

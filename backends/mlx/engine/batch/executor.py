@@ -45,7 +45,8 @@ from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.batch.stacking import GROWTH, release, stack, stackable
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import RowOf
-from prefixd.backends.mlx.engine.spec.draft import BatchPace, fair_width
+from prefixd.backends.mlx.engine.spec.company import Offer, width
+from prefixd.backends.mlx.engine.spec.draft import BatchPace
 from prefixd.backends.mlx.engine.spec.mtpdraft import taken
 from prefixd.backends.mlx.engine.spec.row import argmax_rows
 
@@ -54,13 +55,13 @@ if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.spec.speculate import Speculation
 
 
-def _draft(run: Live, rows: int) -> list[int]:
-    """A batch member's draft for this step in a pass of `rows` requests (empty: it feeds its
-    pending token alone)."""
+def _offer(run: Live, rows: int) -> Offer | None:
+    """What a batch member would verify after its pending token in a pass of `rows` requests
+    (None: it feeds its pending token alone)."""
     room = run.max_tokens - run.sampled - 1
     if run.spec is None or run.pending is None or run.prompt_pending or room <= 0:
-        return []
-    return run.spec.draft(run, run.pending, room, rows)
+        return None
+    return run.spec.offer(run, run.pending, room, rows)
 
 
 def _drafts(run: Live) -> Speculation | None:
@@ -109,15 +110,17 @@ class Batch:
         assert self.cache is not None
         members = list(self.runs)
         self.passes.riders(sum(r.prompt_pending for r in members))
-        proposed = [_draft(r, len(members)) for r in members] \
-            if drafts and self._verifies() and self.pace.drafts() else []
-        if any(proposed) and not all(proposed):   # those not drafting: slowed at most FAIR
-            spec = next(r.spec for r, d in zip(members, proposed, strict=True) if d)
-            assert spec is not None
-            most = fair_width(spec.config.costs, len(members),
-                              1 + max(len(d) for d in proposed)) - 1
-            proposed = [d[:most] for d in proposed]
-        if any(proposed):
+        offers: list[Offer | None] = [_offer(r, len(members)) for r in members] \
+            if drafts and self._verifies() and self.pace.drafts() else [None] * len(members)
+        spec = next((r.spec for r, o in zip(members, offers, strict=True) if o is not None),
+                    None)
+        wide = width(offers, spec.config.costs) if spec is not None else 1
+        proposed = [o.tokens[:wide - 1] if o is not None else [] for o in offers]
+        if wide == 1:
+            for r, o in zip(members, offers, strict=True):
+                if o is not None and r.spec is not None:
+                    r.spec.declined()
+        if wide > 1:     # one verify pass, each row's draft up to the width the pass has
             self.verify(members, proposed)
             return
         t0 = time.perf_counter()

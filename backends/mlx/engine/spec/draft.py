@@ -176,6 +176,31 @@ class Pace:
         rate.back_off()
         return 0
 
+    def alpha(self, reach: int) -> float:
+        """The acceptance estimate of a match of `reach` tokens (`MODEL`: the model's)."""
+        return self._rate(reach).alpha
+
+    def offer(self, reach: int) -> tuple[float, bool] | None:
+        """For a decode batch's joint width (`company.width`): the acceptance estimate of a
+        match of `reach` tokens, and whether this is a probe after a wait (its pass then
+        verifies at least one drafted token, paying or not, to learn); None while drafts of
+        that reach wait. What pays is decided for the whole pass there; a draft the batch
+        did not verify is `declined`."""
+        rate = self._rate(reach)
+        if self.max_draft <= 0:
+            return None
+        if rate.wait > 0:
+            rate.wait -= 1
+            return None
+        probe, rate.probe = rate.probe, False
+        return rate.alpha, probe
+
+    def decline(self, reach: int) -> None:
+        """An offered draft of that reach did not pay in its batch's pass: drafts of it wait
+        (doubling), then probe, as a draft that does not pay alone (`length`)."""
+        self._rate(reach).back_off()
+        self._keep(reach)
+
     def update(self, reach: int, drafted: int, accepted: int) -> None:
         """A verify pass checked `drafted` tokens (matched over `reach`) and accepted the
         first `accepted`."""

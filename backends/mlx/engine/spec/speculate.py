@@ -35,6 +35,7 @@ from mlx_lm.models.cache import ArraysCache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import Captured, RowOf
+from prefixd.backends.mlx.engine.spec.company import Offer
 from prefixd.backends.mlx.engine.spec.draft import DraftCosts, Pace, PassCosts, Standing
 from prefixd.backends.mlx.engine.spec.drafter import Context, Drafter
 from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
@@ -143,6 +144,35 @@ class Speculation:
         out = self.model.propose(context, k)
         costs.observe(self.model.passes, self.model.seconds)
         return out
+
+    def offer(self, run: Row, token: int, room: int, rows: int) -> Offer | None:
+        """What it would verify after `token` in a decode batch's pass of `rows` (at most
+        `room` tokens), for the batch to size the pass (`company.width`): a copy from the
+        context while its pace lets it draft, else its model drafter's draft where that pays
+        (sized by its own pace: its passes cost whatever the batch decides)."""
+        limit = min(room, self.config.max_draft)
+        if limit <= 0:
+            return None
+        context = Context(run.prompt, run.fed, token)
+        tokens = self.lookup.propose(context, limit)
+        got = self.pace.offer(self.lookup.reach) if tokens else None
+        if got is not None:
+            self.source, self.reach = self.pace, self.lookup.reach
+            return Offer(tokens, *got)
+        costs = self.config.draft_costs
+        if self.model is None or costs is None or not costs.pays(limit):
+            return None
+        k = min(self.model_pace.length(Pace.MODEL, rows), limit)
+        if not k:
+            return None
+        self.source, self.reach = self.model_pace, Pace.MODEL
+        out = self.model.propose(context, k)
+        costs.observe(self.model.passes, self.model.seconds)
+        return Offer(out, self.model_pace.alpha(Pace.MODEL)) if out else None
+
+    def declined(self) -> None:
+        """The draft it offered was not verified: its batch's pass did not pay for it."""
+        self.source.decline(self.reach)
 
     def verify(self, run: Row, token: int, draft: list[int]) -> list[int]:
         """Feed `token` and `draft` in one pass: the tokens the run yields from here (the

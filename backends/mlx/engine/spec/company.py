@@ -1,0 +1,61 @@
+"""Speculation in company: how wide a decode batch's verify pass is, decided for the whole
+pass (pure, no mlx).
+
+A batch's verify pass costs what its rows x width tokens cost, every row padded to the
+widest; so a draft sized for one request alone (`draft.Pace.length`: its own tokens against
+its own pass) is the wrong question in company. Each member offers what it would draft (its
+candidate tokens and the acceptance its pace estimates for them, `Offer`); the batch picks the
+width W that maximizes the tokens the pass is expected to emit, summed over its rows, over
+the pass's cost (`PassCosts.ratio(rows x W)`), against a plain step (one token a row); then
+each row verifies its own candidate up to W - 1 tokens (a shorter one is padding anyway), and
+accepts what it accepts (ragged: every row goes back to its own last accepted token,
+`engine/batch/rows.py`), its pace updated by its own outcome. A member with nothing to offer
+is slowed at most `draft.FAIR` (`draft.fair_width`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixd.backends.mlx.engine.spec.draft import Pace, PassCosts, fair_width
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A batch member's candidate draft and the chance `alpha` that each of its tokens is
+    accepted given the ones before it were."""
+
+    tokens: list[int]
+    alpha: float
+    probe: bool = False   # it waited after drafts that did not pay: verified paying or not
+
+
+def emitted(alpha: float, k: int) -> float:
+    """The tokens a row emits in expectation from a draft of `k` tokens: its accepted run,
+    then one drawn token, (1 - alpha^(k+1)) / (1 - alpha)."""
+    a = min(max(alpha, 0.0), 0.99)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def width(offers: list[Offer | None], costs: PassCosts) -> int:
+    """The positions per row of the batch's next pass (1: a plain step): the width whose
+    expected tokens per unit cost beat a plain step's by `Pace.MARGIN`, the best of them; at
+    most `draft.fair_width` when some member offers nothing; at least 2 when a member probes
+    (it learns whether its drafts pay again)."""
+    rows = len(offers)
+    longest = max((len(o.tokens) for o in offers if o is not None), default=0)
+    if not longest:
+        return 1
+    if any(o is None or not o.tokens for o in offers):
+        longest = min(longest, fair_width(costs, rows, longest + 1) - 1)
+    base = rows / costs.ratio(rows)
+    best, best_w = base * Pace.MARGIN, 1
+    for w in range(2, longest + 2):
+        tokens = sum(emitted(o.alpha, min(len(o.tokens), w - 1)) if o is not None else 1.0
+                     for o in offers)
+        gain = tokens / costs.ratio(rows * w)
+        if gain > best:
+            best, best_w = gain, w
+    if best_w == 1 and any(o is not None and o.probe and o.tokens for o in offers):
+        return 2
+    return best_w
