@@ -94,6 +94,7 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         for gen in gens.values():
             gen.close()
+        shutil.rmtree(root, ignore_errors=True)
     off = rows["speculation off"]["texts"]
     print("| worker | tok/s | drafted / accepted (the head) | drafted / accepted (all) | "
           "replies = off |")
