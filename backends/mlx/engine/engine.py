@@ -37,6 +37,7 @@ from prefixd.backends.mlx.engine.checkpointing import Checkpointing
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.counts import CacheCounts
 from prefixd.backends.mlx.engine.pacing import Pacing
+from prefixd.backends.mlx.engine.restoring import Restoring
 from prefixd.backends.mlx.engine.run import Run, Step
 from prefixd.backends.mlx.engine.spec.speculate import Speculation, spec_config
 from prefixd.backends.mlx.engine.stats import PromptStats
@@ -65,7 +66,7 @@ class Turn:
     run: Run | None = None
 
 
-class Engine(Checkpointing):
+class Engine(Restoring, Checkpointing):
     """One model, one checkpoint store, one generation at a time."""
 
     def __init__(self, model: nn.Module, config: EngineConfig,
@@ -145,107 +146,30 @@ class Engine(Checkpointing):
         cache = make_prompt_cache(self.model)
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
 
-    # --- restore -----------------------------------------------------------------------------
-    def _restore(self, prompt: list[int], stats: PromptStats, count: bool = True,
-                 namespace: str = "") -> tuple[list[Any], int]:
-        """(live cache, tokens already in it) from the request's cache partition (`namespace`);
-        the fallback reason and times go to `stats`, the tier hit or miss to the metrics unless
-        `count` is False (an export)."""
-        t0 = time.perf_counter()
-        if self._unsupported:
-            self.counts.fallback("unsupported_cache")
-            stats.fallback = "unsupported_cache"
-            return self.fresh_cache(), 0
-        match = self.store.lookup(prompt, namespace)
-        t1 = time.perf_counter()
-        stats.lookup_s = t1 - t0
-        loaded = self.tiers.restore(prompt, match.pos if match else 0, stats,
-                                    self.fresh_cache, count, namespace,
-                                    self.store.shared(prompt, namespace))
-        if loaded is not None:
-            stats.restore_s = time.perf_counter() - t1
-            return loaded.cache, loaded.pos
-        if match is None:
-            return self.fresh_cache(), 0
-        self.tiers.used(match.entry)
-        snap = match.checkpoint.payload if match.checkpoint else None
-        try:
-            cache: list[Any] | None = snapshot.restore(match.entry.payload, snap, match.pos)
-        except Exception:
-            log.exception("restore of %d cached tokens failed; prefilling cold", match.pos)
-            cache = None
-        # a group restores on every rank or on none: a rank that cannot makes the request cold
-        if not self.lockstep.all(cache is not None) or cache is None:
-            reason = "restore_error" if cache is None else "group_restore_error"
-            self.counts.fallback(reason)
-            stats.fallback = reason
-            return self.fresh_cache(), 0
-        stats.restore_s = time.perf_counter() - t1
-        return cache, match.pos
-
-    def restore_only(self, prompt: list[int], stats: PromptStats,
-                     namespace: str = "") -> tuple[list[Any],
-                     int]:
-        """`_restore` for an export (`engine/transfer/bundle.py`): the same restore, without
-        counting a hit or a miss in the tier metrics (no request is served)."""
-        if self._unsupported:
-            return self.fresh_cache(), 0
-        return self._restore(prompt, stats, count=False, namespace=namespace)
-
-    def cached_now(self, prompt: Sequence[int], namespace: str = "") -> int:
-        """Prompt tokens a restore from RAM would reuse now (the scheduler's estimate of a
-        waiting job's remaining prefill; nothing is restored or marked used)."""
-        match = None if self._unsupported else self.store.peek(prompt, namespace)
-        return match.pos if match else 0
-
-    def reference_leaves(self) -> list[Any]:
-        """This model's cache leaves after a one-token pass: the classes, array shapes and
-        dtypes an imported state must have (`engine/transfer/bundle.py`)."""
-        if self._reference is None:
-            cache = self.fresh_cache()
-            logits = self.model(mx.array([[0]]), cache=cache)
-            snapshot.evaluate(cache)
-            self._reference = snapshot.leaves(cache)
-            self.logits_bytes = logits.nbytes   # one position's
-        return self._reference
-
-    def adopt(self, tokens: list[int], cache: list[Any], namespace: str = "") -> int:
-        """Store a state another worker computed (`bundle.import_`), or a prefix this one
-        publishes (`_publish`), as if a request of `namespace` had ended at `tokens`; the
-        tokens stored (0: the cache is unsupported or the budget refused it)."""
-        if self._unsupported or not tokens:
-            return 0
-        held = self.store.lookup([*tokens, -1], namespace)   # restores all of it: keep ours
-        if held is not None and held.pos >= len(tokens):
-            return len(tokens)
-        entry = self.store.begin(tokens, namespace)   # the same decision on every rank
-        stored = self.store.finish(entry, tokens, cache,
-                                   self.lockstep.max(snapshot.nbytes(cache)),
-                                   self.lockstep.all(snapshot.trimmable(cache)),
-                                   self._end_snapshot)
-        if stored:
-            self.tiers.committed(entry)
-        self.counts.gauges(self.store)
-        return len(tokens) if stored else 0
-
     # --- generation --------------------------------------------------------------------------
     def steps(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
               logits_processors: list | None = None, max_tokens: int,
               boundaries: Sequence[int] = (),
               should_stop: Callable[[], bool] = lambda: False,
               namespace: str = "", turn: Turn) -> Generator[Step, None, None]:
-        """Restore, prefill (checkpointing), decode: one forward pass per step (`run.Step`:
-        `Prefilled` after each prefill pass but the last, `Paused` inside one, then the token
-        of each decode step, up to `max_tokens`). Each pass's size is `turn.pacing`'s when it
-        starts. Stops early when `should_stop()` is true between passes, or when the caller
-        closes the generator. On a normal end (max_tokens, or the caller closing it) the last
-        token is fed through the model once more, so the KV covers prompt + every generated
-        token; then, on every exit, the tokens actually in the KV state are committed. `turn`
-        gets this request's stats from its start (cached and recomputed tokens once the
-        prefill ended; the commit time at the end) and its store entry. `namespace`: the
-        request's cache partition (per-key isolation): it restores from and is stored in that
-        partition only. When the engine speculates it may decode by drafts verified in one
-        pass (`engine/spec/speculate.py`)."""
+        """A request's whole turn: `begin` (at its first step), its passes (`steps_of`), and,
+        on every exit (its end, or the caller closing the generator), `end`. When the engine
+        speculates it may decode by drafts verified in one pass (`engine/spec/speculate.py`)."""
+        self.begin(prompt, sampler=sampler, logits_processors=logits_processors,
+                   max_tokens=max_tokens, should_stop=should_stop, namespace=namespace,
+                   turn=turn)
+        try:
+            yield from self.steps_of(turn, boundaries)
+        finally:
+            self.end(turn)
+
+    def begin(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
+              logits_processors: list | None = None, max_tokens: int,
+              should_stop: Callable[[], bool] = lambda: False, namespace: str = "",
+              turn: Turn) -> Run:
+        """Restore the longest prefix of `prompt` the request's cache partition (`namespace`:
+        per-key isolation) holds, open its store entry, and build its live state (`turn.run`,
+        with its stats from its start in `turn.stats`): no forward pass runs."""
         if not prompt:
             raise ValueError("empty prompt")
         prompt = list(prompt)
@@ -254,53 +178,72 @@ class Engine(Checkpointing):
         entry = turn.entry = None if self._unsupported else self.store.begin(prompt, namespace)
         if entry is not None and stats.tier == "disk":
             self._capture_restored(entry, cache, start)
-        run = Run(self.model, cache, prompt, start, turn.pacing, should_stop, self.inpass,
-                  self.passes, lambda pos: self._publish(prompt[:pos], run.cache, namespace))
-        turn.run = run
+        run = turn.run = Run(self.model, cache, prompt, start, turn.pacing, should_stop,
+                             self.inpass, self.passes,
+                             lambda pos: self._publish(prompt[:pos], run.cache, namespace))
         run.max_tokens, run.sampler = max_tokens, sampler
         run.processors = logits_processors or []
         if self.spec is not None:
             run.spec = Speculation(self.spec, prompt, max_tokens)
-        del cache   # the run's own from here: a decode batch takes it over (no second copy)
+        return run   # its cache is the run's alone: a decode batch takes it over
+
+    def steps_of(self, turn: Turn, boundaries: Sequence[int] = ()
+                 ) -> Generator[Step, None, None]:
+        """The forward passes of a begun turn, one per step (`run.Step`): `Prefilled` after
+        each prefill pass but the last (checkpoints taken at the plan's marks), `Paused` inside
+        one, `Ready` before its prompt's last token, then the token of each decode step, up
+        to `max_tokens`. Each pass's size is `turn.pacing`'s when it starts. Stops early when
+        `should_stop()` is true between passes. `turn.stats` gets the cached and recomputed
+        tokens once the prefill ended."""
+        run, stats, entry = turn.run, turn.stats, turn.entry
+        assert run is not None and stats is not None
 
         def capture(pos: int, interval: bool, payload: snapshot.Snapshot | None) -> None:
             self._capture(entry, run, pos, interval, stats, payload)
 
-        try:
-            # the prefill's own time: not the passes of other jobs run while it was paused
-            # (the prefill rate it feeds decides whether a disk load beats recomputing)
-            prefill_s, t0 = 0.0, time.perf_counter()
-            for step in run.prefill_passes(*self._plan(len(prompt), start, boundaries),
-                                           capture):
-                prefill_s += time.perf_counter() - t0
-                yield step
-                t0 = time.perf_counter()
+        # the prefill's own time: not the passes of other jobs run while it was paused (the
+        # prefill rate it feeds decides whether a disk load beats recomputing)
+        prefill_s, t0 = 0.0, time.perf_counter()
+        for step in run.prefill_passes(*self._plan(len(run.prompt), run.start, boundaries),
+                                       capture):
             prefill_s += time.perf_counter() - t0
-            stats.prefill_s, stats.segments, stats.yields = prefill_s, run.segments, run.yields
-            if self.lockstep.any(bool(run.tap_failure)) and not run.tap_failure:
-                run.tap_failure = "on another rank of the group"
-            if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
-                log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
-                            "checkpoints from now on", run.tap_failure)
-                self.counts.fallback("inpass_error")
-                self.inpass = None
-            self.counts.request(stats, start, run.pos - start)
-            self.tiers.prefilled(stats)
-            if run.logits is not None:
-                yield from run.decode(run.logits, stats)
-        finally:
+            yield step
             t0 = time.perf_counter()
-            try:
-                run.settle()          # its own cache back out of a decode batch
-            except Exception:
-                log.exception("taking a request's cache out of its decode batch failed")
-                run.broken = True
-            self._commit(entry, run)
-            self.counts.gauges(self.store)
-            stats.commit_s = time.perf_counter() - t0
-            if run.spec is not None:
-                stats.speculative = run.spec.info()
-            run.release()
+        prefill_s += time.perf_counter() - t0
+        stats.prefill_s, stats.segments, stats.yields = prefill_s, run.segments, run.yields
+        if self.lockstep.any(bool(run.tap_failure)) and not run.tap_failure:
+            run.tap_failure = "on another rank of the group"
+        if run.tap_failure:  # its inner checkpoints are lost; later requests cut passes
+            log.warning("in-pass checkpoints failed (%s); cutting prefill passes at "
+                        "checkpoints from now on", run.tap_failure)
+            self.counts.fallback("inpass_error")
+            self.inpass = None
+        self.counts.request(stats, run.start, run.pos - run.start)
+        self.tiers.prefilled(stats)
+        if run.logits is not None:
+            yield from run.decode(run.logits, stats)
+
+    def end(self, turn: Turn) -> None:
+        """Commit what a turn's live state holds and let go of it (once; its passes are over).
+        On a normal end (max_tokens, EOS, a stop string) the last token is fed through the
+        model once more first, so the KV covers prompt + every generated token; not when
+        `should_stop()` ended it (the client left). Never raises."""
+        run, stats = turn.run, turn.stats
+        if run is None or stats is None or run.ended:
+            return
+        run.ended = True
+        t0 = time.perf_counter()
+        try:
+            run.settle()          # its own cache back out of a decode batch
+        except Exception:
+            log.exception("taking a request's cache out of its decode batch failed")
+            run.broken = True
+        self._commit(turn.entry, run)
+        self.counts.gauges(self.store)
+        stats.commit_s = time.perf_counter() - t0
+        if run.spec is not None:
+            stats.speculative = run.spec.info()
+        run.release()
 
     def cache_info(self) -> dict:
         """JSON for GET /v1/cache."""

@@ -64,6 +64,7 @@ class Run(Live):
         self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
         self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
         self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
+        self.ended = False   # committed and let go (`Engine.end`)
 
     def release(self) -> None:
         """`Live.release`, and the prompt's last logits."""
