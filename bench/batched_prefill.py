@@ -22,9 +22,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interactive import builtin_f32  # noqa: E402
+from interactive import builtin_f32
 
-from prefixd.backends.mlx.model.provision import load_model  # noqa: E402
+from prefixd.backends.mlx.model.provision import load_model
 
 
 def one_each(model, prompts: list[list[int]]) -> float:

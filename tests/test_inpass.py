@@ -42,7 +42,7 @@ def _values(leaf: Any) -> list[Any]:
     last `max_size - 1` rows in temporal order (how many older rows the buffer still carries
     differs with the pass lengths and is trimmed by the next update), else the whole state."""
     if type(leaf) is RotatingKVCache:
-        keys, values, offset, keep, max_size, idx = leaf.state
+        keys, values, offset, keep, max_size, _idx = leaf.state
         keys, values = leaf._temporal_order(keys), leaf._temporal_order(values)
         rows = min(offset, max_size - 1)
         return [offset, keep, np.array(keys[..., -rows:, :]), np.array(values[..., -rows:, :])]

@@ -39,8 +39,8 @@ from prefixd.backends.mlx.scheduler.journal import (
     decode,
     encode,
 )
+from prefixd.backends.mlx.scheduler.policy.steps import Decision, Decoded, Finished, Step
 from prefixd.backends.mlx.scheduler.replay import Replay
-from prefixd.backends.mlx.scheduler.steps import Decision, Decoded, Finished, Step
 
 ROOT = Path(__file__).resolve().parent.parent
 

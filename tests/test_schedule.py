@@ -28,9 +28,8 @@ from prefixd.backends.mlx.scheduler.active import Active
 from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.loop import drive
 from prefixd.backends.mlx.scheduler.output import Delta
-from prefixd.backends.mlx.scheduler.schedule import AGE_LIMIT, MIN_SLICE, Schedule
-from prefixd.backends.mlx.scheduler.sizing import request_bytes
-from prefixd.backends.mlx.scheduler.steps import (
+from prefixd.backends.mlx.scheduler.policy.schedule import AGE_LIMIT, MIN_SLICE, Schedule
+from prefixd.backends.mlx.scheduler.policy.steps import (
     Decision,
     Decoded,
     Finished,
@@ -38,6 +37,7 @@ from prefixd.backends.mlx.scheduler.steps import (
     Prefilled,
     Step,
 )
+from prefixd.backends.mlx.scheduler.sizing import request_bytes
 from tests.test_checkpoints import CountingModel, _assert_same, _cold, _run, _settings, _words
 
 BOUNDS = (60, 150, 220)
@@ -677,7 +677,7 @@ def test_nobody_borrows_while_a_held_job_has_aged() -> None:
 
 
 def test_a_job_that_does_not_fit_is_passed_at_most_pass_limit_times() -> None:
-    from prefixd.backends.mlx.scheduler.room import PASS_LIMIT
+    from prefixd.backends.mlx.scheduler.policy.room import PASS_LIMIT
 
     schedule = Schedule(64, 256, 512, 1000, 1)
     schedule.add(_job([1] * 100, max_tokens=500))

@@ -18,7 +18,7 @@ from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
 from prefixd.backends.mlx.scheduler.output import Delta
-from prefixd.backends.mlx.scheduler.schedule import SHARE_MIN
+from prefixd.backends.mlx.scheduler.policy.sharing import SHARE_MIN
 from prefixd.backends.mlx.settings import WorkerSettings
 from tests.worker_fixtures import loaded
 

@@ -1,5 +1,5 @@
-"""Admission by memory end to end (`scheduler/room.py` through `generation.Generator`), on the
-real worker thread and a tiny qwen3_next under a live-cache budget too small for two long
+"""Admission by memory end to end (`scheduler/policy/room.py` through `generation.Generator`),
+on the real worker thread and a tiny qwen3_next under a live-cache budget too small for two long
 answers: short requests sent while a long answer decodes run beside it and end before it does,
 whether the long one takes over half the budget (a decode batch padding a short row to it
 would not fit: the short ones decode in passes of their own), more than all of it (alone
@@ -21,7 +21,7 @@ from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
 from prefixd.backends.mlx.scheduler.output import Delta
-from prefixd.backends.mlx.scheduler.room import Room
+from prefixd.backends.mlx.scheduler.policy.room import Room
 from prefixd.backends.mlx.scheduler.sizing import kv_bytes_per_token, request_bytes
 from prefixd.backends.mlx.settings import WorkerSettings
 from tests.worker_fixtures import loaded

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 # Requests a worker holds under way at most by default (a managed backend's default
 # max_concurrency): every request the proxy would queue (its default queue_depth), so the
 # worker's scheduler ranks all of them; what it admits of them is bounded by memory
-# (active_kv_share of the cache budget: the live caches, `scheduler/room.py`).
+# (active_kv_share of the cache budget: the live caches, `scheduler/policy/room.py`).
 DEFAULT_ACTIVE = 64
 # How a group worker splits its model (`loading.distribute`).
 Parallel = Literal["auto", "pipeline", "tensor"]

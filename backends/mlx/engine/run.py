@@ -9,7 +9,7 @@ the pass itself (`engine/inpass/tap.py`), so checkpoints add no forward passes.
 
 The steps are typed: a prefill pass yields `Prefilled` when it ends, `Paused(layer)` when it
 stops between two layers, a decode step the token it sampled. A pass's size is the `Pacing`
-its caller set before the step (the scheduler decides it, `scheduler/schedule.py`); nothing
+its caller set before the step (the scheduler decides it, `scheduler/policy/schedule.py`); nothing
 here sizes passes but the checkpoint marks that cut them.
 
 A prefill pass can pause in the middle (`pacing.preempt`, from the worker's scheduler): its

@@ -34,7 +34,7 @@ from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler.jobs import Failed, Finished, Job
 from prefixd.backends.mlx.scheduler.journal import BatchEntry, PublishEntry, StepEntry, encode
 from prefixd.backends.mlx.scheduler.output import LogprobTap, TextOut, sampling_functions
-from prefixd.backends.mlx.scheduler.steps import Decision, Decoded, Step
+from prefixd.backends.mlx.scheduler.policy.steps import Decision, Decoded, Step
 from prefixd.metrics import worker as metrics
 
 log = logging.getLogger("prefixd.worker")

@@ -42,11 +42,11 @@ from prefixd.backends.mlx.scheduler.active import Active, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.scheduler.journal import JobEntry, encode
 from prefixd.backends.mlx.scheduler.loop import drive
-from prefixd.backends.mlx.scheduler.schedule import Schedule
+from prefixd.backends.mlx.scheduler.policy.schedule import Schedule
+from prefixd.backends.mlx.scheduler.policy.slots import Task
+from prefixd.backends.mlx.scheduler.policy.steps import Step
 from prefixd.backends.mlx.scheduler.sizing import kv_bytes_per_token, request_bytes
-from prefixd.backends.mlx.scheduler.slots import Task
 from prefixd.backends.mlx.scheduler.status import Status
-from prefixd.backends.mlx.scheduler.steps import Step
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker")
@@ -195,8 +195,8 @@ class Generator:
             job.cancel()
 
     def _drive(self) -> None:
-        """Run the submitted jobs a forward pass at a time (`scheduler/schedule.py`) until none is
-        left."""
+        """Run the submitted jobs a forward pass at a time (`scheduler/policy/schedule.py`)
+        until none is left."""
         assert self.loaded is not None
         engine, s = self.loaded.engine, self.settings
         leaves, width = engine.reference_leaves(), engine.spec.max_draft + 1 if engine.spec else 1

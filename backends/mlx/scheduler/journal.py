@@ -26,7 +26,7 @@ from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.group.lockstep import LockstepError
 from prefixd.backends.mlx.scheduler.jobs import Job
-from prefixd.backends.mlx.scheduler.steps import Decision
+from prefixd.backends.mlx.scheduler.policy.steps import Decision
 
 __all__ = ["BatchEntry", "ExitEntry", "JobEntry", "JournalError", "PersistEntry",
            "PublishEntry", "Record", "StepEntry", "WriteEntry", "decode", "encode"]

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from prefixd.backends.mlx.scheduler.jobs import Job, Queued
-from prefixd.backends.mlx.scheduler.schedule import Schedule
-from prefixd.backends.mlx.scheduler.slots import Batched, Slot, Task
-from prefixd.backends.mlx.scheduler.steps import Decision, Failed, Finished, Paused
+from prefixd.backends.mlx.scheduler.policy.schedule import Schedule
+from prefixd.backends.mlx.scheduler.policy.slots import Batched, Slot, Task
+from prefixd.backends.mlx.scheduler.policy.steps import Decision, Failed, Finished, Paused
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],

@@ -40,7 +40,7 @@ from prefixd.backends.mlx.scheduler.journal import (
     WriteEntry,
     decode,
 )
-from prefixd.backends.mlx.scheduler.steps import Failed, Finished
+from prefixd.backends.mlx.scheduler.policy.steps import Failed, Finished
 from prefixd.backends.mlx.settings import WorkerSettings
 
 log = logging.getLogger("prefixd.worker.group")

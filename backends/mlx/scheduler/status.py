@@ -20,7 +20,7 @@ from prefixd.backends.mlx.scheduler.jobs import Event, Finished
 
 if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.engine import Engine
-    from prefixd.backends.mlx.scheduler.schedule import Schedule
+    from prefixd.backends.mlx.scheduler.policy.schedule import Schedule
 
 log = logging.getLogger("prefixd.worker")
 

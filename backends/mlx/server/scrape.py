@@ -8,7 +8,7 @@ What each one is for prefixd:
 - `vllm:num_requests_running`: jobs admitted and not ended (a job paused between two passes
   included, as vLLM counts its whole running queue);
 - `vllm:kv_cache_usage_perc`: what the admitted jobs' live caches hold over their budget
-  (active_kv_share x cache_bytes; `scheduler/room.py`), at most 1. vLLM's is the share of its
+  (active_kv_share x cache_bytes; `scheduler/policy/room.py`), at most 1. vLLM's is the share of its
   KV blocks that requests under way hold: its prefix cache keeps a finished request's blocks
   in the free queue, evicted as needed, so they count as free. The stored prompt cache is
   prefixd's counterpart (evictable, with a budget of its own, full on a warm worker), left

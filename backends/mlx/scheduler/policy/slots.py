@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prefixd.backends.mlx.scheduler.jobs import Job
-from prefixd.backends.mlx.scheduler.steps import Decision, Step
+from prefixd.backends.mlx.scheduler.policy.steps import Decision, Step
 
 # The decode steps of several jobs' tasks in one pass, given each one's `Decision.stop`.
 Batched = Callable[[list["Task"], list[bool]], list[Step]]

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Literal
 from prefixd.backends.mlx.scheduler.jobs import Job
 
 if TYPE_CHECKING:
-    from prefixd.backends.mlx.scheduler.slots import Slot
+    from prefixd.backends.mlx.scheduler.policy.slots import Slot
 
 PASS_LIMIT = 8  # later jobs admitted before a waiting one that does not fit, at most
 Admission = Literal["plain", "borrow", "alone"]   # by rule 1, 2 or 3 (the module docstring)
