@@ -126,7 +126,7 @@ class Router(RoutingCore):
         waited (what the backends hold has changed since `view`)."""
         backend = self.backends[name]
         # a prefixd worker does this itself, for every request it holds, arrived together or
-        # not (`scheduler/schedule.py`: `share`), and only until the prefix is computed
+        # not (`scheduler/policy/schedule.py`: `share`), and only until the prefix is computed
         if not self.prefix_wait_s or self.queues[name].max_concurrency <= 1 or \
                 backend.slot_info() is None:
             return False
