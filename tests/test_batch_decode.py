@@ -130,6 +130,38 @@ async def test_a_newcomer_ends_its_prefill_in_the_decoding_requests_pass(
         assert end.cached_tokens >= len(p) - 5 - 1
 
 
+async def test_fresh_short_prompts_sent_together_share_one_prefill_pass(gen: Generator) -> None:
+    """Prompts that arrive together with nothing cached prefill all but their last token in
+    one pass (an all-KV model: the others' caches need passes of their own), then their last
+    tokens ride one decode pass: each replies as alone, and its next turn is warm and equals
+    cold."""
+    assert gen.loaded is not None
+    prompts = _prompts(9, (30, 33, 36, 31))
+    alone = await _alone(gen, prompts, "shared-alone")
+    before = _batch(gen)
+    together = await _together(gen, prompts, "shared")
+    after = _batch(gen)
+    _same(together, alone)
+    shared = after["prompts_prefilled_together"] - before["prompts_prefilled_together"]
+    if gen.loaded.engine.prefills_together:
+        assert after["shared_prefill_passes"] > before["shared_prefill_passes"]
+        assert shared >= 2
+        assert after["prompts_ended_in_decode"] - before["prompts_ended_in_decode"] >= 2
+    else:
+        assert shared == 0
+    store, rng = gen.loaded.engine.store, random.Random(9)
+    follow = []
+    for p in prompts:
+        held = max((e.tokens for e in store.entries
+                    if e.namespace == "shared" and e.tokens[:len(p)] == p), key=len)
+        follow.append([*held, *(rng.randrange(1, 1000) for _ in range(5))])
+    warm = await _alone(gen, follow, "shared")
+    cold = await _alone(gen, follow, "shared-cold")
+    _same(warm, cold)
+    assert all(end.cached_tokens >= len(f) - 6 for (_, _, end), f in zip(warm, follow,
+                                                                        strict=True))
+
+
 async def test_the_next_turn_after_a_batched_reply_is_warm_and_equals_cold(
         gen: Generator) -> None:
     """The states committed out of a batch (extracted, then stored) restore to what a cold

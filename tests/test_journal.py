@@ -32,6 +32,7 @@ from prefixd.backends.mlx.scheduler.journal import (
     JobEntry,
     JournalError,
     PersistEntry,
+    PrefillEntry,
     PublishEntry,
     Record,
     StepEntry,
@@ -59,6 +60,7 @@ CASES: list[Record] = [
              logprobs=2, namespace="tenant", sampling=SAMPLING),
     StepEntry(job=3, decision=DECISION),
     BatchEntry(jobs=[3, 5], stop=[False, True]),
+    PrefillEntry(jobs=[3, 5, 6], stop=[False, True, False]),
     PublishEntry(job=3, at=128),
     WriteEntry(entries=[0, 4, 7]),
     PersistEntry(timeout=2.5),
@@ -141,6 +143,9 @@ class Probe(Active):
         self.published = at
         return at
 
+    def begin(self) -> None:     # nothing to restore
+        self.begun = True
+
 
 class Rank(Lockstep):
     """A rank's lockstep that keeps what it journals (as the channel carries it) and what
@@ -196,7 +201,9 @@ def test_a_follower_replays_every_record_type() -> None:
                    JobEntry(5, [1, 3], [], False, 4, None, "", Sampling()),
                    StepEntry(3, Decision(8, False, 2, False)),
                    StepEntry(5, Decision(8, False)),
-                   BatchEntry([3, 5], [False, True]),       # 5 stops: it ends
+                   JobEntry(6, [1, 4], [], False, 4, None, "", Sampling()),
+                   PrefillEntry([6], [False]),              # 6's first step
+                   BatchEntry([3, 5, 6], [False, True, True]),   # 5 and 6 stop: they end
                    PublishEntry(3, 2), WriteEntry([1, 4]), PersistEntry(1.5)]:
         assert follower.apply(decode(wire(encode(record)))) is True
         seen.add(type(record))

@@ -28,7 +28,9 @@ from prefixd.backends.mlx.scheduler.active import Active
 from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.loop import drive
 from prefixd.backends.mlx.scheduler.output import Delta
+from prefixd.backends.mlx.scheduler.policy.plan import MOST, Plan, prefill_rows
 from prefixd.backends.mlx.scheduler.policy.schedule import AGE_LIMIT, MIN_SLICE, Schedule
+from prefixd.backends.mlx.scheduler.policy.slots import Slot
 from prefixd.backends.mlx.scheduler.policy.steps import (
     Decision,
     Decoded,
@@ -317,6 +319,29 @@ class FakeTask:
 
     def publish(self, at: int) -> int | None:
         return 0    # a recurrent model with no checkpoint below `at`: nothing stored
+
+
+def test_the_plan_shares_a_prefill_pass_among_fresh_short_prompts_of_like_length() -> None:
+    """Fresh short prompts (not started, nothing cached, at most `prefill_slice` tokens) of
+    like length share one prefill pass; one started, one with a cached prefix, one long and
+    one whose padding would cost too much run their own."""
+    schedule = Schedule(8, 256, 512, 1 << 30, 1)
+    lengths = (40, 44, 38, 42, 400, 41, 8, 43)
+    for n in lengths:
+        schedule.add(_job([1] * n))
+    slots = schedule.admit()
+    slots[5].cached = 20              # a follow-up turn: its prefix restores
+    slots[7].task = FakeTask(43)      # started
+    plan = schedule.plan(slots[0], together=True)
+    assert plan.kind == "prefill" and plan.slots[0] is slots[0]
+    assert {lengths[slots.index(s)] for s in plan.slots} == {40, 44, 38, 42}
+    assert schedule.plan(slots[4], together=True) == Plan("step", [slots[4]])   # too long
+    assert schedule.plan(slots[6], together=True).slots[0] is slots[6]
+    assert slots[6] not in schedule.plan(slots[0], together=True).slots   # 8: padded 5.5x
+    assert schedule.plan(slots[0], together=False) == Plan("step", [slots[0]])
+    rows = prefill_rows(slots[0], [*slots, *(Slot(_job([1] * 40), 0) for _ in range(9))],
+                        (), 256)
+    assert len(rows) == MOST
 
 
 def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.engine import probe
+from prefixd.backends.mlx.engine.batch import prefill
 from prefixd.backends.mlx.engine.batch.executor import Batch
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.batch.stacking import unbatchable
@@ -122,6 +123,8 @@ class Engine(Restoring, Checkpointing):
         self.passes = PassCounts()
         self.batch = Batch(model, self.passes)
         self.unbatchable = unbatchable(template)
+        # newcomers' prompts share a prefill pass (`engine/batch/prefill.py`)
+        self.prefills_together = prefill.possible(template) and not self.unbatchable
         if self.unbatchable:
             log.warning("decode steps run one request at a time: %s", self.unbatchable)
         # speculative decoding (`engine/spec/speculate.py`): a verify pass goes back exactly
@@ -152,12 +155,17 @@ class Engine(Restoring, Checkpointing):
               boundaries: Sequence[int] = (),
               should_stop: Callable[[], bool] = lambda: False,
               namespace: str = "", turn: Turn) -> Generator[Step, None, None]:
-        """A request's whole turn: `begin` (at its first step), its passes (`steps_of`), and,
-        on every exit (its end, or the caller closing the generator), `end`. When the engine
-        speculates it may decode by drafts verified in one pass (`engine/spec/speculate.py`)."""
+        """A request's whole turn: `begin` (now), its passes (`steps_of`), and, on every exit
+        (its end, or the caller closing the generator), `end`. When the engine speculates it
+        may decode by drafts verified in one pass (`engine/spec/speculate.py`)."""
         self.begin(prompt, sampler=sampler, logits_processors=logits_processors,
                    max_tokens=max_tokens, should_stop=should_stop, namespace=namespace,
                    turn=turn)
+        return self.to_end(turn, boundaries)
+
+    def to_end(self, turn: Turn, boundaries: Sequence[int] = ()
+               ) -> Generator[Step, None, None]:
+        """A begun turn's passes (`steps_of`), then `end` on every exit."""
         try:
             yield from self.steps_of(turn, boundaries)
         finally:
@@ -222,6 +230,20 @@ class Engine(Restoring, Checkpointing):
         self.tiers.prefilled(stats)
         if run.logits is not None:
             yield from run.decode(run.logits, stats)
+
+    def prefill_together(self, runs: list[Run]) -> int:
+        """The prompts of `runs` that restored nothing, all but their last token, in one pass
+        (`engine/batch/prefill.py`, at most `prefill.MOST`), each run then `Ready`; the
+        others prefill in passes of their own. How many shared it. Raises what the model
+        raises (those runs are `broken`)."""
+        rows = [r for r in runs if prefill.takes(r)][:prefill.MOST]
+        if not self.prefills_together or len(rows) < 2:
+            return 0
+        seconds = prefill.together(self.model, rows, self.passes)
+        total = sum(len(r.prompt) - 1 for r in rows)
+        for r in rows:       # its share of the pass, as the prefill rate sees it
+            r.segments.append((len(r.prompt) - 1, seconds * (len(r.prompt) - 1) / total))
+        return len(rows)
 
     def end(self, turn: Turn) -> None:
         """Commit what a turn's live state holds and let go of it (once; its passes are over).

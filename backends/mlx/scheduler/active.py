@@ -32,7 +32,13 @@ from prefixd.backends.mlx.engine.stats import PromptStats, breakdown, observe
 from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers, grammar_mask
 from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler.jobs import Failed, Finished, Job
-from prefixd.backends.mlx.scheduler.journal import BatchEntry, PublishEntry, StepEntry, encode
+from prefixd.backends.mlx.scheduler.journal import (
+    BatchEntry,
+    PrefillEntry,
+    PublishEntry,
+    StepEntry,
+    encode,
+)
 from prefixd.backends.mlx.scheduler.output import LogprobTap, TextOut, sampling_functions
 from prefixd.backends.mlx.scheduler.policy.steps import Decision, Decoded, Step
 from prefixd.metrics import worker as metrics
@@ -94,6 +100,18 @@ class Active:
         next step can share a decode pass (`step_batch`)."""
         run = self.turn.run
         return run is not None and run.prompt_pending and not run.broken
+
+    def begin(self) -> None:
+        """Its turn begun, if not yet: sampling set up, its cache restored (`Engine.begin`);
+        no pass runs. Raises what the restore raises."""
+        if self.steps is None and not self.stopping:
+            self.steps = self._begin()
+
+    def fresh(self) -> bool:
+        """Whether it began and restored nothing: its prompt can share a prefill pass with
+        others' (`prefill_together`)."""
+        run = self.turn.run
+        return self.steps is not None and run is not None and run.pos == 0 and not run.fed
 
     def feeding(self) -> Run | None:
         """Its run, when its next step feeds the token it sampled last (a decode step that
@@ -242,6 +260,31 @@ def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:
             failed = {id(a) for a, _ in fed}
             return [a.fail(e) if id(a) in failed else a.advance() for a in actives]
     return [a.advance() for a in actives]
+
+
+def prefill_together(actives: list[Active], stops: list[bool]) -> list[Step]:
+    """The first step of every job in `actives` (journaled first, as one entry): each begins
+    (its cache restored), the prompts that restored nothing prefill all but their last token
+    in one pass (`Engine.prefill_together`), the others their first pass alone; each is then
+    `Ready` (its last token waits for a decode pass). `stops`: each job's `Decision.stop`.
+    Never raises: a failed pass fails every job it fed."""
+    lockstep = actives[0].lockstep
+    lockstep.journal(encode(PrefillEntry([a.job.id for a in actives], list(stops))))
+    out: dict[int, Step] = {}
+    for a, stop in zip(actives, stops, strict=True):
+        a.stopping = stop
+        try:
+            a.begin()
+        except Exception as e:
+            out[id(a)] = a.fail(e)
+    fresh = [a for a in actives if id(a) not in out and not a.stopping and a.fresh()]
+    if len(fresh) > 1:
+        try:
+            actives[0].loaded.engine.prefill_together(
+                [a.turn.run for a in fresh if a.turn.run is not None])
+        except Exception as e:
+            out.update({id(a): a.fail(e) for a in fresh})
+    return [out[id(a)] if id(a) in out else a.advance() for a in actives]
 
 
 def observe_turn(stats: PromptStats | None, before: dict[str, float],

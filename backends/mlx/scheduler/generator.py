@@ -38,7 +38,7 @@ from prefixd.backends.mlx.grammar.matcher import GrammarTokenizers
 from prefixd.backends.mlx.group.leader import Leader
 from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler import writes
-from prefixd.backends.mlx.scheduler.active import Active, step_batch
+from prefixd.backends.mlx.scheduler.active import Active, prefill_together, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
 from prefixd.backends.mlx.scheduler.journal import JobEntry, encode
 from prefixd.backends.mlx.scheduler.loop import drive
@@ -214,7 +214,8 @@ class Generator:
             self._observe()
 
         drive(plan, self._take, self._start, self._end, self._arrived,
-              self._batch if batched else None, report)
+              self._batch if batched else None,
+              self._prefill if batched and engine.prefills_together else None, report)
 
     def _observe(self) -> None:
         """Between two passes: the KV event stream learns of a change of the RAM store."""
@@ -224,6 +225,11 @@ class Generator:
     def _batch(self, tasks: list[Task], stops: list[bool]) -> list[Step]:
         """Decode steps of several jobs in one pass (`active.step_batch`)."""
         return step_batch(cast(list[Active], tasks), stops)
+
+    def _prefill(self, tasks: list[Task], stops: list[bool]) -> list[Step]:
+        """The first steps of several jobs, their fresh prompts in one pass
+        (`active.prefill_together`)."""
+        return prefill_together(cast(list[Active], tasks), stops)
 
     def _take(self, idle: bool) -> list[Job] | None:
         """The loop's inbox, between two passes: run the calls waiting, hand over the jobs

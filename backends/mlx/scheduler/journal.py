@@ -2,14 +2,14 @@
 replays, one frozen record each, and their one wire form.
 
 Owns: the records (`Record`: a job started, a job's step on its `Decision`, a batched decode
-step, a prefix published from a live run, the disk writes due, persist, exit), `encode`
-(record -> a JSON-able dict tagged by `op`) and `decode` (back; an unknown tag or a record
-with fields missing or extra is a `JournalError`). The group's transport
-(`group/leader.py`, `group/follower.py`) carries the dicts as they are and imports nothing of
-this: it only numbers them (`seq`, dropped here), and writes the two entries that are its
-own, `persist` and `exit`, in the same form (`PersistEntry`, `ExitEntry`). The scheduler
-journals (`active.py`, `generator.py`, `writes.py`); a follower replays (`replay.py`, whose
-`match` over `Record` mypy checks is exhaustive).
+step, a prefill pass of several prompts, a prefix published from a live run, the disk writes
+due, persist, exit), `encode` (record -> a JSON-able dict tagged by `op`) and `decode`
+(back; an unknown tag or a record with fields missing or extra is a `JournalError`). The
+group's transport (`group/leader.py`, `group/follower.py`) carries the dicts as they are and
+imports nothing of this: it only numbers them (`seq`, dropped here), and writes the two
+entries that are its own, `persist` and `exit`, in the same form (`PersistEntry`,
+`ExitEntry`). The scheduler journals (`active.py`, `generator.py`, `writes.py`); a follower
+replays (`replay.py`, whose `match` over `Record` mypy checks is exhaustive).
 
 A `Decision` and a `Sampling` are journaled field by field, so a field added to either is
 carried (and a follower reading a record without it fails instead of taking a default).
@@ -29,6 +29,7 @@ from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.policy.steps import Decision
 
 __all__ = ["BatchEntry", "ExitEntry", "JobEntry", "JournalError", "PersistEntry",
+           "PrefillEntry",
            "PublishEntry", "Record", "StepEntry", "WriteEntry", "decode", "encode"]
 
 
@@ -83,6 +84,16 @@ class BatchEntry:
 
 
 @dataclass(frozen=True)
+class PrefillEntry:
+    """The prompts of the jobs in `jobs` (started by it where not yet) that restored nothing,
+    all but their last token, in one pass; `stop`: each one's `Decision.stop`."""
+
+    OP: ClassVar[str] = "prefill"
+    jobs: list[int]
+    stop: list[bool]
+
+
+@dataclass(frozen=True)
 class PublishEntry:
     """Job `job`'s prompt state at `at` stored from its live run (jobs wait for it)."""
 
@@ -115,10 +126,10 @@ class ExitEntry:
     OP: ClassVar[str] = "exit"
 
 
-Record = (JobEntry | StepEntry | BatchEntry | PublishEntry | WriteEntry | PersistEntry
-          | ExitEntry)
-RECORDS: tuple[type[Record], ...] = (JobEntry, StepEntry, BatchEntry, PublishEntry,
-                                     WriteEntry, PersistEntry, ExitEntry)
+Record = (JobEntry | StepEntry | BatchEntry | PrefillEntry | PublishEntry | WriteEntry
+          | PersistEntry | ExitEntry)
+RECORDS: tuple[type[Record], ...] = (JobEntry, StepEntry, BatchEntry, PrefillEntry,
+                                     PublishEntry, WriteEntry, PersistEntry, ExitEntry)
 _BY_OP: dict[str, type[Record]] = {cls.OP: cls for cls in RECORDS}
 
 
@@ -131,7 +142,8 @@ def encode(record: Record) -> dict[str, Any]:
             body["sampling"] = _sampling_out(record.sampling)
         case StepEntry(job=job, decision=decision):
             body = {"job": job, "decision": _fields_out(decision)}
-        case BatchEntry() | PublishEntry() | WriteEntry() | PersistEntry() | ExitEntry():
+        case (BatchEntry() | PrefillEntry() | PublishEntry() | WriteEntry() | PersistEntry()
+              | ExitEntry()):
             body = {f.name: getattr(record, f.name) for f in fields(record)}
         case _:
             assert_never(record)

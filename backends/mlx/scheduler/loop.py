@@ -24,6 +24,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
           end: Callable[[Job, Finished | Failed], None],
           arrived: Callable[[], Sequence[Job]] = lambda: (),
           batch: Batched | None = None,
+          prefill: Batched | None = None,
           report: Callable[[Schedule], None] = lambda schedule: None) -> None:
     """Run jobs until none is admitted or waiting (on the generation thread). Between two
     passes: `take(idle)`, the jobs submitted since, or None to stop (only when `idle` and none
@@ -34,7 +35,9 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
     result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
     taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each
-    decode step is a pass of its own). `report(schedule)`: what is under way now (the worker's
+    decode step is a pass of its own). `prefill(tasks, stops)`: the first step of several
+    jobs, their fresh prompts prefilled in one pass (None: a pass each). The pass is the
+    schedule's plan (`policy/plan.py`). `report(schedule)`: what is under way now (the worker's
     status), after each admission (before the waiting are told their place) and after each
     pass (before the ends of the jobs it ended are sent)."""
 
@@ -68,17 +71,24 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
                 assert holder.task is not None
                 schedule.stored(holder, at, holder.task.publish(at))
             slot = schedule.pick()
-        if slot.task is None:     # with max_active 1 nobody can be admitted mid-pass
-            slot.task = start(slot.job, functools.partial(preempt, slot)
-                              if schedule.max_active > 1 else None)
-        group = schedule.decoding(slot) if batch is not None else [slot]
+        plan = schedule.plan(slot, batch is not None, prefill is not None)
+        group = plan.slots
+        for s in group:
+            if s.task is None:     # with max_active 1 nobody can be admitted mid-pass
+                s.task = start(s.job, functools.partial(preempt, s)
+                               if schedule.max_active > 1 else None)
         others = [s for s in schedule.active if s not in group]   # admitted before the pass
+        tasks = [s.task for s in group if s.task is not None]
+        stops = [s.job.cancelled for s in group]
         t0 = time.perf_counter()
-        if len(group) > 1:
+        if plan.kind == "decode":
             assert batch is not None
-            steps = batch([s.task for s in group if s.task is not None],
-                          [s.job.cancelled for s in group])
+            steps = batch(tasks, stops)
+        elif plan.kind == "prefill":
+            assert prefill is not None
+            steps = prefill(tasks, stops)
         else:
+            assert slot.task is not None
             steps = [slot.task.step(Decision(schedule.pass_tokens(slot), slot.job.cancelled,
                                              schedule.share(slot), schedule.pausable(slot)))]
         spent = time.perf_counter() - t0

@@ -27,13 +27,14 @@ from prefixd.backends.mlx.group.follower import Follower
 from prefixd.backends.mlx.group.lockstep import LockstepError
 from prefixd.backends.mlx.group.start import CONTROL_ENV, JOIN_TIMEOUT_S, RANK_ENV, SECRET_ENV
 from prefixd.backends.mlx.model.memory import memory_info, mlx_memory
-from prefixd.backends.mlx.scheduler.active import Active, step_batch
+from prefixd.backends.mlx.scheduler.active import Active, prefill_together, step_batch
 from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.journal import (
     BatchEntry,
     ExitEntry,
     JobEntry,
     PersistEntry,
+    PrefillEntry,
     PublishEntry,
     Record,
     StepEntry,
@@ -120,6 +121,11 @@ class Replay:
                     del self.jobs[job]
             case BatchEntry(jobs=ids, stop=stops):   # decode steps of several jobs, one pass
                 steps = step_batch([self._job(i) for i in ids], list(stops))
+                for i, step in zip(ids, steps, strict=True):
+                    if isinstance(step, Finished | Failed):
+                        del self.jobs[i]
+            case PrefillEntry(jobs=ids, stop=stops):   # fresh prompts prefilled in one pass
+                steps = prefill_together([self._job(i) for i in ids], list(stops))
                 for i, step in zip(ids, steps, strict=True):
                     if isinstance(step, Finished | Failed):
                         del self.jobs[i]

@@ -26,6 +26,7 @@ class PassCounts:
                      "largest_verify_batch": 0, "recomputed_passes": 0, "squeezed_passes": 0}
         self.by_source: dict[str, dict[str, int]] = {}   # drafted, accepted per drafter
         self.rode = 0   # prompts whose last token a decode pass fed (no pass of their own)
+        self.shared = self.shared_prompts = 0   # prefill passes of several prompts, and those
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -35,6 +36,12 @@ class PassCounts:
         verified their drafts)."""
         self.largest, self.last = max(self.largest, requests), requests
         self._count("decode", requests, requests if tokens is None else tokens)
+
+    def together(self, prompts: int, tokens: int) -> None:
+        """A prefill pass of several prompts (`engine/batch/prefill.py`)."""
+        self._count("prefill", prompts, tokens)
+        self.shared += 1
+        self.shared_prompts += prompts
 
     def riders(self, prompts: int) -> None:
         """A decode pass fed the last token of `prompts` newcomers' prompts as rows."""
@@ -85,4 +92,6 @@ class PassCounts:
                 "mean_decode_batch": round(self.tokens["decode"] / decode, 2) if decode else 0,
                 "largest_decode_batch": self.largest, "last_decode_batch": self.last,
                 "prefill_passes": self.passes["prefill"],
-                "prefill_tokens": self.tokens["prefill"], "prompts_ended_in_decode": self.rode}
+                "prefill_tokens": self.tokens["prefill"], "prompts_ended_in_decode": self.rode,
+                "shared_prefill_passes": self.shared,
+                "prompts_prefilled_together": self.shared_prompts}

@@ -63,6 +63,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from prefixd.backends.mlx.scheduler.jobs import Job
+from prefixd.backends.mlx.scheduler.policy.plan import Plan, prefill_rows
 from prefixd.backends.mlx.scheduler.policy.room import PASS_LIMIT, Admission, Room
 from prefixd.backends.mlx.scheduler.policy.sharing import Sharing
 from prefixd.backends.mlx.scheduler.policy.slots import Slot
@@ -259,6 +260,17 @@ class Schedule(Sharing):
         if not rate:
             return self.slice_tokens
         return max(MIN_SLICE, min(self.chunk, int(rate * self.slice_ms / 1000)))
+
+    def plan(self, slot: Slot, batches: bool = True, together: bool = False) -> Plan:
+        """The pass `slot` was picked for (`plan.Plan`): with `batches`, a decode pass of the
+        decoding and ready jobs (`decoding`) where there are several; with `together`, a
+        prefill pass of several fresh short prompts (`plan.prefill_rows`); else its step."""
+        rows = self.decoding(slot) if batches else [slot]
+        if len(rows) > 1:
+            return Plan("decode", rows)
+        rows = prefill_rows(slot, self.active, {*self.waits, *self.held}, self.slice_tokens) \
+            if together else [slot]
+        return Plan("prefill", rows) if len(rows) > 1 else Plan("step", [slot])
 
     def decoding(self, slot: Slot) -> list[Slot]:
         """The jobs whose decode steps run in `slot`'s pass: with `slot` decoding (or ready:
