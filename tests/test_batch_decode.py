@@ -162,6 +162,33 @@ async def test_fresh_short_prompts_sent_together_share_one_prefill_pass(gen: Gen
                                                                         strict=True))
 
 
+async def test_a_request_ending_in_company_feeds_no_pass_of_its_own(gen: Generator) -> None:
+    """A reply that ends while others decode beside it is stored without its last token (a
+    pass of that token alone would hold up the others); the last one to end, alone, is
+    stored whole. Either way the next turn is warm and equals cold."""
+    assert gen.loaded is not None
+    prompts = _prompts(10, (24, 24, 24))
+    budgets = (6, 11, 24)
+    jobs = [gen.submit(Prompt(p, []), Sampling(temperature=0), n, logprobs=0,
+                       namespace="ends") for p, n in zip(prompts, budgets, strict=True)]
+    ended = await asyncio.gather(*(collect(j) for j in jobs))
+    store = gen.loaded.engine.store
+    held = [max((e.tokens for e in store.entries
+                 if e.namespace == "ends" and e.tokens[:len(p)] == p), key=len)
+            for p in prompts]
+    done = [end.completion_tokens for _, _, end in ended]
+    assert done == list(budgets)
+    assert [len(h) - len(p) for h, p in zip(held, prompts, strict=True)] == \
+        [budgets[0] - 1, budgets[1] - 1, budgets[2]]
+    rng = random.Random(10)
+    follow = [[*h, *(rng.randrange(1, 1000) for _ in range(4))] for h in held]
+    warm = await _alone(gen, follow, "ends")
+    cold = await _alone(gen, follow, "ends-cold")
+    _same(warm, cold)
+    assert all(end.cached_tokens >= len(f) - 5 for (_, _, end), f in zip(warm, follow,
+                                                                        strict=True))
+
+
 async def test_the_next_turn_after_a_batched_reply_is_warm_and_equals_cold(
         gen: Generator) -> None:
     """The states committed out of a batch (extracted, then stored) restore to what a cold

@@ -353,8 +353,8 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
     its own number of tokens, some among tokens a batched verify pass accepted: once out of
     the batch, each cache goes back to its last yielded token (recurrent states from those
     captured in the batch's pass; a wrapped window, which the batch does not capture, cut back
-    from the positions the pass left it), holds prompt + reply, and the next turn equals
-    cold."""
+    from the positions the pass left it), holds prompt + reply (its last token left out where
+    others decode on: no pass of its own), and the next turn equals cold."""
     spec, plain, prompt = _hybrid_engines(arch)
     among = batched = replayed = 0
     for r in range(12):
@@ -364,7 +364,7 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
         steps = [generate(spec, p, sampler=_greedy, max_tokens=40, turn=t)
                  for p, t in zip(prompts, turns, strict=True)]
         got = [[next(s)] for s in steps]
-        live = [0, 1, 2]
+        live, company = [0, 1, 2], [False] * 3
         while live:
             runs = [turns[i].run for i in live]
             batched += len(runs) > 1
@@ -378,11 +378,14 @@ def test_batched_replies_closed_among_accepted_tokens_keep_only_what_was_yielded
                 if len(got[i]) >= cuts[i]:
                     among += len(run.ahead) > 1   # accepted tokens nobody yielded
                     replayed += _replayed(run.spec.captured if run.spec else None)
+                    # others decode on, and its last yielded token is not in the cache (it
+                    # was not accepted in a verify pass): that token is not fed
+                    company[i] = len(live) > 1 and not run.ahead
                     steps[i].close()
                     live.remove(i)
-        for p, reply in zip(prompts, got, strict=True):
+        for p, reply, beside in zip(prompts, got, company, strict=True):
             follow = [*p, *reply, 5]
-            assert spec.cached_now(follow) == len(p) + len(reply), r
+            assert spec.cached_now(follow) == len(p) + len(reply) - beside, r
             warm = list(generate(spec, follow, sampler=_greedy, max_tokens=8))
             assert warm == list(generate(plain, follow, sampler=_greedy, max_tokens=8)), r
     assert among and batched

@@ -1,15 +1,23 @@
-"""The engine: one model and its prompt cache. Restore the longest cached prefix, prefill the rest
-in passes with checkpoints, decode, commit what the live state holds.
+"""The engine: one model and its prompt cache. Restore the longest cached prefix, prefill the
+rest in passes with checkpoints, decode alone or with company, commit what the live state
+holds.
 
-Owns: the Engine (`engine.py`, with its checkpoints and commits in `checkpointing.py`), one
-request's live state and its forward passes (`run.py`, `tap.py` for in-pass checkpoints), decode
-steps of several requests in one pass (`batch.py`; its caches put together by `stacking.py`, KV
-rows with gaps `gapped.py`, each row back to its own position `rows.py`), speculative decoding
-(`speculate.py`; drafts and their pacing `draft.py`, `drafter.py`, `mtpdraft.py`; states
-captured in a verify pass `captured.py`), the start-up probes (`probe.py`), the counts and
-metrics (`counts.py`, `stats.py`), the RAM/disk glue (`tierglue.py`), state moves between
-workers (`bundle.py`), what a reply can restore (`restorable.py`), and loading a model into an
-Engine (`loading.py`). Every value a rank of a group computes alone goes through the lockstep
-(`group.lockstep`); the engine never asks which rank it is. Imports `cache`, `disk`,
-`group.lockstep`, `model`, `chat`; never the scheduler.
+Owns, at its top: the Engine (`engine.py`: a turn's `begin`, its passes `steps_of`, its `end`;
+restores in `restoring.py`, checkpoints and commits in `checkpointing.py`, both mixins of it),
+one request's run (`run.py`: its prefill passes cut or captured at checkpoint marks, its
+decode; the typed steps and their pacing `pacing.py`), the start-up probes (`probe.py`), the
+counts and metrics (`counts.py`, `stats.py`), the RAM/disk glue (`tierglue.py`), what a reply
+can restore (`restorable.py`), the settings it reads (`config.py`) and loading a model into an
+Engine (`loading.py`). Its rooms, each importing only those before it:
+
+- `inpass/`: states inside one forward pass (the in-pass tap and what it captured);
+- `spec/`: speculative decoding (the `Drafter` protocol and its three drafters, pacing, the
+  verify pass, the width of a batch's verify pass);
+- `live/`: one request's live state, as the batch and speculation see it;
+- `batch/`: decode with company (the batch executor, its members, shared prefill passes);
+- `transfer/`: state moves between workers (bundles and their checks), on the Engine.
+
+Every value a rank of a group computes alone goes through the lockstep (`group.lockstep`);
+the engine never asks which rank it is. Imports `cache`, `disk`, `group.lockstep`, `model`,
+`chat`; never the scheduler.
 """

@@ -40,7 +40,8 @@ from prefixd.backends.mlx.engine.counts import CacheCounts
 from prefixd.backends.mlx.engine.pacing import Pacing
 from prefixd.backends.mlx.engine.restoring import Restoring
 from prefixd.backends.mlx.engine.run import Run, Step
-from prefixd.backends.mlx.engine.spec.speculate import Speculation, spec_config
+from prefixd.backends.mlx.engine.spec.config import spec_config
+from prefixd.backends.mlx.engine.spec.speculate import Speculation
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
 from prefixd.backends.mlx.group.lockstep import Lockstep
@@ -249,12 +250,18 @@ class Engine(Restoring, Checkpointing):
         """Commit what a turn's live state holds and let go of it (once; its passes are over).
         On a normal end (max_tokens, EOS, a stop string) the last token is fed through the
         model once more first, so the KV covers prompt + every generated token; not when
-        `should_stop()` ended it (the client left). Never raises."""
+        `should_stop()` ended it (the client left), nor when it ends in a decode batch beside
+        others (they would wait through that pass). Never raises."""
         run, stats = turn.run, turn.stats
         if run is None or stats is None or run.ended:
             return
         run.ended = True
         t0 = time.perf_counter()
+        # ending in company, its last token is not fed in a pass of its own that the requests
+        # still decoding would wait through: its entry ends before it (the next turn
+        # prefills one token more)
+        if any(r is not run for r in self.batch.runs):
+            run.feed_last = False
         try:
             run.settle()          # its own cache back out of a decode batch
         except Exception:

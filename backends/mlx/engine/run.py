@@ -295,9 +295,11 @@ class Run(Live):
     def feed_pending(self) -> None:
         """Feed the last yielded token on a normal end (max_tokens, or the caller closing the
         generator at EOS or a stop string), so the cache covers the whole reply and the next
-        turn starts after it. Not when should_stop() ended the request (the client left).
-        Tokens a verify pass accepted and nobody yielded leave the cache first. Raises what
-        the model raises (the run is then `broken`)."""
+        turn starts after it. Not when should_stop() ended the request (the client left), nor
+        when it ended beside others in a decode batch (`feed_last`: they would wait through
+        that pass; the next turn prefills that token). Tokens a verify pass accepted and
+        nobody yielded leave the cache first. Raises what the model raises (the run is then
+        `broken`)."""
         if self.prompt_pending:   # it ended before its last prompt token was fed: left out
             self.pending, self.prompt_pending = None, False
             return
@@ -307,7 +309,7 @@ class Run(Live):
             del self.fed[-unyielded:]
         self.ahead = []
         token, self.pending = self.pending, None
-        if token is None or self.broken or self.should_stop():
+        if token is None or self.broken or self.should_stop() or not self.feed_last:
             return
         self._forward([token], logits=False)
         self.batched += 1

@@ -1,15 +1,10 @@
-"""Decode steps of several requests in one forward pass.
+"""The batch executor: one forward pass of several requests' rows.
 
-Owns: the live caches of the decoding runs that joined it, merged into mlx-lm's batch caches
-(`BatchKVCache` left-padded to the longest, `BatchRotatingKVCache`, `ArraysCache` and
-`CacheList` stacked on the batch axis), and which run is which row. A run joins at its first
-batched step (its full-attention KV rows stacked with the batch's into one new buffer with
-`GROWTH` spare positions, `stacking.stack`; other layers through mlx-lm's `merge` and `extend`); it
-leaves when its request ends, is cancelled, or steps alone again (`extract` gives back a cache
-of its own, exactly the classes and contents it would hold alone: its checkpoints, commit,
-disk tier and transfers see no batch; then `filter` drops its row). Both go a layer at a time,
-each old layer freed before the next is copied. While it is in the batch, its own `cache` is
-empty (the batch holds the only copy: no memory twice).
+Owns: the decode batch (its members and their caches merged into mlx-lm's batch caches,
+`BatchKVCache` left-padded to the longest, `BatchRotatingKVCache`, `ArraysCache` and
+`CacheList` stacked on the batch axis; joining and leaving are `members.py`'s), and its
+passes. While a run is in the batch its own `cache` is empty (the batch holds the only copy:
+no memory twice); out of it, its checkpoints, commit, disk tier and transfers see no batch.
 
 A step feeds every member's pending token (the one it sampled last; a newcomer's, its prompt's
 last token: its prefill ends in the batch's pass, not in one of its own) in one pass of shape
@@ -19,16 +14,17 @@ attention to its own tokens (left padding masked), so a row's logits are those o
 alone up to kernel rounding (measured: identical on the tiny qwen3, qwen3_next, qwen3_5 and
 falcon_h1; within 2e-5 in log-probability on gemma3's sliding windows). A forward pass that
 raises leaves every member's state unknown: each is marked `broken` (not cached) and the batch
-is emptied. With speculative decoding, a step carries every member's draft (`verify`, rows
-padded to the longest), and each row goes back to its own last accepted token
-(`engine/batch/rows.py`), on every cache kind.
+is emptied. With speculative decoding, each member offers its draft and the pass's width is
+decided for all of them (`engine/spec/company.py`); a step then carries every member's draft
+up to that width (`verify`, rows padded to it), and each row goes back to its own last
+accepted token (`engine/batch/rows.py`), on every cache kind.
 
 Why mlx-lm's batch caches and not our own: they are the model classes' own masks and offsets
 (per-row RoPE offsets, left padding), kept in step with every model mlx-lm adds. Why prefixd's
 own loop around them rather than mlx-lm's `BatchGenerator`: a prefixd request's prefill is
 preemptible, checkpointed and restored by the Engine (`engine/run.py`), and a group's ranks
-journal every step; only decode is batched here, and a member's cache is its own again the
-moment it leaves.
+journal every step; the passes are the scheduler's plan (`scheduler/policy/plan.py`), and a
+member's cache is its own again the moment it leaves.
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.batch import rows
+from prefixd.backends.mlx.engine.batch.members import Members
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
-from prefixd.backends.mlx.engine.batch.stacking import GROWTH, release, stack, stackable
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import RowOf
 from prefixd.backends.mlx.engine.spec.company import Offer, width
@@ -90,7 +86,7 @@ def _draw(run: Live) -> mx.array | None:
         return None
 
 
-class Batch:
+class Batch(Members):
     """The decoding runs stepped together (one forward pass per step)."""
 
     def __init__(self, model: Any, passes: PassCounts) -> None:
@@ -233,99 +229,3 @@ class Batch:
         self.pace.observe(len(members), True, sum(kept), _timed(members, len(members) * width, t0))
         for r in members:
             r.broken = False
-
-    def _join(self, runs: list[Live]) -> None:
-        """Merge the runs' caches into the batch a layer at a time, each run's layer dropped
-        once copied: joining holds about the larger of the two (the runs' caches, the batch),
-        not both. A failure leaves every member and joiner `broken`, and the batch empty."""
-        if not runs:
-            return
-        caches = [r.cache for r in runs]
-        for r in runs:
-            r.cache, r.batch = [], self
-            self.runs.append(r)
-        try:
-            batch = self.cache = self.cache or [None] * len(caches[0])
-            for i, kind in enumerate([type(layer) for layer in caches[0]]):
-                mine, joining = batch[i], [c[i] for c in caches]
-                if stackable(mine, joining):
-                    batch[i] = stack(mine, joining)
-                elif mine is None:
-                    batch[i] = kind.merge(joining)
-                else:
-                    mine.extend(kind.merge(joining))
-                snapshot.evaluate([batch[i]])
-                for c in caches:
-                    c[i] = None
-                del mine, joining
-        except BaseException:
-            self._break()
-            raise
-        for leaf in snapshot.leaves(self.cache):
-            if hasattr(leaf, "step"):   # grown for every row at once: in smaller steps
-                leaf.step = GROWTH
-        release()   # the copies merged from go back now, not at the allocators' leisure
-
-    def _break(self) -> None:
-        for r in self.runs:
-            r.broken, r.batch, r.drawn = True, None, None
-        self.runs, self.cache = [], None
-
-    def states_of(self, run: Live, kept: tuple[int, ...]) -> snapshot.Snapshot:
-        """`run`'s row of the batch's recurrent and convolution leaves `kept`, in arrays of its
-        own (the batch's are replaced at its next step): what a stop mark keeps."""
-        assert self.cache is not None
-        i = self.runs.index(run)
-        live = snapshot.leaves(self.cache)
-        return {k: snapshot.own_row(live[k], i) for k in kept}
-
-    def leaves_of(self, run: Live, kept: tuple[int, ...]) -> snapshot.Snapshot:
-        """`run`'s row of the batch's leaves `kept`, each a cache of its own class alone (a
-        recurrent or convolution leaf's row copied, a window's extracted): a checkpoint of the
-        state its row holds now, as `snapshot.take` of its cache alone would be."""
-        assert self.cache is not None
-        i = self.runs.index(run)
-        live = snapshot.leaves(self.cache)
-        try:
-            out = {k: snapshot.own_row(live[k], i) if type(live[k]) is ArraysCache
-                   else live[k].extract(i) for k in kept}
-            snapshot.evaluate(list(out.values()))
-        except BaseException:
-            self._break()
-            raise
-        return out
-
-    def row(self, run: Live) -> list[Any]:
-        """A copy of `run`'s cache as the batch holds it (it stays a member)."""
-        assert self.cache is not None
-        i = self.runs.index(run)
-        try:
-            mine = [layer.extract(i) for layer in self.cache]
-            snapshot.evaluate(mine)
-        except BaseException:
-            self._break()
-            raise
-        return mine
-
-    def leave(self, run: Live) -> None:
-        """`run` takes its own cache back out of the batch (its row dropped), a layer at a
-        time (the old layer freed before the next is copied)."""
-        assert self.cache is not None
-        i = self.runs.index(run)
-        rows = len(self.runs)
-        keep = mx.array([j for j in range(rows) if j != i])
-        mine: list[Any] = []
-        try:
-            for layer in self.cache:
-                mine.append(layer.extract(i))
-                if rows > 1:
-                    layer.filter(keep)
-                snapshot.evaluate([mine[-1], *([layer] if rows > 1 else [])])
-        except BaseException:
-            self._break()
-            raise
-        run.cache, run.batch = mine, None
-        self.runs.pop(i)
-        if not self.runs:
-            self.cache = None
-        release()

@@ -70,6 +70,7 @@ class Live:
         # (reply tokens, the recurrent states there): where a possible stop string began
         self.stop_mark: tuple[int, snapshot.Snapshot] | None = None
         self.hidden: mx.array | None = None   # its last pass's hidden states, for an MTP head
+        self.feed_last = True   # at its end, its last token is fed (`Run.feed_pending`)
 
     def fed_pending(self) -> None:
         """A pass fed `pending`: it is in the cache now (a prompt token or a reply token)."""
