@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
@@ -15,6 +14,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from worker_process import free_port
 
 from prefixd.kvevents import subscriber, wire
 from prefixd.kvevents.index import Held
@@ -24,11 +24,6 @@ from prefixd.kvevents.subscriber import Feed
 DEADLINE = 10.0        # every wait is bounded by this (never a threshold asserted on)
 BLOCK = 4
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tcp(port: int) -> str:

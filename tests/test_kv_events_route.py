@@ -37,11 +37,7 @@ def workers(tiny_model_dir: Callable[[str], Path]) -> Iterator[list[tuple[Genera
     model = str(tiny_model_dir("qwen3_next"))
     out = []
     for _ in range(2):
-        port = free_port()
-        while True:                     # the replay endpoint takes the port after it
-            port2 = free_port()
-            if port2 != port + 1:
-                break
+        port = free_port(pair=True)     # the replay endpoint takes the port after it
         gen = Generator(_settings(port))
         out.append((loaded(gen, model), port))
     yield out

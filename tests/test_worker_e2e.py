@@ -9,7 +9,6 @@ import os
 import queue
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import IO, Any
 
 import aiohttp
 import pytest
+from worker_process import free_port
 
 START_TIMEOUT_S = 60.0
 # Why at most this many tokens of the previous turn are recomputed: the tiny models emit only
@@ -65,11 +65,6 @@ class Lines:
             if text in line:
                 return
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -4,6 +4,7 @@ stopped by PID (terminate, then kill) whatever the test does."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -16,7 +17,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(pair: bool = False) -> int:
+    """A loopback port free now, below the kernel's ephemeral range, so no outgoing connection
+    takes it before the server binds it (a port the kernel handed out as free is its next
+    connection's local port as likely as anything: a kv-events endpoint lost to one); with
+    `pair`, the port after it is free too (an endpoint and its replay)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(10001, low - 2))
+        if _bindable(port) and (not pair or _bindable(port + 1)):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
