@@ -82,6 +82,28 @@ def _same(got: list[tuple[str, list[float], Finished]],
         assert max(abs(a - b) for a, b in zip(lps, lps0, strict=True)) <= LOGPROB_TOLERANCE
 
 
+def _held(gen: Generator, prompts: list[list[int]], namespace: str) -> list[list[int]]:
+    """Each conversation as the worker holds it now (its longest entry past the prompt)."""
+    assert gen.loaded is not None
+    store = gen.loaded.engine.store
+    return [max((e.tokens for e in store.entries
+                 if e.namespace == namespace and e.tokens[:len(p)] == p), key=len)
+            for p in prompts]
+
+
+async def _next_turns_warm(gen: Generator, held: list[list[int]], namespace: str, seed: int,
+                           more: int) -> None:
+    """Each held conversation and `more` new tokens, restored (warm), equals a cold run, and
+    restores all of what is held."""
+    rng = random.Random(seed)
+    follow = [[*h, *(rng.randrange(1, 1000) for _ in range(more))] for h in held]
+    warm = await _alone(gen, follow, namespace)
+    cold = await _alone(gen, follow, namespace + "-cold")
+    _same(warm, cold)
+    assert all(end.cached_tokens >= len(f) - more - 1
+               for (_, _, end), f in zip(warm, follow, strict=True))
+
+
 async def test_requests_decoding_together_share_a_pass_and_reply_as_alone(
         gen: Generator) -> None:
     prompts = _prompts(1)
@@ -116,18 +138,7 @@ async def test_a_newcomer_ends_its_prefill_in_the_decoding_requests_pass(
     after = _batch(gen)
     assert after["prompts_ended_in_decode"] - before["prompts_ended_in_decode"] >= 2
     _same(later, alone[1:])
-    assert gen.loaded is not None
-    store, rng = gen.loaded.engine.store, random.Random(8)
-    follow = []
-    for p in prompts[1:]:
-        held = max((e.tokens for e in store.entries
-                    if e.namespace == "ride" and e.tokens[:len(p)] == p), key=len)
-        follow.append([*held, *(rng.randrange(1, 1000) for _ in range(5))])
-    warm = await _alone(gen, follow, "ride")
-    cold = await _alone(gen, follow, "ride-cold")
-    _same(warm, cold)
-    for (_, _, end), p in zip(warm, follow, strict=True):
-        assert end.cached_tokens >= len(p) - 5 - 1
+    await _next_turns_warm(gen, _held(gen, prompts[1:], "ride"), "ride", 8, 5)
 
 
 async def test_fresh_short_prompts_sent_together_share_one_prefill_pass(gen: Generator) -> None:
@@ -149,17 +160,7 @@ async def test_fresh_short_prompts_sent_together_share_one_prefill_pass(gen: Gen
         assert after["prompts_ended_in_decode"] - before["prompts_ended_in_decode"] >= 2
     else:
         assert shared == 0
-    store, rng = gen.loaded.engine.store, random.Random(9)
-    follow = []
-    for p in prompts:
-        held = max((e.tokens for e in store.entries
-                    if e.namespace == "shared" and e.tokens[:len(p)] == p), key=len)
-        follow.append([*held, *(rng.randrange(1, 1000) for _ in range(5))])
-    warm = await _alone(gen, follow, "shared")
-    cold = await _alone(gen, follow, "shared-cold")
-    _same(warm, cold)
-    assert all(end.cached_tokens >= len(f) - 6 for (_, _, end), f in zip(warm, follow,
-                                                                        strict=True))
+    await _next_turns_warm(gen, _held(gen, prompts, "shared"), "shared", 9, 5)
 
 
 async def test_a_request_ending_in_company_feeds_no_pass_of_its_own(gen: Generator) -> None:
@@ -172,21 +173,12 @@ async def test_a_request_ending_in_company_feeds_no_pass_of_its_own(gen: Generat
     jobs = [gen.submit(Prompt(p, []), Sampling(temperature=0), n, logprobs=0,
                        namespace="ends") for p, n in zip(prompts, budgets, strict=True)]
     ended = await asyncio.gather(*(collect(j) for j in jobs))
-    store = gen.loaded.engine.store
-    held = [max((e.tokens for e in store.entries
-                 if e.namespace == "ends" and e.tokens[:len(p)] == p), key=len)
-            for p in prompts]
+    held = _held(gen, prompts, "ends")
     done = [end.completion_tokens for _, _, end in ended]
     assert done == list(budgets)
     assert [len(h) - len(p) for h, p in zip(held, prompts, strict=True)] == \
         [budgets[0] - 1, budgets[1] - 1, budgets[2]]
-    rng = random.Random(10)
-    follow = [[*h, *(rng.randrange(1, 1000) for _ in range(4))] for h in held]
-    warm = await _alone(gen, follow, "ends")
-    cold = await _alone(gen, follow, "ends-cold")
-    _same(warm, cold)
-    assert all(end.cached_tokens >= len(f) - 5 for (_, _, end), f in zip(warm, follow,
-                                                                        strict=True))
+    await _next_turns_warm(gen, held, "ends", 10, 4)
 
 
 async def test_the_next_turn_after_a_batched_reply_is_warm_and_equals_cold(
