@@ -125,6 +125,15 @@ def test_a_group_batches_decode_steps_and_answers_as_one_process(
     assert after["largest_decode_batch"] >= 2
     assert after["decode_tokens"] - before["decode_tokens"] > \
         after["decode_passes"] - before["decode_passes"]        # fewer passes than tokens
+    # prompts of one length, sent at once: those an all-KV model's ranks take together are
+    # prefilled in one pass (the journal's `prefill` entry, as they arrive: not counted), and
+    # every reply is still one process's alone
+    like = [{**b, "messages": [{"role": "user", "content": f"Item {i}: " + "more. " * 12}]}
+            for i, b in enumerate(bodies)]
+    alone = [_post(one, b)["choices"][0]["message"] for b in like]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda b: _post(group, b)["choices"][0]["message"], like))
+    assert together == alone
 
 
 def _chunk(line: bytes, what: str) -> Any:
