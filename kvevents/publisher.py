@@ -110,11 +110,14 @@ class Publisher:
         try:
             pub.set_hwm(self._hwm)
             pub.setsockopt(zmq.LINGER, 500)
-            (pub.bind if binds(self.endpoint) else pub.connect)(self.endpoint)
+            if binds(self.endpoint):
+                _bind(pub, self.endpoint)
+            else:
+                pub.connect(self.endpoint)
             if self.replay_endpoint:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                replay.bind(self.replay_endpoint)
+                _bind(replay, self.replay_endpoint)
         except zmq.ZMQError:
             # nothing left open: not the socket, not the port bound before the failing one
             pub.close(linger=0)
@@ -170,3 +173,21 @@ class Publisher:
             if seq >= first:
                 sock.send_multipart((ident, b"", seq_bytes(seq), payload))
         sock.send_multipart((ident, b"", END_SEQ, b""))
+
+
+REBIND_S = 1.0   # how long a bind waits for the port a closed socket of this process held
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind `sock`; while the port is in use, try again for at most `REBIND_S`: ZMQ closes a
+    socket on its I/O thread after `close` returns, so a publisher opened again at once in the
+    same process (a restart, a model reloaded) finds its port still held for a moment."""
+    deadline = time.monotonic() + REBIND_S
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)

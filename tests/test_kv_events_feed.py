@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
@@ -575,3 +577,21 @@ async def test_a_restart_missed_live_is_found_by_the_quiet_streams_probe() -> No
         assert f.seqs[3:] == [0, 1] and f.feed.complete
         assert f.feed.counts["restarts"] == 1 and f.feed.starts == 2
         assert credited(f.held, 30) == BLOCK and credited(f.held, 1) == 0
+
+
+def test_a_publisher_opened_again_waits_for_its_port_a_moment() -> None:
+    """A publisher opened while its port is still held for a moment (ZMQ lets go of a closed
+    socket on its own thread, after `close` returns: a publisher restarted in the same
+    process) binds once the port is free instead of failing; one held longer fails with the
+    cause named."""
+    port, replay = free_port(), free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", replay))
+    holder.listen()
+    threading.Timer(0.3, holder.close).start()          # let go well within REBIND_S
+    Publisher(tcp(port), tcp(replay)).close()
+    with socket.socket() as stuck:
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen()
+        with pytest.raises(OSError, match="Address already in use"):
+            Publisher(tcp(stuck.getsockname()[1]))
