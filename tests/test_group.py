@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.worker_process import running_worker
+from tests.worker_process import get_json, post_json, running_worker
 
 pytestmark = pytest.mark.slow
 KEY = "group-test-key"
@@ -27,16 +27,11 @@ LOOPBACK_PAIR = json.dumps(["127.0.0.1", "127.0.0.1"])
 
 
 def _post(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+    return post_json(url, path, body, KEY)
 
 
 def _get(url: str, path: str) -> dict[str, Any]:
-    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    return get_json(url, path, KEY)
 
 
 def _conversation(url: str, turns: int = 4, **extra: Any) -> list[tuple[str, int, int, int]]:

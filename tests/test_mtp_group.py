@@ -6,7 +6,6 @@ replies, alone and four at once, are those of one process without speculation.""
 from __future__ import annotations
 
 import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -14,26 +13,20 @@ from typing import Any
 import pytest
 
 from prefixd.backends.mlx.model.tiny import save_tiny_model
-from tests.worker_process import running_worker
+from tests.worker_process import get_json, post_json, running_worker
 
 pytestmark = pytest.mark.slow
 LOOPBACK_PAIR = json.dumps(["127.0.0.1", "127.0.0.1"])
 
 
 def _post(url: str, words: str, times: int) -> dict[str, Any]:
-    body = {"model": "tiny", "temperature": 0, "max_tokens": 48,
-            "messages": [{"role": "user", "content": words * times}]}
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json",
-                                  "Authorization": "Bearer k"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return dict(json.loads(r.read()))
+    return post_json(url, "/v1/chat/completions", {
+        "model": "tiny", "temperature": 0, "max_tokens": 48,
+        "messages": [{"role": "user", "content": words * times}]}, "k")
 
 
 def _cache(url: str) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/v1/cache", headers={"Authorization": "Bearer k"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return dict(json.loads(r.read()))
+    return get_json(url, "/v1/cache", "k")
 
 
 def test_a_pipeline_group_drafts_with_the_head_as_one_process_decodes(tmp_path: Path) -> None:

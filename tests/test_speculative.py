@@ -636,24 +636,17 @@ def test_a_group_speculates_as_one_process_decodes(words_model: Path) -> None:
     acceptance alone, never by time), alone and in a decode batch of a hybrid model, and
     replies as a one-process worker without them."""
     import json
-    import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.worker_process import running_worker
+    from tests.worker_process import get_json, post_json, running_worker
 
     def post(url: str, words: str = " the an some be on to", times: int = 12) -> dict[str, Any]:
-        body = {"model": "tiny", "temperature": 0, "max_tokens": 48,
-                "messages": [{"role": "user", "content": words * times}]}
-        req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json",
-                                      "Authorization": "Bearer k"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return dict(json.loads(r.read()))
+        return post_json(url, "/v1/chat/completions", {
+            "model": "tiny", "temperature": 0, "max_tokens": 48,
+            "messages": [{"role": "user", "content": words * times}]}, "k")
 
     def cache(url: str) -> dict[str, Any]:
-        req = urllib.request.Request(url + "/v1/cache", headers={"Authorization": "Bearer k"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return dict(json.loads(r.read()))
+        return get_json(url, "/v1/cache", "k")
 
     several = [(" be on to the an some", 6 + 3 * i) for i in range(4)]
     with running_worker(words_model, "k", PREFIXD_SPECULATIVE="false") as one, \

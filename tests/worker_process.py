@@ -3,6 +3,7 @@ stopped by PID (terminate, then kill) whatever the test does."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -15,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def _bindable(port: int) -> bool:
@@ -43,6 +45,22 @@ def free_port(pair: bool = False) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post_json(url: str, path: str, body: dict[str, Any], key: str,
+              timeout: float = 120.0) -> dict[str, Any]:
+    """POST `body` to a worker (its API key), the JSON it answers."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {
+        "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.loads(r.read()))
+
+
+def get_json(url: str, path: str, key: str, timeout: float = 30.0) -> dict[str, Any]:
+    """GET a worker's JSON (its API key)."""
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.loads(r.read()))
 
 
 @contextmanager

@@ -68,19 +68,23 @@ class Speculation:
         self.held = 0   # positions of the last verify pass in the live cache
         self.reach = 0  # how far back the last draft's match reached
 
-    def draft(self, run: Row, token: int, room: int, rows: int = 1) -> list[int]:
-        """The draft to verify after `token` (at most `room` tokens; empty: decode one) in a
-        pass of `rows` requests: a copy from the context where there is one that pays, else
-        the draft model's."""
+    def draft(self, run: Row, token: int, room: int) -> list[int]:
+        """The draft to verify after `token` alone (at most `room` tokens; empty: decode one):
+        a copy from the context where there is one that pays, else the model drafter's."""
         limit = min(room, self.config.max_draft)
         context = Context(run.prompt, run.fed, token)
         tokens = self.lookup.propose(context, limit)
         self.reach = self.lookup.reach
         self.source = self.pace
-        k = self.pace.length(self.reach, rows) if tokens else 0
+        k = self.pace.length(self.reach) if tokens else 0
+        return tokens[:k] if k else self._model_draft(context, limit, 1)
+
+    def _model_draft(self, context: Context, limit: int, rows: int) -> list[int]:
+        """Its model drafter's draft (a draft model's, or the MTP head's) sized by its own pace
+        in a pass of `rows` requests: empty where it has none, or where it cannot pay."""
         costs = self.config.draft_costs
-        if k or self.model is None or costs is None or not costs.pays(limit):
-            return tokens[:k]
+        if self.model is None or costs is None or not costs.pays(limit):
+            return []
         k = min(self.model_pace.length(Pace.MODEL, rows), limit)
         if not k:
             return []
@@ -103,15 +107,7 @@ class Speculation:
         if got is not None:
             self.source, self.reach = self.pace, self.lookup.reach
             return Offer(tokens, *got)
-        costs = self.config.draft_costs
-        if self.model is None or costs is None or not costs.pays(limit):
-            return None
-        k = min(self.model_pace.length(Pace.MODEL, rows), limit)
-        if not k:
-            return None
-        self.source, self.reach = self.model_pace, Pace.MODEL
-        out = self.model.propose(context, k)
-        costs.observe(self.model.passes, self.model.seconds)
+        out = self._model_draft(context, limit, rows)
         return Offer(out, self.model_pace.alpha(Pace.MODEL)) if out else None
 
     def declined(self) -> None:
