@@ -269,9 +269,11 @@ for line in sys.stdin:
 
 def test_a_stranger_on_the_ring_is_found_and_the_ring_joined_again() -> None:
     """Two ranks in their own processes; a stranger connects to rank 0's ring port before rank
-    1 does (as it could before the control channel's join). Their reports show the ring is
-    not theirs; each undoes it in-process and joins again on new ports, and the all-reduce
-    over the new ring is right."""
+    1 does (as it could before the control channel's join), then listens on that port itself,
+    so rank 1 joins it too: both ranks join a ring, not theirs. (A stranger that let the port
+    close would have both fail on MLX's ~31 s of retries instead, and nothing to undo.) Their
+    reports show the ring is not theirs; each undoes it in-process and joins again on new
+    ports, and the all-reduce over the new ring is right."""
     from prefixd.backends.mlx.group import ring
 
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r)], stdin=subprocess.PIPE,
@@ -307,13 +309,18 @@ def test_a_stranger_on_the_ring_is_found_and_the_ring_joined_again() -> None:
             held.append(socket.create_connection(("127.0.0.1", int(p0)), 5))
             held[-1].sendall(GARBAGE)
             until(lambda: not listens(int(p0)), "rank 0 did not take the stranger")
+            held.append(socket.socket())        # the port rank 0 closed, the stranger's now
+            held[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held[-1].bind(("127.0.0.1", int(p0)))
+            held[-1].listen(1)                  # never accepted: the kernel completes it
         tell(ranks[1], hostfile)
         return [hear(ranks[0]), hear(ranks[1])]
 
     held: list[socket.socket] = []
     try:
         first = join(stranger=True)
-        assert ring.linked(first) is not None           # not a ring of theirs
+        assert [r["joined"] for r in first] == [True, True], first
+        assert "rank 0's ring neighbour is" in str(ring.linked(first))  # not a ring of theirs
         for proc in ranks:
             tell(proc, "again")
         second = join(stranger=False)
