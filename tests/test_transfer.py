@@ -234,10 +234,11 @@ async def test_a_worker_already_getting_the_prefix_gets_it_once(
     await asyncio.sleep(0.5)
     first = asyncio.create_task(_ask(http, url, body(_conversation_to("w1", "once a", system))))
     route = server.proxy.router
-    for _ in range(200):
+    for _ in range(2000):                  # it is in flight for some 50 ms: looked for often
         if route.inflight.requests("w1"):
             break
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.005)
+    assert route.inflight.requests("w1") and not first.done()
     got, second = await _ask(http, url, body(_conversation_to("w1", "once b", system)))
     assert got == "w1" and _cached(second) > 0
     assert (await first)[0] == "w1"
