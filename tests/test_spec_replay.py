@@ -34,13 +34,22 @@ def _greedy(lp: mx.array) -> mx.array:
     return mx.argmax(lp, axis=-1)
 
 
-def _engines(model: Any, capture_bytes: int) -> tuple[Engine, Engine]:
+def _engines(model: Any, capture_bytes: int, **config: Any) -> tuple[Engine, Engine]:
     """With and without speculation; drafts sized by fixed costs (the same on any machine)."""
-    spec = Engine(model, EngineConfig(cache_bytes=1 << 28, spec_capture_bytes=capture_bytes))
+    return _speculating(model, capture_bytes, **config), _plain(model, **config)
+
+
+def _speculating(model: Any, capture_bytes: int, **config: Any) -> Engine:
+    spec = Engine(model, EngineConfig(cache_bytes=1 << 28, spec_capture_bytes=capture_bytes,
+                                      **config))
     assert spec.spec is not None, spec.unspeculative
     spec.spec.costs.timed = False
     spec.spec.costs.seconds = {n: 0.01 for n in range(1, 256)}
-    return spec, Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False))
+    return spec
+
+
+def _plain(model: Any, **config: Any) -> Engine:
+    return Engine(model, EngineConfig(cache_bytes=1 << 28, speculative=False, **config))
 
 
 @pytest.mark.parametrize("arch", REPLAY_ARCHS)
@@ -109,8 +118,11 @@ def test_a_large_states_verify_holds_about_one_state_not_one_per_draft() -> None
     restrict_output(model, ALPHABET)
     state = 3 * 16 * 64 * 64 * 4
     prompt = [random.Random(3).choice(ALPHABET) for _ in range(20)] * 3
-    kept, _ = _engines(model, 1 << 40)
-    replay, plain = _engines(model, 0)
+    # the interval the engine picks for this model anyway (by bytes: 0.82 MiB checkpoints in
+    # 256 MiB), set rather than probed: the probe's timed passes cost ~1 s an engine
+    fixed = {"checkpoint_interval": 512}
+    kept = _speculating(model, 1 << 40, **fixed)
+    replay, plain = _engines(model, 0, **fixed)
     held_plain, _ = _held_between_steps(plain, prompt)
     held_kept, _ = _held_between_steps(kept, prompt)
     held_replay, n = _held_between_steps(replay, prompt)
