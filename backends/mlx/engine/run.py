@@ -34,7 +34,6 @@ from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.live.state import Live
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready
-from prefixd.backends.mlx.engine.spec.mtpdraft import taken
 from prefixd.backends.mlx.engine.stats import PromptStats
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
@@ -101,7 +100,7 @@ class Run(Live):
         with tap.tapping(recorder):
             out = self.model(mx.array(tokens)[None], cache=self.cache)
         # taken before it may pause (other jobs' passes would leave theirs)
-        hidden = taken() if self.watched else None
+        hidden = self.spec.config.taken() if self.spec is not None else None
         self.hidden = hidden if logits else None
         last = out[:, -1, :] if logits else None
         snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}

@@ -43,7 +43,6 @@ from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import RowOf
 from prefixd.backends.mlx.engine.spec.company import Offer, width
 from prefixd.backends.mlx.engine.spec.draft import BatchPace
-from prefixd.backends.mlx.engine.spec.mtpdraft import taken
 from prefixd.backends.mlx.engine.spec.row import argmax_rows
 
 if TYPE_CHECKING:
@@ -125,7 +124,7 @@ class Batch(Members):
                 r.broken = True
             tokens = mx.array([[r.pending] for r in members])
             logits = self.model(tokens, cache=self.cache)[:, -1, :]
-            hidden = taken() if any(r.watched for r in members) else None
+            hidden = next((r.spec.config.taken() for r in members if r.spec is not None), None)
             for i, r in enumerate(members):
                 assert r.pending is not None
                 if r.spec is not None:
@@ -188,7 +187,7 @@ class Batch(Members):
             padded = [[*x, *([x[-1]] * (width - len(x)))] for x in xs]
             with tap.tapping(recorder):
                 logits = self.model(mx.array(padded), cache=self.cache)
-            hidden = taken() if any(r.watched for r in members) else None
+            hidden = next((r.spec.config.taken() for r in members if r.spec is not None), None)
             captured = recorder.capture(self.cache, tuple(states)) if recorder else None
             if recorder is not None and recorder.failed:
                 rows.back(self.cache, [0] * len(members), width, None, before)

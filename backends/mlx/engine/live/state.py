@@ -88,11 +88,6 @@ class Live:
         return self.prompt[:self.pos] + self.fed
 
     @property
-    def watched(self) -> bool:
-        """Whether its passes' hidden states feed its drafter (an MTP head's)."""
-        return self.spec is not None and self.spec.config.watches
-
-    @property
     def plain(self) -> bool:
         """Whether its draw is the argmax of its logits alone (mlx-lm's greedy sampler, no
         processors, no log-probability tap): rows of such runs draw together (`argmax_rows`)."""

@@ -9,13 +9,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.spec.draft import DraftCosts, PassCosts, Standing
 from prefixd.backends.mlx.engine.spec.mtpdraft import MTP
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 log = logging.getLogger("prefixd.worker.cache")
 
@@ -64,6 +67,11 @@ class SpecConfig:
     def watches(self) -> bool:
         """Whether its passes' hidden states feed a drafter (`Speculation.saw`)."""
         return self.mtp is not None
+
+    def taken(self) -> mx.array | None:
+        """The hidden states of the model's pass that just ran, where they feed a drafter
+        (its MTP head's: `MTP.taken`), else None."""
+        return self.mtp.taken() if self.mtp is not None else None
 
     def replays(self, cache: list[Any], width: int) -> bool:
         """Whether a verify pass `width` tokens wide over `cache` (every row) computes the

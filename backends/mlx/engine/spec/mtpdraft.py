@@ -2,19 +2,19 @@
 speculative decoding (`speculate.py`): where the context has nothing to copy, the head guesses
 the next tokens from the model's last hidden state, one small pass a token.
 
-Owns: the model's last hidden states as its passes leave them (`watch`: the final norm's output
-kept for the pass that just ran, `taken`), and one request's head state (`MTPDrafter`): the
-hidden states its passes left at each position (`saw`), the head's own KV cache over the pairs
-(hidden state at i, token i + 1) it has been fed, and its guesses past them, trimmed before the
-next draft. The head attends over what it was fed since the request's last prefill pass (its
-hidden states are all the head ever sees of the prompt; a prompt restored from the cache gives
-it only its last pass): a draft is only a guess, the verify pass decides, so the reply is the
-served model's whatever the head proposes, and what it saw only changes how often it is right.
+Owns: the model's last hidden states as its passes leave them (`watch`: the final norm keeps its
+output of the pass that just ran, `MTP.taken` hands it over once), and one request's head state
+(`MTPDrafter`): the hidden states its passes left at each position (`saw`), the head's own KV
+cache over the pairs (hidden state at i, token i + 1) it has been fed, and its guesses past
+them, trimmed before the next draft. The head attends over what it was fed since the request's
+last prefill pass (its hidden states are all the head ever sees of the prompt; a prompt restored
+from the cache gives it only its last pass): a draft is only a guess, the verify pass decides,
+so the reply is the served model's whatever the head proposes, and what it saw only changes how
+often it is right.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from typing import NamedTuple, cast
@@ -25,16 +25,19 @@ from mlx_lm.models.cache import KVCache
 
 from prefixd.backends.mlx.model.mtp import MTPHead, Parts
 
-_local = threading.local()
-
 
 class _Watched(nn.RMSNorm):
-    """A final norm that keeps its output (the hidden state the output projection reads) for
-    whoever asks on this thread after the pass (`taken`)."""
+    """A final norm that keeps its output (the hidden state the output projection reads) of
+    the pass that ran last, until it is taken (`MTP.taken`). One model's passes run on one
+    thread at a time (the worker's generation thread), so the slot is the model's own."""
 
     def __call__(self, x: mx.array) -> mx.array:
         out = super().__call__(x)
-        _local.hidden = out
+        object.__setattr__(self, "_kept", out)   # beside the module's parameters, not one
+        return out
+
+    def take(self) -> mx.array | None:
+        out: mx.array | None = self.__dict__.pop("_kept", None)
         return out
 
 
@@ -48,14 +51,6 @@ def watch(parts: Parts) -> None:
         raise ValueError(f"its final norm is a {type(norm).__name__}, not an RMSNorm")
 
 
-def taken() -> mx.array | None:
-    """The hidden states ([rows, positions, hidden]) of the pass this thread ran last, and
-    forgotten (None: no watched pass since)."""
-    out = getattr(_local, "hidden", None)
-    _local.hidden = None
-    return out
-
-
 class MTP:
     """A loaded head and the model parts it shares (one per worker)."""
 
@@ -65,6 +60,12 @@ class MTP:
     def watch(self) -> None:
         """Keep the model's hidden states from now on (once speculation uses the head)."""
         watch(self.parts)
+
+    def taken(self) -> mx.array | None:
+        """The hidden states ([rows, positions, hidden]) of the model's last pass, handed over
+        once (None: no pass since the last taken, or not watched)."""
+        norm = self.parts.inner.norm
+        return norm.take() if isinstance(norm, _Watched) else None
 
 
 class MTPDrafter:

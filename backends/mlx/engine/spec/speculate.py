@@ -39,7 +39,7 @@ from prefixd.backends.mlx.engine.spec.draft import Pace
 from prefixd.backends.mlx.engine.spec.drafter import Context, Drafter
 from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
 from prefixd.backends.mlx.engine.spec.lookup import PromptLookup
-from prefixd.backends.mlx.engine.spec.mtpdraft import MTPDrafter, taken
+from prefixd.backends.mlx.engine.spec.mtpdraft import MTPDrafter
 from prefixd.backends.mlx.engine.spec.row import Row, argmax_rows
 
 log = logging.getLogger("prefixd.worker.cache")
@@ -130,14 +130,14 @@ class Speculation:
         with tap.tapping(recorder):
             logits = run.model(mx.array(x)[None], cache=run.cache)[0]
         captured = recorder.capture(run.cache, leaves) if recorder else None
-        hidden = taken() if self.config.watches else None
+        hidden = self.config.taken()
         draws = self.draws(run, x, logits)
         snapshot.evaluate(run.cache, logits, *draws, *(captured.arrays() if captured else ()))
         run.broken = False
         a, emitted = self.accept(run, x, draws)
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
-            hidden = taken() if self.config.watches else None
+            hidden = self.config.taken()
         else:
             self.captured, self.held = captured, n
             self.go_back(run, a + 1)
@@ -219,7 +219,7 @@ class Speculation:
 
     def saw(self, start: int, hidden: mx.array | None, row: int, n: int) -> None:
         """The served model's hidden states at positions start..start + n of this request (row
-        `row` of the pass that just ran: `mtpdraft.taken`): what an MTP head drafts from."""
+        `row` of the pass that just ran: `SpecConfig.taken`): what an MTP head drafts from."""
         if self.model is not None:
             self.model.saw(start, hidden, row, n)
 
