@@ -48,6 +48,9 @@ class BackendConfig(BaseModel):
     # mlx (managed worker) only
     cache_bytes: Annotated[int, Field(ge=0)] | None = None
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    startup_probe_max_s: Annotated[float, Field(gt=0)] = Field(
+        0.5, description="mlx/llama: the longest wait between two health probes of a "
+        "starting worker (they back off from 50 ms to it)")
     ttl_s: Annotated[float, Field(gt=0)] | None = Field(
         None, validation_alias=AliasChoices("ttl_s", "idle_unload_s"),
         description="mlx: unload the worker after this many idle seconds (also accepted as "

@@ -38,7 +38,8 @@ async def test_alternating_models_swap_and_stay_warm(tiny_model_dir: Callable[[s
     settings = Settings(_env_file=None, model_memory_bytes=BUDGET, cache_dir=tmp_path,
                         disk_cache_bytes=2**30, use_system_blas=False, backends=[
                             {"name": n, "kind": "mlx", "model": str(p), "models": [n],
-                             "cache_bytes": CACHE} for n, p in models.items()])
+                             "cache_bytes": CACHE, "startup_probe_max_s": 0.05}
+                            for n, p in models.items()])
     managed = [ManagedBackend(c, settings) for c in settings.backends]
     server = Server(make_proxy(settings, managed))
     await server.start("127.0.0.1", 0)
@@ -53,17 +54,24 @@ async def test_alternating_models_swap_and_stay_warm(tiny_model_dir: Callable[[s
             most_loaded = max(most_loaded, sum(b.loaded for b in managed))
             await asyncio.sleep(0.02)
 
+    async def cold_ask(name: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        if name not in up:          # the cold ones start while the pool loads its first
+            await asyncio.to_thread(cold[name].log.wait_for, "worker: serving",
+                                    START_TIMEOUT_S)
+            up.add(name)
+        return await _ask(http, cold[name].url, "tiny", messages)
+
+    up: set[str] = set()
     watcher = asyncio.create_task(watch())
     try:
-        for w in cold.values():
-            w.log.wait_for("worker: serving", START_TIMEOUT_S)
         convs = {n: [{"role": "system", "content": f"You are the {n} model. " * 20},
                      {"role": "user", "content": "Tell me about the river."}] for n in models}
         previous: dict[str, int] = {}
         for turn in range(3):
             for name in models:
-                got = await _ask(http, url, name, convs[name])
-                ref = await _ask(http, cold[name].url, "tiny", convs[name])
+                # the cold worker's answer is asked for while the pool swaps its model in
+                got, ref = await asyncio.gather(_ask(http, url, name, convs[name]),
+                                                cold_ask(name, convs[name]))
                 assert got["choices"][0]["message"]["content"] == \
                     ref["choices"][0]["message"]["content"]
                 cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -61,7 +61,8 @@ async def served(tiny_model_dir: Callable[[str], Path]) -> AsyncIterator[Served]
     eos = [i for t in ("<|im_end|>", "<|endoftext|>") if (i := tok.token_to_id(t)) is not None]
     settings = Settings(_env_file=None, backends=[
         {"name": "tiny", "kind": "mlx", "model": str(model), "models": ["tiny"],
-         "health_interval_s": 0.1}])     # a frozen worker is given up on in 3 probes of 1 s
+         "health_interval_s": 0.1,      # a frozen worker is given up on in 3 probes of 1 s
+         "startup_probe_max_s": 0.05}])     # a (re)start is seen ready within 50 ms
     backend = ManagedBackend(settings.backends[0], settings, stop_grace_s=30.0,
                              backoff_s=(0.05, 0.1))     # restarts in a row: 0.35 s, not 2.4
     server = Server(make_proxy(settings, [backend]))

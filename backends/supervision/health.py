@@ -33,11 +33,12 @@ async def probe(session: aiohttp.ClientSession, base_url: str, headers: dict[str
 
 
 async def await_healthy(worker: WorkerProcess, check: Callable[[float], Awaitable[bool]],
-                        timeout: float, now: Callable[[], float]) -> str | None:
-    """Probe (backing off from 50 ms to 0.5 s) until the worker answers (None), exits, or
-    `timeout` passes (why not, for the error)."""
+                        timeout: float, now: Callable[[], float],
+                        max_delay: float = 0.5) -> str | None:
+    """Probe (backing off from 50 ms to `max_delay`) until the worker answers (None), exits,
+    or `timeout` passes (why not, for the error)."""
     deadline = now() + timeout
-    delay = 0.05
+    delay = min(0.05, max_delay)
     while True:
         if worker.exited.is_set():
             return f"{worker.describe_exit()} (during start-up)"
@@ -49,4 +50,4 @@ async def await_healthy(worker: WorkerProcess, check: Callable[[float], Awaitabl
         if await check(min(5.0, remaining)):
             return None
         await wait_event(worker.exited, min(delay, remaining))
-        delay = min(delay * 2, 0.5)
+        delay = min(delay * 2, max_delay)

@@ -206,7 +206,7 @@ class Supervisor(WorkerFace):
         else:
             self.base_url = f"http://127.0.0.1:{port}"
             error = await await_healthy(self.worker, self._probe, self._cfg.startup_timeout_s,
-                                        self._now)
+                                        self._now, self._cfg.startup_probe_max_s)
         MODEL_LOADS.labels(self.name, "failed" if error else "ready").inc()
         if error is None:
             MODEL_LOAD_SECONDS.labels(self.name).observe(self._now() - self.policy.last_attempt)
