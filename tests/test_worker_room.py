@@ -10,6 +10,7 @@ waits; every reply equals the one it gives alone."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,9 +86,26 @@ async def _alone(gen: Generator, tokens: list[int], max_tokens: int) -> str:
     return await _collect(_submit(gen, tokens, max_tokens, "alone"), "alone", [])
 
 
+LONGS = [_prompt(1, LONG), _prompt(2, LONG)]
+SHORT_PROMPTS = [_prompt(10 + i, SHORT) for i in range(SHORTS)]
+
+
+@pytest.fixture(scope="module")
+def alone(gen: Generator) -> tuple[str, list[str]]:
+    """The replies the first long prompt and each short one get alone (greedy: the same
+    under any budget; taken under the worker's own, before a test sets its small one), once
+    for every test: the long one alone is 2000 decode steps."""
+    async def replies() -> tuple[str, list[str]]:
+        return (await _alone(gen, LONGS[0], REPLY),
+                [await _alone(gen, p, SHORT_REPLY) for p in SHORT_PROMPTS])
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:   # an event loop of its own
+        return pool.submit(asyncio.run, replies()).result()
+
+
 @pytest.mark.parametrize("share", ["padded", "borrowed", "over"])
 async def test_short_requests_run_beside_a_long_answer_under_a_small_budget(
-        gen: Generator, share: str) -> None:
+        gen: Generator, alone: tuple[str, list[str]], share: str) -> None:
     room = _room(gen)
     long_cost = room.bytes(LONG + REPLY)
     short_cost = room.bytes(SHORT + SHORT_REPLY)
@@ -100,10 +118,8 @@ async def test_short_requests_run_beside_a_long_answer_under_a_small_budget(
     assert 2 * long_cost > budget and (share == "padded") == (long_cost < budget)
     assert (share == "over") == (room.bytes(LONG) > budget)
     _budget(gen, budget)
-    longs = [_prompt(1, LONG), _prompt(2, LONG)]
-    shorts = [_prompt(10 + i, SHORT) for i in range(SHORTS)]
-    alone_short = [await _alone(gen, p, SHORT_REPLY) for p in shorts]
-    alone_long = await _alone(gen, longs[0], REPLY)
+    longs, shorts = LONGS, SHORT_PROMPTS
+    alone_long, alone_short = alone
 
     order: list[str] = []
     started = asyncio.Event()
