@@ -86,6 +86,23 @@ def test_prompt_lookup_copies_from_the_occurrence_whose_match_reaches_furthest_b
     assert _proposed(ties, 1) == ([2], 2)      # equal matches: the latest
 
 
+def test_prompt_lookup_follows_where_most_earlier_occurrences_went() -> None:
+    # [1, 2] went on to 3, 4 twice and to 7, 8 once (the latest): the majority's way is
+    # drafted (a loop the reply fell into goes on as it mostly went), token by token
+    mostly = PromptLookup([1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 1, 2, 7, 8, 6, 1, 2], capacity=4,
+                          ngram=2)
+    assert _proposed(mostly, 2) == ([3, 4], 2)
+    # they agree on 3, then split 4 / 9 / 9: the continuation follows the ones still agreeing
+    split = PromptLookup([1, 2, 3, 4, 0, 1, 2, 3, 9, 5, 1, 2, 3, 9, 6, 1, 2], capacity=4,
+                         ngram=2)
+    assert _proposed(split, 2) == ([3, 9], 2)
+    # reach outweighs count: one occurrence matching 4 tokens back (weight 64) beats three
+    # matching 2 (weight 8 each)
+    far = PromptLookup([5, 6, 1, 2, 7, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 5, 6, 1, 2],
+                       capacity=4, ngram=2)
+    assert _proposed(far, 1) == ([7], 4)
+
+
 def test_prompt_lookup_continues_a_copy_that_runs_into_its_own_end() -> None:
     loop = PromptLookup([9, 1, 2, 3, 1, 2, 3, 1, 2], capacity=2, ngram=2)
     assert _proposed(loop, 7) == ([3, 1, 2, 3, 1, 2, 3], 5)

@@ -159,8 +159,8 @@ class WorkerSettings(BaseSettings):
         "token, for a little time per verify pass. 0: always compute again.")
     spec_ngram: int = Field(2, ge=1, le=16, description="Worker: the fewest tokens a "
                             "match in the context must have to draft from (the reply's last "
-                            "tokens looked up; of their earlier occurrences, the one whose "
-                            "match reaches furthest back is copied from).")
+                            "tokens looked up; their earlier occurrences vote on the "
+                            "continuation, each weighted by how far back its match reaches).")
     prefill_slice_ms: float = Field(
         250.0, ge=0, description="Worker (max_active > 1): prefill in passes of about this "
         "many milliseconds, sized from the job's own last pass (its rate at its depth; at "

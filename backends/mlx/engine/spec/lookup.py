@@ -54,11 +54,14 @@ class PromptLookup:
         """It holds the request's tokens only (let go with it)."""
 
     def _propose(self, k: int) -> tuple[list[int], int]:
-        """Up to `k` tokens that followed an earlier occurrence of the tokens so far, and how
-        many tokens that occurrence matches (0: none). Occurrences of the last `min_ngram`
-        tokens are candidates; the one whose match reaches furthest back wins (up to `REACH`
-        tokens: the same line of the same file, not another line that ends alike), the
-        latest among equals."""
+        """Up to `k` tokens that followed earlier occurrences of the tokens so far, and how far
+        back the best of them matches (0: none). Occurrences of the last `min_ngram` tokens are
+        candidates, each weighted by the cube of how far back its match reaches (up to
+        `REACH` tokens: the same line of the same file counts far more than another line that
+        ends alike); the draft is the weighted majority's continuation, token by token among
+        the candidates that agree so far (a loop the reply fell into, or a line the context
+        holds several times, is followed where most of its earlier occurrences went, not where
+        the latest one happened to); the latest occurrence wins a tie."""
         if k <= 0 or self.n <= self.min_ngram:
             return [], 0
         seq, n = self.buf[:self.n], self.n
@@ -79,11 +82,28 @@ class PromptLookup:
                 break
             reach[grow] += 1
             alive = grow
-        best = int(reach.max())
-        src = int(starts[np.flatnonzero(reach == best)[-1]]) + size
-        out = seq[src:src + k].tolist()
-        while len(out) < k:     # a copy that runs into the end goes on copying its own copy
-            out.append(out[len(out) - (n - src)])
-        return out, best
+        return self._vote(starts + size, reach, k), int(reach.max())
+
+    def _vote(self, src: np.ndarray, reach: np.ndarray, k: int) -> list[int]:
+        """The weighted majority's continuation of the candidates starting at `src`; a
+        candidate that runs into the end goes on copying its own copy (a loop goes round)."""
+        seq, n = self.buf[:self.n], self.n
+        ahead = np.empty((src.size, k), dtype=np.int64)
+        for p in range(k):
+            at = src + p
+            inside = at < n
+            ahead[inside, p] = seq[at[inside]]
+            wrap = ~inside
+            ahead[wrap, p] = ahead[wrap, p - (n - src[wrap])]
+        weight = reach.astype(np.float64) ** 3 * (1 + 1e-9 * np.arange(src.size))
+        out: list[int] = []
+        agree = np.ones(src.size, dtype=bool)
+        for p in range(k):
+            tokens, inverse = np.unique(ahead[agree, p], return_inverse=True)
+            tally = np.bincount(inverse, weights=weight[agree])
+            token = int(tokens[int(tally.argmax())])
+            out.append(token)
+            agree &= ahead[:, p] == token
+        return out
 
     REACH = 64
