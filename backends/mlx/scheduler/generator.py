@@ -39,7 +39,7 @@ from prefixd.backends.mlx.group.leader import Leader
 from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.scheduler import writes
 from prefixd.backends.mlx.scheduler.active import Active, prefill_together, step_batch
-from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, WorkerClosed
+from prefixd.backends.mlx.scheduler.jobs import Event, Failed, Finished, Job, Outbox, WorkerClosed
 from prefixd.backends.mlx.scheduler.journal import JobEntry, encode
 from prefixd.backends.mlx.scheduler.loop import drive
 from prefixd.backends.mlx.scheduler.policy.schedule import Schedule
@@ -69,6 +69,7 @@ class Generator:
         self._driving = False            # a `_drive` loop is queued or running
         self._ticker: asyncio.Task[None] | None = None
         self._ids = 0
+        self._outbox: Outbox | None = None   # the event loop's (the one jobs are submitted on)
         self.kv_topic = ""                    # the KV event stream's topic (set before load)
         self.announcer: Announcer | None = None   # with PREFIXD_KV_EVENTS
 
@@ -132,11 +133,14 @@ class Generator:
                logprobs: int | None = None, namespace: str = "") -> Job:
         """Queue a generation; its events arrive through `job.events()` in order."""
         loop = asyncio.get_running_loop()
+        if self._outbox is None or self._outbox.loop is not loop:
+            self._outbox = Outbox(loop)
+        outbox = self._outbox
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
         def emit(event: Event) -> None:
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                outbox.put(queue, event)
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 job.cancel()
 

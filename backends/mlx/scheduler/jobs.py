@@ -3,7 +3,8 @@
 Owns: `Job` (a prompt and its sampling in; its events out, through an asyncio.Queue the thread feeds
 thread-safely; its `cancel` flag, which the Engine polls as `should_stop`, so a client that goes
 away stops generation within one decode step), the events (`Queued` while it waits to be admitted
-behind others, `Delta` from `scheduler/output.py`, then one `Finished` or `Failed`), and
+behind others, `Delta` from `scheduler/output.py`, then one `Finished` or `Failed`), the `Outbox`
+they cross in (one wake-up of the event loop per burst, not one per event), and
 `WorkerClosed`. Nothing here runs mlx or speaks HTTP: `generator.py` runs jobs, `server/respond.py`
 turns their events into responses.
 """
@@ -24,6 +25,37 @@ from prefixd.backends.mlx.scheduler.output import Delta
 
 class WorkerClosed(RuntimeError):
     """The generation thread is shut down: no new job can run."""
+
+
+class Outbox:
+    """Events on their way from the generation thread to the event loop's queues: the first
+    event of a burst wakes the loop (`call_soon_threadsafe`, a write to its self-pipe), the
+    ones put before it runs go with it. A decode pass of eight requests then wakes the loop
+    once, not eight times. Each queue gets its events in the order they were put."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Event], Event]] = []
+
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        """Raises RuntimeError when the event loop is gone (nobody listens)."""
+        with self._lock:
+            first = not self._items
+            self._items.append((queue, event))
+        if first:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:
+                with self._lock:
+                    self._items.clear()
+                raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, event in items:
+            queue.put_nowait(event)
 
 
 @dataclass(frozen=True)
