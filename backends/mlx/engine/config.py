@@ -21,6 +21,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     kv_bits: int | None = None
     speculative: bool = True                    # draft by prompt lookup, verify exactly
+    decode_ahead: str = "auto"                  # launch a batch's next pass early (`launch.py`)
     spec_draft_max: int | None = None          # None: by cache kind (`spec_config`)
     spec_ngram: int = 2
     spec_capture_bytes: int = 64 * 2**20

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.cache.store import CheckpointStore
 from prefixd.backends.mlx.engine import probe
-from prefixd.backends.mlx.engine.batch import prefill
+from prefixd.backends.mlx.engine.batch import launch, prefill
 from prefixd.backends.mlx.engine.batch.executor import Batch
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.batch.stacking import unbatchable
@@ -123,6 +123,8 @@ class Engine(Restoring, Checkpointing):
         # decode steps of the running requests share one forward pass (`engine/batch/executor.py`)
         self.passes = PassCounts()
         self.batch = Batch(model, self.passes)
+        # a group's ranks launch nothing ahead (they would have to agree on every such pass)
+        self.batch.ahead = launch.Worth(config.decode_ahead if not lockstep.untimed else "off")
         self.unbatchable = unbatchable(template)
         # newcomers' prompts share a prefill pass (`engine/batch/prefill.py`)
         self.prefills_together = prefill.possible(template) and not self.unbatchable

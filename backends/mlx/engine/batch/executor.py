@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
-from prefixd.backends.mlx.engine.batch import rows
+from prefixd.backends.mlx.engine.batch import launch, rows
 from prefixd.backends.mlx.engine.batch.members import Members
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.inpass import tap
@@ -57,6 +57,13 @@ def _offer(run: Live, rows: int) -> Offer | None:
     if run.spec is None or run.pending is None or run.prompt_pending or room <= 0:
         return None
     return run.spec.offer(run, run.pending, room, rows)
+
+
+def _would_draft(run: Live, token: int) -> bool:
+    """Whether, once `token` is its pending token, it would offer a draft at the batch's next
+    step (`_offer`): asked without changing its pace."""
+    room = run.max_tokens - run.sampled - 2
+    return run.spec is not None and room > 0 and run.spec.would_offer(run, token, room)
 
 
 def _drafts(run: Live) -> Speculation | None:
@@ -92,21 +99,40 @@ class Batch(Members):
         self.model, self.passes = model, passes
         self.runs: list[Live] = []
         self.cache: list[Any] | None = None
+        self.launched: launch.Launched | None = None
         self.pace = BatchPace()   # whether its members draft at all (each: its own pace)
+        self.ahead = launch.Worth()   # whether its next pass is launched early (`launch.py`)
+        self._left: float | None = None   # when its last plain step ended
 
     def step(self, runs: list[Live], drafts: bool = True) -> None:
         """Feed each run's pending token in one forward pass; each run's logits for its next
         token land in its `incoming`. Members not in `runs` leave first (their requests end).
         With drafts (`verify`), each run's draft goes through the same pass. Raises what the
-        model raises (every member is then `broken` and out of the batch)."""
+        model raises (every member is then `broken` and out of the batch). A pass launched
+        for this step (`launch.py`) is this step's pass when it fed these rows these tokens and
+        nobody drafts; else it is taken back first."""
+        entered = time.perf_counter()
+        if self._left is not None:
+            self.ahead.gap(entered - self._left)
+            self._left = None
+        ahead = self.launched if self.launched is not None and self.launched.fits(runs) \
+            else None
+        if ahead is None:
+            self._settle()
         for run in [r for r in self.runs if r not in runs]:
             self.leave(run)
         self._join([r for r in runs if r not in self.runs])
         assert self.cache is not None
         members = list(self.runs)
-        self.passes.riders(sum(r.prompt_pending for r in members))
+        riders = sum(r.prompt_pending for r in members)
+        self.passes.riders(riders)
         offers: list[Offer | None] = [_offer(r, len(members)) for r in members] \
             if drafts and self._verifies() and self.pace.drafts() else [None] * len(members)
+        offered = any(o is not None for o in offers)
+        if offered:
+            self._settle()
+            ahead = None
+        self.launched = None
         spec = next((r.spec for r, o in zip(members, offers, strict=True) if o is not None),
                     None)
         wide = width(offers, spec.config.costs) if spec is not None else 1
@@ -122,8 +148,14 @@ class Batch(Members):
         try:
             for r in members:
                 r.broken = True
-            tokens = mx.array([[r.pending] for r in members])
-            logits = self.model(tokens, cache=self.cache)[:, -1, :]
+            if ahead is not None:
+                logits, ready = ahead.logits, ahead.argmax
+                self.passes.launched(True)
+                self.ahead.outcome(True)
+            else:
+                logits = self.model(mx.array([[r.pending] for r in members]),
+                                    cache=self.cache)[:, -1, :]
+                ready = None
             hidden = next((r.spec.config.taken() for r in members if r.spec is not None), None)
             for i, r in enumerate(members):
                 assert r.pending is not None
@@ -135,16 +167,30 @@ class Batch(Members):
             # greedy ones together, the others each with its own sampler; a member whose draw
             # cannot be built draws in its own step (and fails alone)
             plain = [r.plain for r in members]
-            together = argmax_rows(logits) if sum(plain) > 1 else None
+            together = ready if ready is not None else \
+                argmax_rows(logits) if sum(plain) > 1 else None
             drawn: list[mx.array | int | None] = [
                 None if together is not None and p else _draw(r)
                 for r, p in zip(members, plain, strict=True)]
             snapshot.evaluate(self.cache, logits, *drawn,
                               *((together,) if together is not None else ()))
+            if ahead is None:
+                self.ahead.passed(time.perf_counter() - t0)
             if together is not None:
                 argmaxes = cast(list[int], together.tolist())
                 drawn = [argmaxes[i] if p else d
                          for i, (p, d) in enumerate(zip(plain, drawn, strict=True))]
+                # the next pass launched now that its tokens are known: it computes while
+                # the jobs detokenize, check their stops and send their text. Not where a
+                # prompt ended in this pass (its checkpoint is taken of its row before the
+                # next step) or where a member would offer a draft next (it would verify):
+                # either would take it back.
+                if not riders and launch.may_launch(self.cache, members, plain) and \
+                        not any(_would_draft(r, t) for r, t in zip(members, argmaxes,
+                                                                    strict=True)) \
+                        and self.ahead.pays():
+                    self.launched = launch.launch(self.model, self.cache, members, together,
+                                                  argmaxes)
         except BaseException:
             self._break()
             raise
@@ -153,6 +199,7 @@ class Batch(Members):
         for r, d in zip(members, drawn, strict=True):
             r.batched += len(members)
             r.drawn, r.broken = d, False
+        self._left = time.perf_counter()
 
     def _verifies(self) -> bool:
         """Whether drafts can be verified in this batch's passes: every row of every leaf can

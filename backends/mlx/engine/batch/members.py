@@ -8,7 +8,8 @@ join holds about the larger of the two, not both). It leaves when its request en
 cancelled, or steps alone again: `extract` gives back a cache of its own, exactly the classes
 and contents it would hold alone, then `filter` drops its row. A copy of a row (`row`), of its
 recurrent leaves (`states_of`) or of any leaves (`leaves_of`, a checkpoint) can be taken while
-it stays. A failure leaves every member `broken` and the batch empty.
+it stays. A failure leaves every member `broken` and the batch empty. Each of these first takes
+back a pass launched ahead (`launch.py`): they see the caches the last step left.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from prefixd.backends.mlx.cache import snapshot
+from prefixd.backends.mlx.engine.batch import launch
 from prefixd.backends.mlx.engine.batch.stacking import GROWTH, release, stack, stackable
 
 if TYPE_CHECKING:
+    from prefixd.backends.mlx.engine.batch.passes import PassCounts
     from prefixd.backends.mlx.engine.live.state import Live
 
 
@@ -30,6 +33,22 @@ class Members:
 
     runs: list[Live]
     cache: list[Any] | None
+    passes: PassCounts
+    launched: launch.Launched | None   # the next pass, launched ahead (`launch.py`)
+    ahead: launch.Worth                # whether launching it pays
+
+    def _settle(self) -> None:
+        """A pass launched ahead taken back: the caches as the last step left them."""
+        launched, self.launched = self.launched, None
+        if launched is None or self.cache is None:
+            return
+        try:
+            launch.undo(self.cache, launched)
+        except BaseException:
+            self._break()
+            raise
+        self.passes.launched(False)
+        self.ahead.outcome(False)
 
     def _join(self, runs: list[Live]) -> None:
         """Merge the runs' caches into the batch a layer at a time, each run's layer dropped
@@ -37,6 +56,7 @@ class Members:
         not both. A failure leaves every member and joiner `broken`, and the batch empty."""
         if not runs:
             return
+        self._settle()
         caches = [r.cache for r in runs]
         for r in runs:
             r.cache, r.batch = [], self
@@ -66,11 +86,12 @@ class Members:
     def _break(self) -> None:
         for r in self.runs:
             r.broken, r.batch, r.drawn = True, None, None
-        self.runs, self.cache = [], None
+        self.runs, self.cache, self.launched = [], None, None
 
     def states_of(self, run: Live, kept: tuple[int, ...]) -> snapshot.Snapshot:
         """`run`'s row of the batch's recurrent and convolution leaves `kept`, in arrays of its
         own (the batch's are replaced at its next step): what a stop mark keeps."""
+        self._settle()
         assert self.cache is not None
         i = self.runs.index(run)
         live = snapshot.leaves(self.cache)
@@ -80,6 +101,7 @@ class Members:
         """`run`'s row of the batch's leaves `kept`, each a cache of its own class alone (a
         recurrent or convolution leaf's row copied, a window's extracted): a checkpoint of the
         state its row holds now, as `snapshot.take` of its cache alone would be."""
+        self._settle()
         assert self.cache is not None
         i = self.runs.index(run)
         live = snapshot.leaves(self.cache)
@@ -94,6 +116,7 @@ class Members:
 
     def row(self, run: Live) -> list[Any]:
         """A copy of `run`'s cache as the batch holds it (it stays a member)."""
+        self._settle()
         assert self.cache is not None
         i = self.runs.index(run)
         try:
@@ -107,6 +130,7 @@ class Members:
     def leave(self, run: Live) -> None:
         """`run` takes its own cache back out of the batch (its row dropped), a layer at a
         time (the old layer freed before the next is copied)."""
+        self._settle()
         assert self.cache is not None
         i = self.runs.index(run)
         rows = len(self.runs)

@@ -27,6 +27,7 @@ class PassCounts:
         self.by_source: dict[str, dict[str, int]] = {}   # drafted, accepted per drafter
         self.rode = 0   # prompts whose last token a decode pass fed (no pass of their own)
         self.shared = self.shared_prompts = 0   # prefill passes of several prompts, and those
+        self.ahead = {"used": 0, "undone": 0}   # decode passes launched ahead (`launch.py`)
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -42,6 +43,11 @@ class PassCounts:
         self._count("prefill", prompts, tokens)
         self.shared += 1
         self.shared_prompts += prompts
+
+    def launched(self, used: bool) -> None:
+        """A decode pass launched ahead of its step was that step's pass (`used`), or was
+        taken back (the rows or their tokens changed: its compute was lost)."""
+        self.ahead["used" if used else "undone"] += 1
 
     def riders(self, prompts: int) -> None:
         """A decode pass fed the last token of `prompts` newcomers' prompts as rows."""
@@ -94,4 +100,6 @@ class PassCounts:
                 "prefill_passes": self.passes["prefill"],
                 "prefill_tokens": self.tokens["prefill"], "prompts_ended_in_decode": self.rode,
                 "shared_prefill_passes": self.shared,
-                "prompts_prefilled_together": self.shared_prompts}
+                "prompts_prefilled_together": self.shared_prompts,
+                "passes_launched_ahead": self.ahead["used"],
+                "passes_launched_ahead_undone": self.ahead["undone"]}

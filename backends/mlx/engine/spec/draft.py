@@ -195,6 +195,10 @@ class Pace:
         probe, rate.probe = rate.probe, False
         return rate.alpha, probe
 
+    def would_offer(self, reach: int) -> bool:
+        """Whether `offer` would offer a draft of that reach now (asked without waiting less)."""
+        return self.max_draft > 0 and self._rate(reach).wait <= 0
+
     def decline(self, reach: int) -> None:
         """An offered draft of that reach did not pay in its batch's pass: drafts of it wait
         (doubling), then probe, as a draft that does not pay alone (`length`)."""

@@ -110,6 +110,17 @@ class Speculation:
         out = self._model_draft(context, limit, rows)
         return Offer(out, self.model_pace.alpha(Pace.MODEL)) if out else None
 
+    def would_offer(self, run: Row, token: int, room: int) -> bool:
+        """Whether `offer` after `token` would offer a draft, asked without changing its pace
+        (a batch launching its next pass early asks: `engine/batch/launch.py`); a model
+        drafter may draft where the context has nothing, so with one: yes."""
+        if min(room, self.config.max_draft) <= 0:
+            return False
+        if self.model is not None:
+            return True
+        tokens = self.lookup.propose(Context(run.prompt, run.fed, token), 1)
+        return bool(tokens) and self.pace.would_offer(self.lookup.reach)
+
     def declined(self) -> None:
         """The draft it offered was not verified: its batch's pass did not pay for it."""
         self.source.decline(self.reach)
