@@ -25,24 +25,16 @@ from prefixd.backends.mlx.engine.spec.row import argmax_rows
 from prefixd.backends.mlx.model.tiny import ARCHS
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Finished, Job
-from prefixd.backends.mlx.settings import WorkerSettings
-from tests.worker_fixtures import collect, loaded
+from tests.worker_fixtures import batching, collect
 
 TOKENS = 16
 LOGPROB_TOLERANCE = 2e-4   # kernels batched over rows round differently (measured: to 1.01e-4)
 
 
-def _gen(path: Path, **extra: Any) -> Generator:
-    g = Generator(WorkerSettings(_env_file=None, use_system_blas=False, max_active=8,
-                                 prefill_slice_ms=0, checkpoint_interval=64, **extra))
-    loaded(g, str(path))
-    return g
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def gen(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
         ) -> Iterator[Generator]:
-    g = _gen(tiny_model_dir(request.param))
+    g = batching(tiny_model_dir(request.param))
     yield g
     g.close()
 
@@ -231,7 +223,7 @@ async def test_without_batch_decode_each_pass_is_one_request(
         tiny_model_dir: Callable[[str], Path]) -> None:
     """`batch_decode` false (or a model whose caches cannot merge): the same replies, one
     request per decode pass."""
-    g = _gen(tiny_model_dir("qwen3"), batch_decode=False)
+    g = batching(tiny_model_dir("qwen3"), batch_decode=False)
     try:
         prompts = _prompts(6, (10, 30, 50))
         alone = await _alone(g, prompts, "a")

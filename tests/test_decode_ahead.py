@@ -23,24 +23,16 @@ from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.model.tiny import ARCHS
 from prefixd.backends.mlx.scheduler.generator import Generator
 from prefixd.backends.mlx.scheduler.jobs import Delta, Finished, Queued
-from prefixd.backends.mlx.settings import WorkerSettings
-from tests.worker_fixtures import loaded
+from tests.worker_fixtures import batching
 
 Reply = tuple[str, int, str]    # text, completion tokens, finish reason
-
-
-def _gen(path: Path, **extra: Any) -> Generator:
-    g = Generator(WorkerSettings(_env_file=None, use_system_blas=False, max_active=8,
-                                 prefill_slice_ms=0, checkpoint_interval=64, **extra))
-    loaded(g, str(path))
-    return g
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def gen(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
         ) -> Iterator[Generator]:
     """Speculation on (the default): a step where a draft is offered launches nothing."""
-    g = _gen(tiny_model_dir(request.param), decode_ahead="on")
+    g = batching(tiny_model_dir(request.param), decode_ahead="on")
     yield g
     g.close()
 
@@ -49,7 +41,7 @@ def gen(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
 def plain(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
           ) -> Iterator[Generator]:
     """Speculation off: every plain step of a batch may launch the next."""
-    g = _gen(tiny_model_dir(request.param), speculative=False, decode_ahead="on")
+    g = batching(tiny_model_dir(request.param), speculative=False, decode_ahead="on")
     yield g
     g.close()
 

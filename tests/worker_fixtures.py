@@ -31,6 +31,14 @@ def loaded(gen: Generator, model: str) -> Generator:
         pool.submit(asyncio.run, gen.load(model)).result()
     return gen
 
+def batching(path: Path, **extra: Any) -> Generator:
+    """A worker's generator on `path` that runs up to 8 jobs at once (their decode steps in one
+    pass), prefill slices unbounded, a checkpoint every 64 tokens."""
+    return loaded(Generator(WorkerSettings(_env_file=None, use_system_blas=False, max_active=8,
+                                           prefill_slice_ms=0, checkpoint_interval=64,
+                                           **extra)), str(path))
+
+
 def untimed(path: Path, **extra: Any) -> Generator:
     """A worker's generator on `path` whose drafts are sized by the prior costs (as a group's
     are), never by time: what gets drafted, and in which batches, is the same on any machine."""
