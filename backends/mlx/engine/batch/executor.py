@@ -186,8 +186,8 @@ class Batch(Members):
                 # next step) or where a member would offer a draft next (it would verify):
                 # either would take it back.
                 if not riders and launch.may_launch(self.cache, members, plain) and \
-                        not any(_would_draft(r, t) for r, t in zip(members, argmaxes,
-                                                                    strict=True)) \
+                        not (self._verifies() and any(
+                            _would_draft(r, t) for r, t in zip(members, argmaxes, strict=True))) \
                         and self.ahead.pays():
                     self.launched = launch.launch(self.model, self.cache, members, together,
                                                   argmaxes)
