@@ -103,6 +103,18 @@ def test_prompt_lookup_follows_where_most_earlier_occurrences_went() -> None:
     assert _proposed(far, 1) == ([7], 4)
 
 
+def test_prompt_lookup_asked_again_answers_as_a_fresh_one() -> None:
+    # asked again for the same context (a batch launching ahead asks before its next step
+    # offers), for fewer tokens, and after the context grew: each answer is a fresh lookup's
+    tokens = [1, 2, 3, 4, 0, 1, 2, 3, 9, 5, 1, 2, 3, 9, 6, 1, 2]
+    lookup = PromptLookup(tokens, capacity=8, ngram=2)
+    first = _proposed(lookup, 4)
+    assert _proposed(lookup, 4) == first == _proposed(PromptLookup(tokens, 8, 2), 4)
+    assert _proposed(lookup, 2) == (first[0][:2], first[1])
+    lookup.extend([3])
+    assert _proposed(lookup, 4) == _proposed(PromptLookup([*tokens, 3], 8, 2), 4) != first
+
+
 def test_prompt_lookup_continues_a_copy_that_runs_into_its_own_end() -> None:
     loop = PromptLookup([9, 1, 2, 3, 1, 2, 3, 1, 2], capacity=2, ngram=2)
     assert _proposed(loop, 7) == ([3, 1, 2, 3, 1, 2, 3], 5)

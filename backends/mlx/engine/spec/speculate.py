@@ -114,11 +114,13 @@ class Speculation:
         """Whether `offer` after `token` would offer a draft, asked without changing its pace
         (a batch launching its next pass early asks: `engine/batch/launch.py`); a model
         drafter may draft where the context has nothing, so with one: yes."""
-        if min(room, self.config.max_draft) <= 0:
+        limit = min(room, self.config.max_draft)
+        if limit <= 0:
             return False
         if self.model is not None:
             return True
-        tokens = self.lookup.propose(Context(run.prompt, run.fed, token), 1)
+        # the length `offer` asks for at that step: its proposal is then this one, kept
+        tokens = self.lookup.propose(Context(run.prompt, run.fed, token), limit)
         return bool(tokens) and self.pace.would_offer(self.lookup.reach)
 
     def declined(self) -> None:
