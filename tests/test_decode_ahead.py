@@ -184,7 +184,7 @@ async def test_a_stop_string_in_company_ends_as_alone_and_its_next_turn_is_warm(
 
 def test_a_cache_with_a_window_never_launches_and_plain_caches_do() -> None:
     """`may_launch` (pure over the cache kinds and the rows): windows cannot go back."""
-    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
     from prefixd.backends.mlx.engine.batch.launch import may_launch
 
@@ -198,6 +198,14 @@ def test_a_cache_with_a_window_never_launches_and_plain_caches_do() -> None:
     assert not may_launch(kv, rows, [True, False])               # a sampled row
     assert not may_launch(kv, rows[:1], [True])                  # one row: no batch
     assert not may_launch([*kv, BatchRotatingKVCache(8, [0, 0])], rows, [True, True])
+    assert may_launch([*kv, ArraysCache(2)], rows, [True, True])
+    padded = ArraysCache(2, left_padding=[1, 0])     # rows padded: not taken back row by row
+    assert not may_launch([*kv, padded], rows, [True, True])
+
+    class Mamba(ArraysCache):   # another class: `undo` would not know it
+        pass
+
+    assert not may_launch([*kv, Mamba(2)], rows, [True, True])
     last = Row()
     last.sampled = 8      # it yields its 9th token after this pass, and feeds it: launched
     assert may_launch(kv, [rows[0], last], [True, True])

@@ -109,8 +109,12 @@ def may_launch(cache: list[Any], members: list[Live], plain: list[bool]) -> bool
     would be taken back)."""
     if len(members) < 2 or not all(plain):
         return False
-    for leaf in snapshot.leaves(cache):
-        if not isinstance(leaf, BatchKVCache | GappedKVCache | ArraysCache):
+    for leaf in snapshot.leaves(cache):   # the exact classes `undo` takes back (`rows.back`)
+        kind = type(leaf)
+        if kind is ArraysCache:
+            if leaf.left_padding is not None or leaf.lengths is not None:
+                return False
+        elif kind is not BatchKVCache and kind is not GappedKVCache:
             return False
     return all((r.spec is None or not r.spec.config.watches)
                and r.max_tokens - r.sampled > 1 for r in members)
