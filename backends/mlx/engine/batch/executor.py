@@ -50,10 +50,15 @@ if TYPE_CHECKING:
     from prefixd.backends.mlx.engine.spec.speculate import Speculation
 
 
+def _room(run: Live, later: int = 0) -> int:
+    """The drafted tokens it may still yield after its pending token, `later` tokens on."""
+    return run.max_tokens - run.sampled - later - 1
+
+
 def _offer(run: Live, rows: int) -> Offer | None:
     """What a batch member would verify after its pending token in a pass of `rows` requests
     (None: it feeds its pending token alone)."""
-    room = run.max_tokens - run.sampled - 1
+    room = _room(run)
     if run.spec is None or run.pending is None or run.prompt_pending or room <= 0:
         return None
     return run.spec.offer(run, run.pending, room, rows)
@@ -62,7 +67,7 @@ def _offer(run: Live, rows: int) -> Offer | None:
 def _would_draft(run: Live, token: int) -> bool:
     """Whether, once `token` is its pending token, it would offer a draft at the batch's next
     step (`_offer`): asked without changing its pace."""
-    room = run.max_tokens - run.sampled - 2
+    room = _room(run, later=1)
     return run.spec is not None and room > 0 and run.spec.would_offer(run, token, room)
 
 
@@ -181,14 +186,8 @@ class Batch(Members):
                 drawn = [argmaxes[i] if p else d
                          for i, (p, d) in enumerate(zip(plain, drawn, strict=True))]
                 # the next pass launched now that its tokens are known: it computes while
-                # the jobs detokenize, check their stops and send their text. Not where a
-                # prompt ended in this pass (its checkpoint is taken of its row before the
-                # next step) or where a member would offer a draft next (it would verify):
-                # either would take it back.
-                if not riders and launch.may_launch(self.cache, members, plain) and \
-                        not (self._verifies() and any(
-                            _would_draft(r, t) for r, t in zip(members, argmaxes, strict=True))) \
-                        and self.ahead.pays():
+                # the jobs detokenize, check their stops and send their text
+                if not riders and self._launches(members, plain, argmaxes):
                     self.launched = launch.launch(self.model, self.cache, members, together,
                                                   argmaxes)
         except BaseException:
@@ -200,6 +199,17 @@ class Batch(Members):
             r.batched += len(members)
             r.drawn, r.broken = d, False
         self._left = time.perf_counter()
+
+    def _launches(self, members: list[Live], plain: list[bool], tokens: list[int]) -> bool:
+        """Whether the next pass of `members`, fed `tokens`, is launched now (`launch.py`):
+        not where a member would offer a draft next (it would verify instead, and take it
+        back), and where launching pays (`Worth`). A step where a prompt ended launches
+        nothing either (its checkpoint is taken of its row before the next step)."""
+        assert self.cache is not None
+        return launch.may_launch(self.cache, members, plain) and not (
+            self._verifies() and any(_would_draft(r, t)
+                                     for r, t in zip(members, tokens, strict=True))) \
+            and self.ahead.pays()
 
     def _verifies(self) -> bool:
         """Whether drafts can be verified in this batch's passes: every row of every leaf can
