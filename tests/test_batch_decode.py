@@ -155,6 +155,33 @@ async def test_fresh_short_prompts_sent_together_share_one_prefill_pass(gen: Gen
     await _next_turns_warm(gen, _held(gen, prompts, "shared"), "shared", 9, 5)
 
 
+async def test_follow_up_turns_sent_together_share_one_prefill_pass(gen: Generator) -> None:
+    """Follow-up turns that arrive together, each restoring its own conversation (prefixes of
+    different lengths), prefill their new tokens (of different lengths) in one pass: each
+    restores what it held, replies as the same turn does cold and alone, and its next turn
+    is warm and equals cold."""
+    assert gen.loaded is not None
+    first = _prompts(10, (25, 60, 41))
+    await _together(gen, first, "follow")
+    held = _held(gen, first, "follow")
+    rng = random.Random(10)
+    turns = [[*h, *(rng.randrange(1, 1000) for _ in range(n))]
+             for h, n in zip(held, (14, 9, 17), strict=True)]
+    cold = await _alone(gen, turns, "follow-cold")
+    before = _batch(gen)
+    warm = await _together(gen, turns, "follow")
+    after = _batch(gen)
+    _same(warm, cold)
+    assert all(end.cached_tokens >= len(h) for (_, _, end), h in zip(warm, held, strict=True))
+    shared = after["prompts_prefilled_together"] - before["prompts_prefilled_together"]
+    if gen.loaded.engine.prefills_together:
+        assert after["shared_prefill_passes"] > before["shared_prefill_passes"]
+        assert shared >= 2
+    else:
+        assert shared == 0
+    await _next_turns_warm(gen, _held(gen, turns, "follow"), "follow", 10, 5)
+
+
 async def test_a_request_ending_in_company_feeds_no_pass_of_its_own(gen: Generator) -> None:
     """A reply that ends while others decode beside it is stored without its last token (a
     pass of that token alone would hold up the others); the last one to end, alone, is

@@ -323,25 +323,44 @@ class FakeTask:
 
 def test_the_plan_shares_a_prefill_pass_among_fresh_short_prompts_of_like_length() -> None:
     """Fresh short prompts (not started, nothing cached, at most `prefill_slice` tokens) of
-    like length share one prefill pass; one started, one with a cached prefix, one long and
-    one whose padding would cost too much run their own."""
+    like length share one prefill pass; one started, one long and one whose padding would
+    cost too much run their own."""
     schedule = Schedule(8, 256, 512, 1 << 30, 1)
-    lengths = (40, 44, 38, 42, 400, 41, 8, 43)
+    lengths = (40, 44, 38, 42, 400, 41, 5, 43)
     for n in lengths:
         schedule.add(_job([1] * n))
     slots = schedule.admit()
-    slots[5].cached = 20              # a follow-up turn: its prefix restores
     slots[7].task = FakeTask(43)      # started
     plan = schedule.plan(slots[0], together=True)
     assert plan.kind == "prefill" and plan.slots[0] is slots[0]
-    assert {lengths[slots.index(s)] for s in plan.slots} == {40, 44, 38, 42}
+    assert {lengths[slots.index(s)] for s in plan.slots} == {40, 44, 38, 42, 41}
     assert schedule.plan(slots[4], together=True) == Plan("step", [slots[4]])   # too long
     assert schedule.plan(slots[6], together=True).slots[0] is slots[6]
-    assert slots[6] not in schedule.plan(slots[0], together=True).slots   # 8: padded 5.5x
+    assert slots[6] not in schedule.plan(slots[0], together=True).slots   # 8: padded 8.8x
     assert schedule.plan(slots[0], together=False) == Plan("step", [slots[0]])
     rows = prefill_rows(slots[0], [*slots, *(Slot(_job([1] * 40), 0) for _ in range(9))],
                         (), 256)
     assert len(rows) == MOST
+
+
+def test_the_plan_shares_a_prefill_pass_among_follow_ups_of_like_length() -> None:
+    """Follow-up turns (a conversation's prefix cached) share a pass by the tokens each
+    computes and by the positions each attends to: a follow-up of 1,000 tokens (40 new) with
+    another of like length, not with a fresh prompt of 40 tokens (its pass would attend over
+    1,000 positions of padding); a follow-up whose new tokens are the last alone, and one
+    past `CONTEXT`, run their own."""
+    schedule = Schedule(8, 256, 512, 1 << 30, 1)
+    lengths = (1000, 1010, 40, 990, 1000, 3000)
+    for n in lengths:
+        schedule.add(_job([1] * n))
+    slots = schedule.admit()
+    for s, cached in zip(slots, (960, 975, 0, 950, 999, 2960), strict=True):
+        s.cached = cached
+    assert schedule.plan(slots[0], together=True) == Plan("prefill", [slots[0], slots[3],
+                                                                      slots[1]])
+    assert schedule.plan(slots[2], together=True) == Plan("step", [slots[2]])
+    assert schedule.plan(slots[4], together=True) == Plan("step", [slots[4]])   # 1 new token
+    assert schedule.plan(slots[5], together=True) == Plan("step", [slots[5]])   # > CONTEXT
 
 
 def test_policy_soonest_first_token_then_shortest_prefill_with_aging() -> None:

@@ -235,17 +235,17 @@ class Engine(Restoring, Checkpointing):
             yield from run.decode(run.logits, stats)
 
     def prefill_together(self, runs: list[Run]) -> int:
-        """The prompts of `runs` that restored nothing, all but their last token, in one pass
-        (`engine/batch/prefill.py`, at most `prefill.MOST`), each run then `Ready`; the
+        """The prompts of `runs` past what each restored, all but their last token, in one
+        pass (`engine/batch/prefill.py`, at most `prefill.MOST`), each run then `Ready`; the
         others prefill in passes of their own. How many shared it. Raises what the model
         raises (those runs are `broken`)."""
         rows = [r for r in runs if prefill.takes(r)][:prefill.MOST]
         if not self.prefills_together or len(rows) < 2:
             return 0
+        todo = [len(r.prompt) - 1 - r.pos for r in rows]
         seconds = prefill.together(self.model, rows, self.passes)
-        total = sum(len(r.prompt) - 1 for r in rows)
-        for r in rows:       # its share of the pass, as the prefill rate sees it
-            r.segments.append((len(r.prompt) - 1, seconds * (len(r.prompt) - 1) / total))
+        for r, n in zip(rows, todo, strict=True):   # its share, as the prefill rate sees it
+            r.segments.append((n, seconds * n / sum(todo)))
         return len(rows)
 
     def end(self, turn: Turn) -> None:

@@ -107,11 +107,12 @@ class Active:
         if self.steps is None and not self.stopping:
             self.steps = self._begin()
 
-    def fresh(self) -> bool:
-        """Whether it began and restored nothing: its prompt can share a prefill pass with
-        others' (`prefill_together`)."""
+    def unstarted(self) -> bool:
+        """Whether it began and no pass of it ran yet: its prompt past what it restored can
+        share a prefill pass with others' (`prefill_together`)."""
         run = self.turn.run
-        return self.steps is not None and run is not None and run.pos == 0 and not run.fed
+        return self.steps is not None and run is not None and run.pos == run.start and \
+            not run.fed
 
     def feeding(self) -> Run | None:
         """Its run, when its next step feeds the token it sampled last (a decode step that
@@ -264,10 +265,11 @@ def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:
 
 def prefill_together(actives: list[Active], stops: list[bool]) -> list[Step]:
     """The first step of every job in `actives` (journaled first, as one entry): each begins
-    (its cache restored), the prompts that restored nothing prefill all but their last token
-    in one pass (`Engine.prefill_together`), the others their first pass alone; each is then
-    `Ready` (its last token waits for a decode pass). `stops`: each job's `Decision.stop`.
-    Never raises: a failed pass fails every job it fed."""
+    (its cache restored), their prompts past what each restored prefill all but their last
+    token in one pass (`Engine.prefill_together`: those its cache kind allows), the others
+    their first pass alone; each is then `Ready` (its last token waits for a decode pass).
+    `stops`: each job's `Decision.stop`. Never raises: a failed pass fails every job it
+    fed."""
     lockstep = actives[0].lockstep
     lockstep.journal(encode(PrefillEntry([a.job.id for a in actives], list(stops))))
     out: dict[int, Step] = {}
@@ -277,13 +279,13 @@ def prefill_together(actives: list[Active], stops: list[bool]) -> list[Step]:
             a.begin()
         except Exception as e:
             out[id(a)] = a.fail(e)
-    fresh = [a for a in actives if id(a) not in out and not a.stopping and a.fresh()]
-    if len(fresh) > 1:
+    rows = [a for a in actives if id(a) not in out and not a.stopping and a.unstarted()]
+    if len(rows) > 1:
         try:
             actives[0].loaded.engine.prefill_together(
-                [a.turn.run for a in fresh if a.turn.run is not None])
+                [a.turn.run for a in rows if a.turn.run is not None])
         except Exception as e:
-            out.update({id(a): a.fail(e) for a in fresh})
+            out.update({id(a): a.fail(e) for a in rows})
     return [out[id(a)] if id(a) in out else a.advance() for a in actives]
 
 

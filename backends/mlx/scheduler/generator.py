@@ -231,7 +231,7 @@ class Generator:
         return step_batch(cast(list[Active], tasks), stops)
 
     def _prefill(self, tasks: list[Task], stops: list[bool]) -> list[Step]:
-        """The first steps of several jobs, their fresh prompts in one pass
+        """The first steps of several jobs, their short prompts in one pass
         (`active.prefill_together`)."""
         return prefill_together(cast(list[Active], tasks), stops)
 

@@ -36,7 +36,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
     taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each
     decode step is a pass of its own). `prefill(tasks, stops)`: the first step of several
-    jobs, their fresh prompts prefilled in one pass (None: a pass each). The pass is the
+    jobs, their short prompts prefilled in one pass (None: a pass each). The pass is the
     schedule's plan (`policy/plan.py`). `report(schedule)`: what is under way now (the worker's
     status), after each admission (before the waiting are told their place) and after each
     pass (before the ends of the jobs it ended are sent)."""

@@ -124,7 +124,7 @@ class Replay:
                 for i, step in zip(ids, steps, strict=True):
                     if isinstance(step, Finished | Failed):
                         del self.jobs[i]
-            case PrefillEntry(jobs=ids, stop=stops):   # fresh prompts prefilled in one pass
+            case PrefillEntry(jobs=ids, stop=stops):   # short prompts prefilled in one pass
                 steps = prefill_together([self._job(i) for i in ids], list(stops))
                 for i, step in zip(ids, steps, strict=True):
                     if isinstance(step, Finished | Failed):

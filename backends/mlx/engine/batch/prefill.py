@@ -2,12 +2,15 @@
 where the model's cache is full-attention KV alone (no checkpoints are taken inside a
 prefill, `engine.Engine.prefills_together`).
 
-Owns: nothing between calls. `together` takes runs restored from nothing (`pos` 0), feeds
-all but the last token of each prompt, left-padded to the longest, in one pass over mlx-lm's
-`BatchKVCache` (its masks keep each row to its own tokens, its offsets give each row its own
-positions), then extracts each row into a cache of its own (`KVCache`, what a pass alone
-leaves, up to kernel rounding). Each run's last prompt token then waits (`pacing.Ready`) for
-a decode pass to carry it (`executor.Batch.step`). Measured on the built-in model (2 CPU
+Owns: nothing between calls. `together` takes runs as they were restored (a follow-up turn
+from its conversation's stored prefix, a fresh prompt from nothing), merges their caches into
+mlx-lm's `BatchKVCache` (prefixes left-padded to the longest), feeds all but the last token of
+each prompt past its prefix, right-padded to the longest, in one pass (its masks keep each row
+to its own tokens, its offsets give each row its own positions; the right padding is rolled
+into the left after the pass, as stock's `BatchGenerator.prompt` does), then extracts each
+row into a cache of its own (`KVCache`, what a pass alone leaves, up to kernel rounding).
+Each run's last prompt token then waits (`pacing.Ready`) for a decode pass to carry it
+(`executor.Batch.step`). Measured on the built-in model (2 CPU
 cores, `bench/batched_prefill.py`): 4 prompts of 32 tokens in one pass take 0.62 of the time
 of one pass each, of 128 tokens 0.80; 2 of 32, 0.78. A GPU, which short passes leave idler
 than a CPU's cores, should gain more (stock mlx-lm batches up to 8 prompts on Metal).
@@ -39,27 +42,36 @@ def possible(template: list[Any]) -> bool:
 
 
 def takes(run: Live) -> bool:
-    """Whether `run` can be a row of a shared prefill pass: nothing restored, a prompt of two
-    tokens at least (its last is the decode pass's), its state known."""
-    return run.pos == 0 and len(run.prompt) >= 2 and not run.broken and run.batch is None
+    """Whether `run` can be a row of a shared prefill pass: nothing generated yet, at least
+    one prompt token to prefill besides its last (the decode pass's), its state known, its
+    cache its own and full-attention KV (restored or empty)."""
+    return not run.fed and run.pos < len(run.prompt) - 1 and not run.broken and \
+        run.batch is None and all(type(c) is KVCache for c in run.cache)
 
 
 def together(model: Any, runs: Sequence[Live], passes: PassCounts) -> float:
-    """All but the last token of each run's prompt in one pass; each run's cache is then its
-    own, at `pos` = its prompt's length - 1. The seconds it took. Raises what the model raises
-    (every run is then `broken`)."""
-    prompts = [r.prompt[:-1] for r in runs]
+    """All but the last token of each run's prompt past what it restored (`pos`), in one pass;
+    each run's cache is then its own again, at `pos` = its prompt's length - 1. The seconds it
+    took. Raises what the model raises (every run is then `broken`)."""
+    prompts = [r.prompt[r.pos:-1] for r in runs]
     width = max(len(p) for p in prompts)
-    pads = [width - len(p) for p in prompts]
+    right = [width - len(p) for p in prompts]
     t0 = time.perf_counter()
     for r in runs:
         r.broken = True
-    cache = [BatchKVCache(pads) for _ in runs[0].cache]
-    model(mx.array([[0] * pad + p for p, pad in zip(prompts, pads, strict=True)]), cache=cache)
+    # each layer: the rows' restored prefixes left-padded to the longest (empty: no rows yet)
+    cache = [BatchKVCache.merge([r.cache[i] for r in runs]) for i in range(len(runs[0].cache))]
+    if any(right):     # the rows' new tokens right-padded, the padding then rolled left
+        for layer in cache:
+            layer.prepare(right_padding=right)
+    model(mx.array([p + [0] * pad for p, pad in zip(prompts, right, strict=True)]),
+          cache=cache)
+    for layer in cache:
+        layer.finalize()
     snapshot.evaluate(cache)
     for i, (r, p) in enumerate(zip(runs, prompts, strict=True)):
         r.cache = [layer.extract(i) for layer in cache]
-        r.pos = len(p)
+        r.pos += len(p)
     snapshot.evaluate([layer for r in runs for layer in r.cache])
     del cache
     for r in runs:

@@ -5,10 +5,13 @@ A pass is one of three: one job's `step` (a prefill slice, or a decode step alon
 `decode` pass of every job decoding or whose prompt's last token waits (`Task.ready`: a
 newcomer's first token comes from the decoding jobs' next pass, which nobody waits through a
 pass of its own for), each row's draft sized by the batch executor (`engine/spec/company.py`);
-or one `prefill` pass of several fresh short prompts (not started, nothing of them cached, at
-most `prefill_slice` tokens), all but their last token, left-padded to the longest
-(`engine/batch/prefill.py`), chosen so that padding costs at most `PAD` of their tokens, at most
-`MOST` of them.
+or one `prefill` pass of several short prompts not started (at most `prefill_slice` tokens past
+what the cache holds of each, at most `CONTEXT` tokens in all), all but their last token, each
+row its restored prefix and the tokens after it, right-padded to the longest
+(`engine/batch/prefill.py`), at most `MOST` of them, chosen so that padding costs at most `PAD`
+both of the tokens they compute and of the positions they attend to: a follow-up turn (its
+conversation restored) shares a pass with another follow-up of like length, not with a fresh
+prompt whose pass would attend over padding the length of that conversation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from prefixd.backends.mlx.scheduler.policy.slots import Slot
 
 MOST = 8      # prompts in one prefill pass (stock mlx-lm's prefill batch)
 PAD = 1.25    # a shared prefill pass's tokens, padding included, over its prompts' own
+# a prompt longer than this prefills alone: a shared pass copies each row's restored prefix
+# into the pass's cache and out again (memory twice, for a gain that shrinks as attention over
+# the prefix outweighs the rows' shared weights)
+CONTEXT = 2048
 
 
 @dataclass(frozen=True)
@@ -31,30 +38,42 @@ class Plan:
     slots: list[Slot]
 
 
-def fresh(s: Slot, slice_tokens: int) -> bool:
-    """Whether `s` is a short prompt not started whose cache holds none of it: a row of a
-    shared prefill pass."""
+def short(s: Slot, slice_tokens: int) -> bool:
+    """Whether `s` is a short prompt not started: a row of a shared prefill pass (at least
+    one token to prefill besides its last, at most `slice_tokens` past what its cache holds,
+    at most `CONTEXT` in all)."""
     n = len(s.job.prompt.tokens)
-    return s.task is None and s.cached == 0 and 2 <= n <= slice_tokens and not s.job.cancelled
+    return s.task is None and not s.job.cancelled and n <= CONTEXT and \
+        2 <= n - s.cached <= slice_tokens
+
+
+def _fits(lengths: list[int], n: int) -> bool:
+    """Whether one more row of length `n` keeps padding these rows to the longest within
+    `PAD` of their own lengths."""
+    return max(*lengths, n) * (len(lengths) + 1) <= PAD * (sum(lengths) + n)
 
 
 def prefill_rows(slot: Slot, active: Collection[Slot], excluded: Collection[Slot],
                  slice_tokens: int) -> list[Slot]:
-    """`slot` and the fresh prompts that share its prefill pass: the nearest in length first,
-    while the pass (every row padded to the longest) stays within `PAD` of their tokens; just
-    `slot` when it is not fresh or none fits."""
-    if not fresh(slot, slice_tokens):
+    """`slot` and the short prompts that share its prefill pass: the nearest in length first
+    (the tokens each computes, then its whole prompt), while padding every row to the longest
+    stays within `PAD`, both of the tokens they compute and of the positions they attend to;
+    just `slot` when it is not short or none fits."""
+    if not short(slot, slice_tokens):
         return [slot]
-    size = len(slot.job.prompt.tokens)
+    def shape(s: Slot) -> tuple[int, int]:
+        return s.remaining(), len(s.job.prompt.tokens)
+    width, size = shape(slot)
     others = sorted((s for s in active if s is not slot and s not in excluded
-                     and fresh(s, slice_tokens)),
-                    key=lambda s: abs(len(s.job.prompt.tokens) - size))
-    rows, lengths = [slot], [size]
+                     and short(s, slice_tokens)),
+                    key=lambda s: (abs(shape(s)[0] - width), abs(shape(s)[1] - size)))
+    rows, widths, sizes = [slot], [width], [size]
     for s in others:
         if len(rows) == MOST:
             break
-        n = len(s.job.prompt.tokens)
-        if max(*lengths, n) * (len(rows) + 1) <= PAD * (sum(lengths) + n):
+        w, n = shape(s)
+        if _fits(widths, w) and _fits(sizes, n):
             rows.append(s)
-            lengths.append(n)
+            widths.append(w)
+            sizes.append(n)
     return rows

@@ -264,7 +264,7 @@ class Schedule(Sharing):
     def plan(self, slot: Slot, batches: bool = True, together: bool = False) -> Plan:
         """The pass `slot` was picked for (`plan.Plan`): with `batches`, a decode pass of the
         decoding and ready jobs (`decoding`) where there are several; with `together`, a
-        prefill pass of several fresh short prompts (`plan.prefill_rows`); else its step."""
+        prefill pass of several short prompts not started (`plan.prefill_rows`); else its step."""
         rows = self.decoding(slot) if batches else [slot]
         if len(rows) > 1:
             return Plan("decode", rows)
