@@ -628,16 +628,22 @@ def test_admission_counts_what_a_request_holds_besides_its_kv() -> None:
 def test_a_requests_fixed_bytes_are_its_states_and_its_logits() -> None:
     """qwen3_next's tiny config: 3 Gated-DeltaNet layers, each a convolution state of
     (kernel - 1) x (2 x 2 x 16 + 4 x 16) float32 and a recurrent state of 4 x 16 x 16
-    float32; held twice where a verify pass keeps the state before it to go back; plus a
-    verify pass's logits and draws. Full attention holds no fixed state."""
+    float32; held twice where a verify pass or a decode pass launched ahead keeps the state
+    before it to go back; plus a verify pass's logits and draws. Full attention holds no
+    fixed state."""
     hybrid = Engine(model_from_config(tiny_config("qwen3_next")), EngineConfig())
     states = 3 * (3 * (2 * 2 * 16 + 4 * 16) * 4 + 4 * 16 * 16 * 4)
     leaves = hybrid.reference_leaves()
     assert hybrid.logits_bytes == 1024 * 4
     assert request_bytes(leaves, 4096, 9, False) == states + 2 * 9 * 4096
     assert request_bytes(leaves, 4096, 9, True) == 2 * states + 2 * 9 * 4096
+    # a decode pass launched ahead keeps the states before it, and its own logits beside the
+    # step's
+    assert request_bytes(leaves, 4096, 1, False, ahead=True) == 2 * states + 2 * 2 * 4096
+    assert request_bytes(leaves, 4096, 9, True, ahead=True) == 2 * states + 2 * 9 * 4096
     plain = Engine(model_from_config(tiny_config("qwen3")), EngineConfig())
     assert request_bytes(plain.reference_leaves(), 4096, 1, False) == 2 * 4096
+    assert request_bytes(plain.reference_leaves(), 4096, 1, False, ahead=True) == 4 * 4096
 
 
 def _started(slot: Any, length: int) -> Any:

@@ -47,7 +47,8 @@ def _room(gen: Generator) -> Room:
     leaves, spec = engine.reference_leaves(), engine.spec
     width = spec.max_draft + 1 if spec else 1
     return Room(0, kv_bytes_per_token(leaves),
-                request_bytes(leaves, engine.logits_bytes, width, bool(spec and spec.leaves)),
+                request_bytes(leaves, engine.logits_bytes, width, bool(spec and spec.leaves),
+                              engine.batch.ahead.mode != "off"),
                 width if spec else 0)
 
 

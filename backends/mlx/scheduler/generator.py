@@ -211,7 +211,8 @@ class Generator:
                         lambda job: engine.cached_now(job.prompt.tokens, job.namespace),
                         width if engine.spec else 0,
                         request_bytes(leaves, engine.logits_bytes, width,
-                                      bool(engine.spec and engine.spec.leaves)))
+                                      bool(engine.spec and engine.spec.leaves),
+                                      engine.batch.ahead.mode != "off"))
         batched = s.batch_decode and not engine.unbatchable
         def report(schedule: Schedule) -> None:
             self.status.scheduled(schedule)
