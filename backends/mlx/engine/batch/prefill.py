@@ -74,6 +74,7 @@ def together(model: Any, runs: Sequence[Live], passes: PassCounts) -> float:
         r.pos += len(p)
     snapshot.evaluate([layer for r in runs for layer in r.cache])
     del cache
+    mx.clear_cache()     # the pass's activations: not kept for the decode passes after it
     for r in runs:
         r.broken = False
     seconds = time.perf_counter() - t0
