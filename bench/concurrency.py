@@ -20,6 +20,7 @@ each process's VmHWM. Writes bench/out/concurrency.json, .md and concurrency_<mo
 
     ./run bench concurrency                    # tiny qwen3_next and the built-in model
     ./run bench concurrency --models qwen3_next --parts n --ns 1,4
+    ./run bench concurrency --models builtin --parts n --ns 4,8 --cold   # bursts prefill
 """
 
 from __future__ import annotations
@@ -88,13 +89,23 @@ def tpot(o: dict[str, Any]) -> float | None:
 
 
 def part_n(port: int, args: argparse.Namespace, seed: str) -> dict[str, Any]:
+    """Each N's burst; by default of prompts each server answered alone first (warm: the
+    burst is decode), with `--cold` of prompts new to the server (the burst prefills them,
+    then each is sent alone to compare)."""
     rng = random.Random(seed)
-    prompts = [body([{"role": "user", "content": words(rng, 90)}], args.max_tokens)
-               for _ in range(max(args.ns))]
+    def fresh(n: int) -> list[dict[str, Any]]:
+        return [body([{"role": "user", "content": words(rng, 90)}], args.max_tokens)
+                for _ in range(n)]
+    prompts = [] if args.cold else fresh(max(args.ns))
     alone = [together(port, [p])[0][0] for p in prompts]
     rows = []
     for n in args.ns:
-        outs, wall = together(port, prompts[:n])
+        if args.cold:
+            prompts = fresh(n)
+            outs, wall = together(port, prompts)
+            alone = [together(port, [p])[0][0] for p in prompts]
+        else:
+            outs, wall = together(port, prompts[:n])
         tokens = sum(o.get("completion", 0) for o in outs)
         tp = [t for o in outs if (t := tpot(o)) is not None]
         rows.append({"n": n, "wall": wall, "tokens": tokens, "rate": tokens / wall,
@@ -292,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="qwen3_next,builtin")
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--ns", default="1,2,4,8,16")
+    ap.add_argument("--cold", action="store_true",
+                    help="N part: each burst of prompts new to the server (default: warm)")
     ap.add_argument("--tiny-max-tokens", type=int, default=128)
     ap.add_argument("--builtin-max-tokens", type=int, default=32)
     ap.add_argument("--shared", type=int, default=1100, help="words of the shared system prompt")

@@ -115,8 +115,8 @@ class WorkerSettings(BaseSettings):
                                "step per pass.")
     decode_ahead: Literal["auto", "on", "off"] = Field(
         "auto", description="Worker (batch_decode): a batch of greedy requests launches its "
-        "next decode pass before reading this one's tokens, so their Python work between two "
-        "passes (detokenizing, stop strings, events) overlaps the next pass; a change to the "
+        "next decode pass as soon as this one's tokens are read, so their Python work between "
+        "two passes (detokenizing, stop strings, events) overlaps the next pass; a change to the "
         "batch (a request ends or joins, a draft is verified) takes that pass back, its "
         "compute lost. auto: while the time it saves beats the passes it loses (measured on "
         "2 CPU cores: 16 requests on a tiny hybrid +8%; 4 on the built-in 135M model, no "
