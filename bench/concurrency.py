@@ -91,14 +91,12 @@ def tpot(o: dict[str, Any]) -> float | None:
 def part_n(port: int, args: argparse.Namespace, seed: str) -> dict[str, Any]:
     """Each N's burst; by default of prompts each server answered alone first (warm: the
     burst is decode), with `--cold` of prompts new to the server (the burst prefills them,
-    then each is sent alone to compare), after one request of another prompt."""
+    then each is sent alone to compare)."""
     rng = random.Random(seed)
     def fresh(n: int) -> list[dict[str, Any]]:
         return [body([{"role": "user", "content": words(rng, 90)}], args.max_tokens)
                 for _ in range(n)]
-    # cold: one request first, as a server that has run a while has served one (its chat
-    # template's system prompt is then cached: the bursts' prompts are follow-ups of it)
-    prompts = fresh(1) if args.cold else fresh(max(args.ns))
+    prompts = [] if args.cold else fresh(max(args.ns))
     alone = [together(port, [p])[0][0] for p in prompts]
     rows = []
     for n in args.ns:
