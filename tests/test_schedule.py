@@ -108,7 +108,8 @@ def _interleave(engine: Engine, tokenizer: Any, jobs: dict[str, tuple[Job, Seque
         out = arrivals.pop(0) if arrivals else []
         return None if idle and not out else out
 
-    def start(job: Job, preempt: Callable[[], bool] | None) -> Observed:
+    def start(job: Job, preempt: Callable[[], bool] | None,
+              regroup: Callable[[], bool] | None = None) -> Observed:
         name, bounds = names[id(job)]
         tasks[name] = Observed(engine, tokenizer, job, log, name, bounds, preempt)
         return tasks[name]
@@ -228,7 +229,8 @@ def _interleave_mid_pass(engine: Engine, tokenizer: Any, long: list[int], short:
         out = inbox.pop(0) if inbox else []
         return None if idle and not out else out
 
-    def start(job: Job, preempt: Callable[[], bool] | None) -> Observed:
+    def start(job: Job, preempt: Callable[[], bool] | None,
+              regroup: Callable[[], bool] | None = None) -> Observed:
         name = "long" if job.prompt.tokens == long else "short"
         tasks[name] = Observed(engine, tokenizer, job, log, name,
                                BOUNDS if name == "long" else (), preempt)
@@ -258,7 +260,8 @@ def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel
         out = inbox.pop(0) if inbox else []
         return None if idle and not out else out
 
-    def start(job: Job, preempt: Callable[[], bool] | None) -> Observed:
+    def start(job: Job, preempt: Callable[[], bool] | None,
+              regroup: Callable[[], bool] | None = None) -> Observed:
         name = "long" if job is jobs["long"] else "short"
         if name == "short":
             jobs["long"].cancel()              # its client leaves while its pass is paused

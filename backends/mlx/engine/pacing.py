@@ -1,10 +1,11 @@
 """The typed steps of a generation and what paces them: pure, no mlx.
 
 A step of `Engine.steps` is one forward pass: `Prefilled` (a prefill pass ended), `Paused` (a
-prefill pass stopped between two layers; the next step resumes it), or the token a decode
-step sampled. Before each step its caller sets the `Pacing`: the next pass's size (decided in
-one place, the scheduler's `Schedule.pass_tokens`) and whether a pass pauses for another job;
-the request's `engine.Turn` holds its pacing, stats, store entry and live state.
+prefill pass stopped between two layers; the next step resumes it; `Regrouped`: a first pass
+taken back, to run with company), or the token a decode step sampled. Before each step its
+caller sets the `Pacing`: the next pass's size (decided in one place, the scheduler's
+`Schedule.pass_tokens`) and whether a pass pauses for another job; the request's `engine.Turn`
+holds its pacing, stats, store entry and live state.
 """
 
 from __future__ import annotations
@@ -37,12 +38,23 @@ class Paused:
     layers: int
 
 
+@dataclass(frozen=True)
+class Regrouped(Paused):
+    """A request's first prefill pass was taken back one layer in (its cache as it was
+    before): requests that arrived meanwhile share its prompt's pass instead
+    (`engine/batch/prefill.py`). The next step runs the prefill again, unless a shared pass
+    ran it first."""
+
+
 @dataclass
 class Pacing:
-    """What the caller decides before each step: the next prefill pass's size in tokens, and
-    whether a pass under way pauses between two layers (asked after each; None: never)."""
+    """What the caller decides before each step: the next prefill pass's size in tokens,
+    whether a pass under way pauses between two layers (asked after each; None: never), and
+    whether a first prefill pass is taken back one layer in, to run again with company
+    (`regroup`, asked once; None: never)."""
 
     tokens: int
     preempt: Callable[[], bool] | None = None
     share: int = 0   # a prompt position other requests wait for: a pass ends there, published
     pausable: bool = True   # False: no newcomer can outrank it, so the pass is evaluated whole
+    regroup: Callable[[], bool] | None = None

@@ -17,7 +17,11 @@ graph is built whole, then evaluated a layer at a time (the cache leaves in laye
 between two layers `preempt()` may say another job should run first. The pass then waits as it
 is, its residual stream (tokens x hidden size) the only activation it keeps, while other jobs
 run their own passes; evaluated later, it gives exactly what it gives unpaused (the same graph,
-the same operations on the same inputs).
+the same operations on the same inputs). A request's first prefill pass can instead be taken
+back one layer in (`pacing.regroup`, asked once, on a cache of full-attention KV alone): each
+layer's KV goes back to the arrays it held before the pass (`Regrouped`), so that requests
+that arrived in the same instant prefill with it in one pass (the burst's first request is
+picked the moment it arrives, before the others are there); what is lost is one layer's work.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.inpass import tap
-from prefixd.backends.mlx.engine.live.state import Live
-from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready
+from prefixd.backends.mlx.engine.live.stops import Stops
+from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready, Regrouped
 from prefixd.backends.mlx.engine.stats import PromptStats
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
@@ -48,7 +52,7 @@ Step = Prefilled | Ready | Paused | int   # an int: the token a decode step samp
 Forward = tuple[mx.array, dict[int, "snapshot.Snapshot"]]   # logits, in-pass checkpoints
 
 
-class Run(Live):
+class Run(Stops):
     """One generation: its live state (`Live`), its prefill's own state, and its steps."""
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
@@ -64,6 +68,7 @@ class Run(Live):
         self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
         self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
         self.ended = False   # committed and let go (`Engine.end`)
+        self.regrouped = False   # its first pass was offered to be taken back (`_regroups`)
 
     def release(self) -> None:
         """`Live.release`, and the prompt's last logits."""
@@ -88,14 +93,16 @@ class Run(Live):
         try:
             next(self._forward_steps(tokens, logits, offsets, staged=False))
         except StopIteration as done:
+            assert done.value is not None   # only a staged pass is taken back
             return done.value
         raise AssertionError("an unstaged forward never pauses")
 
     def _forward_steps(self, tokens: list[int], logits: bool, offsets: tuple[int, ...],
-                       staged: bool) -> Generator[Paused, None, Forward]:
+                       staged: bool) -> Generator[Paused, None, Forward | None]:
         """`_forward`; `staged` (a prefill pass with a `preempt`): evaluated a cache leaf (a
         layer) at a time, pausing between two when `preempt()` says so."""
         self.broken = True
+        before = self._first_pass() if staged and not logits else None
         recorder = tap.Tap(offsets, len(tokens)) if offsets and self.inpass is not None else None
         with tap.tapping(recorder):
             out = self.model(mx.array(tokens)[None], cache=self.cache)
@@ -106,6 +113,10 @@ class Run(Live):
         snaps = recorder.payloads(self.cache, self.inpass or ()) if recorder else {}
         if recorder is not None and recorder.failed:
             self.tap_failure = self.tap_failure or recorder.failed
+        if before is not None and self._regroups(before):
+            yield Regrouped(0, len(self.cache))
+            return None
+        del before     # the pass's first layer no longer keeps the buffers it wrote into
         preempt = self.pacing.preempt
         if staged and preempt is not None and self.pacing.pausable:
             leaves = snapshot.leaves(self.cache)
@@ -117,6 +128,29 @@ class Run(Live):
         snapshot.evaluate(self.cache, last, *(recorder.arrays(snaps) if recorder and snaps else ()))
         self.broken = False
         return (last if last is not None else out), snaps
+
+    def _first_pass(self) -> list[tuple[Any, Any, int]] | None:
+        """Each layer's KV before its first prefill pass, when that pass may be taken back
+        (`pacing.regroup`, once: a cache of full-attention KV alone, which goes back by its
+        arrays; none of its passes ran)."""
+        if self.pacing.regroup is None or self.regrouped or self.pos != self.start or \
+                self.fed or not all(type(c) is KVCache for c in self.cache):
+            return None
+        return [(c.keys, c.values, c.offset) for c in self.cache]
+
+    def _regroups(self, before: list[tuple[Any, Any, int]]) -> bool:
+        """With the pass's first layer evaluated (requests arriving meanwhile are there by
+        now): whether the pass is taken back (`pacing.regroup`), its cache then as `before`."""
+        assert self.pacing.regroup is not None
+        self.regrouped = True
+        mx.eval(snapshot.leaves(self.cache)[0].state)
+        if not self.pacing.regroup():
+            return False
+        for c, (keys, values, offset) in zip(self.cache, before, strict=True):
+            c.keys, c.values, c.offset = keys, values, offset
+        self.broken, self.hidden = False, None
+        self.passes.regrouped += 1
+        return True
 
     def prefill_passes(self, marks: dict[int, bool], final: int,
                        capture: Capture) -> Generator[Prefilled | Ready | Paused, None, None]:
@@ -148,7 +182,8 @@ class Run(Live):
                        *(p for p in cuts if p > self.pos),
                        *((share,) if self.pos < share < final else ())])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
-            yield from self._pass(end, marks, capture)
+            if (yield from self._pass(end, marks, capture)) is None:
+                continue   # taken back (`Regrouped`): a shared pass may have run it since
             if end == share:       # others wait for this prefix: stored now
                 self.publish(end)
             mx.clear_cache()
@@ -169,7 +204,7 @@ class Run(Live):
         self.logits = yield from self._pass(n, marks, capture, logits=True)
 
     def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
-              logits: bool = False) -> Generator[Paused, None, mx.array]:
+              logits: bool = False) -> Generator[Paused, None, mx.array | None]:
         """One prefill pass over prompt[pos:end], timed (its own time: not while it waited
         half-evaluated), then the captures of the marks it reached; with `logits`, the last
         position's logits, evaluated with the cache."""
@@ -180,6 +215,8 @@ class Run(Live):
             try:
                 paused = next(steps)
             except StopIteration as done:
+                if done.value is None:     # taken back: nothing of it is in the cache
+                    return None
                 out, snaps = done.value
                 break
             own += time.perf_counter() - t0
@@ -242,54 +279,6 @@ class Run(Live):
             self.batched += 1
             self.fed.append(token)
             self.pending = None
-
-    def mark_stop(self) -> None:
-        """The text from the token just yielded on may be a stop string (its caller holds it
-        back): keep the state before that token, so a reply a stop string ends there is stored
-        up to it (`end_at_stop`), as far as the next turn repeats it. Where full attention
-        trims back to it anyway, and where it is cheap: a run whose other layers are recurrent
-        or convolution states (arrays no step writes into: kept as they are alone, a copy of
-        its row in a decode batch; a window's buffer would be copied at every step it is held,
-        so a reply a stop string ends there stores its prompt, a miss it names)."""
-        self.stop_mark = None
-        i = self.sampled - 1      # the token's place in the reply
-        if self.broken or i < 0:
-            return
-        batch = self.batch
-        live = snapshot.leaves(self.cache if batch is None else batch.cache or [])
-        kept = tuple(k for k, leaf in enumerate(live) if not snapshot.trims(leaf))
-        if not live or any(type(live[k]) is not ArraysCache for k in kept):
-            return
-        if i == len(self.fed):    # the token is pending: the live cache is before it
-            self.stop_mark = i, snapshot.take(self.cache, kept)[0] if batch is None else \
-                batch.states_of(self, kept)
-        elif self.spec is not None and self.spec.captured is not None:
-            # accepted in the last verify pass (in the cache): the state captured before it
-            snap = self.spec.captured.get(i - (len(self.fed) - self.spec.held))
-            if all(k in snap for k in kept):
-                self.stop_mark = i, {k: snap[k] if batch is None else snapshot.own_row(snap[k])
-                                     for k in kept}
-
-    def end_at_stop(self, at: int) -> None:
-        """The reply ended with a stop string whose text begins in its token `at`: the cache
-        holds the reply before that token, and nothing more is fed. Trimmed where every layer
-        trims; else back to the mark (at or before `at`: the state there was kept) and the
-        tokens from the mark to `at` fed again, in one pass (out of its decode batch first).
-        Without a mark, `feed_pending` as ever (the reply and its stop string stored)."""
-        if self.stop_mark is None or self.broken \
-                or not self.stop_mark[0] <= at <= len(self.fed):
-            return
-        self.settle()
-        i, snap = self.stop_mark if self.stop_mark[1] else (at, {})
-        again = self.fed[i:at]
-        if i < len(self.fed):
-            self.cache = snapshot.rewound(self.cache, snap, len(self.fed) - i)
-            del self.fed[i:]
-        self.ahead, self.pending, self.stop_mark = [], None, None
-        if again:
-            self._forward(again, logits=False)
-            self.batched += len(again)
-            self.fed.extend(again)
 
     def feed_pending(self) -> None:
         """Feed the last yielded token on a normal end (max_tokens, or the caller closing the

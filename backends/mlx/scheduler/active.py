@@ -51,12 +51,15 @@ class Active:
     Nothing runs until the first step, which restores and runs the first prefill pass."""
 
     def __init__(self, loaded: Loaded, grammars: GrammarTokenizers, job: Job,
-                 lockstep: Lockstep, preempt: Callable[[], bool] | None = None) -> None:
+                 lockstep: Lockstep, preempt: Callable[[], bool] | None = None,
+                 regroup: Callable[[], bool] | None = None) -> None:
         self.loaded, self.grammars, self.job, self.lockstep = loaded, grammars, job, lockstep
         self.stopping = False
         # A group's ranks run whole passes in lockstep (their collectives in the same order):
-        # only one process pauses a pass between two layers (`run.Run`).
-        self.turn = Turn(Pacing(0, None if lockstep.untimed else preempt))
+        # only one process pauses a pass between two layers, or takes one back (`run.Run`).
+        untimed = lockstep.untimed
+        self.turn = Turn(Pacing(0, None if untimed else preempt,
+                                regroup=None if untimed else regroup))
         self.steps: Generator[EngineStep, None, None] | None = None
         self.n, self.finish, self.t0 = 0, "length", time.perf_counter()
 
@@ -108,11 +111,12 @@ class Active:
             self.steps = self._begin()
 
     def unstarted(self) -> bool:
-        """Whether it began and no pass of it ran yet: its prompt past what it restored can
-        share a prefill pass with others' (`prefill_together`)."""
+        """Whether it began and no pass of it ran yet, nor is half done (one taken back,
+        `Regrouped`, counts as none): its prompt past what it restored can share a prefill
+        pass with others' (`prefill_together`)."""
         run = self.turn.run
         return self.steps is not None and run is not None and run.pos == run.start and \
-            not run.fed
+            not run.fed and not run.broken
 
     def feeding(self) -> Run | None:
         """Its run, when its next step feeds the token it sampled last (a decode step that

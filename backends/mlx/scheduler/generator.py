@@ -262,10 +262,11 @@ class Generator:
         with self._lock:
             return list(self._inbox)
 
-    def _start(self, job: Job, preempt: Callable[[], bool] | None) -> Active:
+    def _start(self, job: Job, preempt: Callable[[], bool] | None,
+               regroup: Callable[[], bool] | None = None) -> Active:
         assert self.loaded is not None
         self.lockstep.journal(encode(JobEntry.of(job)))
-        return Active(self.loaded, self.grammars, job, self.lockstep, preempt)
+        return Active(self.loaded, self.grammars, job, self.lockstep, preempt, regroup)
 
     def _end(self, job: Job, result: Finished | Failed) -> None:
         """A job's last event, between two passes: the disk writes due and the status first,

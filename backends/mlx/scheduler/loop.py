@@ -16,11 +16,17 @@ from collections.abc import Callable, Sequence
 from prefixd.backends.mlx.scheduler.jobs import Job, Queued
 from prefixd.backends.mlx.scheduler.policy.schedule import Schedule
 from prefixd.backends.mlx.scheduler.policy.slots import Batched, Slot, Task
-from prefixd.backends.mlx.scheduler.policy.steps import Decision, Failed, Finished, Paused
+from prefixd.backends.mlx.scheduler.policy.steps import (
+    Decision,
+    Failed,
+    Finished,
+    Paused,
+    Regrouped,
+)
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
-          start: Callable[[Job, Callable[[], bool] | None], Task],
+          start: Callable[[Job, Callable[[], bool] | None, Callable[[], bool] | None], Task],
           end: Callable[[Job, Finished | Failed], None],
           arrived: Callable[[], Sequence[Job]] = lambda: (),
           batch: Batched | None = None,
@@ -58,6 +64,15 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         jobs = arrived()
         return bool(jobs) and schedule.preempts(slot, jobs)
 
+    def regroup(slot: Slot) -> bool:
+        jobs = arrived()
+        return bool(jobs) and schedule.regroups(slot, jobs)
+
+    def begin(job: Job, slot: Slot) -> Task:
+        many = schedule.max_active > 1
+        return start(job, functools.partial(preempt, slot) if many else None,
+                     functools.partial(regroup, slot) if many and prefill is not None else None)
+
     while True:
         jobs = take(schedule.idle())
         if jobs is None:
@@ -75,8 +90,7 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         group = plan.slots
         for s in group:
             if s.task is None:     # with max_active 1 nobody can be admitted mid-pass
-                s.task = start(s.job, functools.partial(preempt, s)
-                               if schedule.max_active > 1 else None)
+                s.task = begin(s.job, s)
         others = [s for s in schedule.active if s not in group]   # admitted before the pass
         tasks = [s.task for s in group if s.task is not None]
         stops = [s.job.cancelled for s in group]
@@ -95,6 +109,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         for other in others:
             other.job.paused_s += spent
         schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
+        for s in group:      # a first pass taken back: its prompt can share a pass again
+            s.regrouped = s is slot and isinstance(steps[0], Regrouped)
         if len(group) == 1:
             schedule.published(slot)
         ended = [(m, step) for m, step in zip(group, steps, strict=True)

@@ -2,11 +2,12 @@
 
 Owns: the totals since start by kind (a prefill pass: one request's slice; a decode pass: the
 pending tokens of every request it fed, a newcomer's last prompt token among them (counted too:
-`prompts_ended_in_decode`), `engine/batch/executor.py`, or one request's token and the
-draft it verified, `engine/spec/speculate.py`), the largest decode batch, the last one, the
-tokens drafted and accepted, the verify passes after which a batch squeezed its rows' gaps
-out (`engine/batch/gapped.py`), and their Prometheus series (`metrics/worker.py`). Generation
-thread only, like the Engine that owns it; read for `GET /v1/cache` (`batch`,
+`prompts_ended_in_decode`), `engine/batch/executor.py`, or one request's token and the draft it
+verified, `engine/spec/speculate.py`), the largest decode batch, the last one, the tokens
+drafted and accepted, the first prefill passes taken back one layer in to run again with
+company (`run.Run`, `pacing.Regrouped`), the verify passes after which a batch squeezed its
+rows' gaps out (`engine/batch/gapped.py`), and their Prometheus series (`metrics/worker.py`).
+Generation thread only, like the Engine that owns it; read for `GET /v1/cache` (`batch`,
 `speculative`) and the status page.
 """
 
@@ -28,6 +29,7 @@ class PassCounts:
         self.rode = 0   # prompts whose last token a decode pass fed (no pass of their own)
         self.shared = self.shared_prompts = 0   # prefill passes of several prompts, and those
         self.ahead = {"used": 0, "undone": 0}   # decode passes launched ahead (`launch.py`)
+        self.regrouped = 0   # first prefill passes taken back one layer in (`run.Run`)
 
     def prefill(self, tokens: int) -> None:
         self._count("prefill", 1, tokens)
@@ -102,4 +104,5 @@ class PassCounts:
                 "shared_prefill_passes": self.shared,
                 "prompts_prefilled_together": self.shared_prompts,
                 "passes_launched_ahead": self.ahead["used"],
-                "passes_launched_ahead_undone": self.ahead["undone"]}
+                "passes_launched_ahead_undone": self.ahead["undone"],
+                "prefill_passes_regrouped": self.regrouped}

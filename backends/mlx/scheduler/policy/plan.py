@@ -39,12 +39,21 @@ class Plan:
 
 
 def short(s: Slot, slice_tokens: int) -> bool:
-    """Whether `s` is a short prompt not started: a row of a shared prefill pass (at least
-    one token to prefill besides its last, at most `slice_tokens` past what its cache holds,
-    at most `CONTEXT` in all)."""
+    """Whether `s` is a short prompt not started (or whose first pass was taken back,
+    `Regrouped`): a row of a shared prefill pass (at least one token to prefill besides its
+    last, at most `slice_tokens` past what its cache holds, at most `CONTEXT` in all)."""
     n = len(s.job.prompt.tokens)
-    return s.task is None and not s.job.cancelled and n <= CONTEXT and \
-        2 <= n - s.cached <= slice_tokens
+    return (s.task is None or s.regrouped) and not s.job.cancelled and n <= CONTEXT and \
+        2 <= s.remaining() <= slice_tokens
+
+
+def regroups(slot: Slot, newcomers: list[Slot], slice_tokens: int) -> bool:
+    """Whether `slot`'s first prefill pass, under way, is taken back to run again with
+    `newcomers` (jobs that arrived during it, as they would be admitted): some of them would
+    share its prompt's pass (`prefill_rows`, `slot` as if not started)."""
+    before = Slot(slot.job, slot.kv_bytes,
+                  cached=len(slot.job.prompt.tokens) - slot.remaining())
+    return len(prefill_rows(before, [before, *newcomers], (), slice_tokens)) > 1
 
 
 def _fits(lengths: list[int], n: int) -> bool:

@@ -63,7 +63,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from prefixd.backends.mlx.scheduler.jobs import Job
-from prefixd.backends.mlx.scheduler.policy.plan import Plan, prefill_rows
+from prefixd.backends.mlx.scheduler.policy.plan import Plan, prefill_rows, regroups
 from prefixd.backends.mlx.scheduler.policy.room import PASS_LIMIT, Admission, Room
 from prefixd.backends.mlx.scheduler.policy.sharing import Sharing
 from prefixd.backends.mlx.scheduler.policy.slots import Slot
@@ -218,6 +218,26 @@ class Schedule(Sharing):
                 return True
             active.append(newcomer)
         return False
+
+    def regroups(self, slot: Slot, arrived: Sequence[Job]) -> bool:
+        """Whether `slot`'s first prefill pass, one layer in, is taken back to run again
+        with jobs that arrived meanwhile (`plan.regroups`: they would be admitted and share
+        its prompt's pass). Asked inside the pass, once, so it changes nothing: they are
+        admitted after it, between two passes. Not a pass aging chose, nor a cancelled
+        job's."""
+        if slot.aged or slot.job.cancelled:
+            return False
+        active, newcomers = list(self.active), []
+        for job in [*self.waiting, *arrived]:
+            if job.cancelled:
+                continue
+            how = self._fits(job, active)
+            if how is None:
+                break
+            newcomers.append(Slot(job, self.room.cost(job), how == "borrow", how == "alone",
+                                  cached=self._estimate(job)))
+            active.append(newcomers[-1])
+        return regroups(slot, newcomers, self.slice_tokens)
 
     def _rank(self, s: Slot) -> tuple[int, int, int]:
         left = s.remaining()

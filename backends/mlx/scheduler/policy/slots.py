@@ -63,6 +63,7 @@ class Slot:
     kept: float = 0.0  # seconds of other jobs' passes since its last
     aged: bool = False  # picked by aging: its pass runs to its end (never pauses)
     cached: int = 0     # its prompt tokens the worker's cache holds (as of when it started)
+    regrouped: bool = False   # its first pass was taken back: it may share a prefill pass
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill: before it starts, those its cache estimate leaves."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixd.backends.mlx.engine.pacing import Paused, Prefilled, Ready
+from prefixd.backends.mlx.engine.pacing import Paused, Prefilled, Ready, Regrouped
 from prefixd.backends.mlx.scheduler.jobs import Failed, Finished
 
-__all__ = ["Decision", "Decoded", "Failed", "Finished", "Paused", "Prefilled", "Ready", "Step"]
+__all__ = ["Decision", "Decoded", "Failed", "Finished", "Paused", "Prefilled", "Ready",
+           "Regrouped", "Step"]
 
 
 @dataclass(frozen=True)
