@@ -213,6 +213,29 @@ def test_a_member_drafting_nothing_steps_at_most_fair_times_slower() -> None:
     assert fair_width(flat, 4, 17) == 17
 
 
+def test_a_batch_prices_its_pass_by_its_own_shape_not_a_lone_pass_of_as_many_tokens() -> None:
+    """A pass of 8 tokens is not one cost: one request verifying 7 drafted tokens (measured
+    cheap, 1.2x a one-token pass) says nothing of 4 rows verifying one each. The batch's
+    pass is priced from its own plain steps (4 rows: 1.9x), the prior's slope above them
+    (2.5x for 8 tokens): one row's one-token draft (acceptance 0.8) beside three that draft
+    nothing does not pay (4.8 tokens for 1.3x a plain step); four rows' do. Measured at that
+    shape, the measurement decides."""
+    costs = PassCosts()
+    costs.observe(1, 0.050)
+    costs.observe(8, 0.060)                 # one request, 7 drafted tokens
+    costs.observe(4, 0.095, rows=4)         # a plain step of 4 rows
+    one = [Offer([7], 0.8), None, None, None]
+    assert costs.ratio(8) == pytest.approx(1.2)
+    assert costs.ratio(8, rows=4) == pytest.approx(
+        (1 + 3 * PassCosts.PRIOR_SLOPE) + 4 * PassCosts.PRIOR_SLOPE)
+    assert width(one, costs) == 1
+    assert width([Offer([7], 0.8)] * 4, costs) == 2
+    costs.observe(8, 0.100, rows=4)         # 4 rows x 2 measured: about a plain step's cost
+    assert costs.ratio(8, rows=4) == pytest.approx((1 + 3 * PassCosts.PRIOR_SLOPE) * 100 / 95)
+    assert width(one, costs) == 2
+    assert costs.ratio(8) == pytest.approx(1.2)     # the lone request's own, as it was
+
+
 def test_a_batch_of_copying_rows_drafts_together_where_each_alone_would_not() -> None:
     """The width of a batch's verify pass is decided for the whole pass: four rows copying
     (acceptance 0.8) each pay for their own positions, so together they verify drafts that

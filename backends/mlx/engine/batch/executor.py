@@ -86,7 +86,7 @@ def _timed(members: list[Live], tokens: int, t0: float) -> float:
     if spec is None or not spec.config.costs.timed:
         return 0.0
     seconds = time.perf_counter() - t0
-    spec.config.costs.observe(tokens, seconds)
+    spec.config.costs.observe(tokens, seconds, len(members))
     return seconds
 
 

@@ -48,12 +48,12 @@ def width(offers: list[Offer | None], costs: PassCosts) -> int:
         return 1
     if any(o is None or not o.tokens for o in offers):
         longest = min(longest, fair_width(costs, rows, longest + 1) - 1)
-    base = rows / costs.ratio(rows)
+    base = rows / costs.ratio(rows, rows)
     best, best_w = base * Pace.MARGIN, 1
     for w in range(2, longest + 2):
         tokens = sum(emitted(o.alpha, min(len(o.tokens), w - 1)) if o is not None else 1.0
                      for o in offers)
-        gain = tokens / costs.ratio(rows * w)
+        gain = tokens / costs.ratio(rows * w, rows)
         if gain > best:
             best, best_w = gain, w
     if best_w == 1 and any(o is not None and o.probe and o.tokens for o in offers):

@@ -17,26 +17,33 @@ costs about nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass
 class PassCosts:
     """What a decode pass of `n` tokens costs, relative to one of 1 token: measured (an
-    exponential average of the passes' own times, per length) on top of a prior shape (a
-    CPU's: every extra token ~15% of a one-token pass). A decode batch's pass counts all its
-    rows' tokens (rows x width: the work a pass does grows with both). `timed` False: the
-    prior only (a group's ranks decide alike)."""
+    exponential average of the passes' own times, per shape) on top of a prior shape (a
+    CPU's: every extra token ~15% of a one-token pass). A request's own passes are kept by
+    length (`seconds`); a decode batch's by its rows and its tokens (`shaped`: rows x width,
+    the work a pass does grows with both), for a pass of 8 tokens is not one cost: one
+    request verifying 7 drafted tokens, 4 rows verifying one each and 8 rows stepping are
+    measured apart (on 2 CPU cores, the built-in model: ~80, 110 and 120 ms). `timed` False:
+    the prior only (a group's ranks decide alike)."""
 
     timed: bool = True
     seconds: dict[int, float] = field(default_factory=dict)
+    shaped: dict[tuple[int, int], float] = field(default_factory=dict)
     PRIOR_SLOPE = 0.15
     WEIGHT = 0.2
 
-    def observe(self, n: int, seconds: float) -> None:
+    def observe(self, n: int, seconds: float, rows: int = 1) -> None:
         if not self.timed or seconds <= 0:
             return
-        old = self.seconds.get(n)
-        self.seconds[n] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        table: dict[Any, float] = self.seconds if rows <= 1 else self.shaped
+        key = n if rows <= 1 else (rows, n)
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.WEIGHT * (seconds - old)
 
     def one(self) -> float | None:
         """Seconds of a one-token pass: measured, else estimated from the shortest length
@@ -48,10 +55,20 @@ class PassCosts:
         m = min(self.seconds)
         return self.seconds[m] / (1 + self.PRIOR_SLOPE * (m - 1))
 
-    def ratio(self, n: int) -> float:
-        """cost(n) / cost(1), from measurements where both lengths have some (or `one`'s
+    def ratio(self, n: int, rows: int = 1) -> float:
+        """cost(n) / cost(1) of a pass of `rows` requests (a batch's: measured against its
+        plain step, which is `rows` tokens as a request's own passes measure them), else of
+        one request's passes: from measurements where both lengths have some (or `one`'s
         estimate), else the prior (and never below the cost of fewer tokens' passes: a pass
         does not get cheaper)."""
+        plain = self.shaped.get((rows, rows)) if rows > 1 else None
+        if plain is None or n < rows:
+            return self._alone(n)
+        m = max(k for (r, k) in self.shaped if r == rows and k <= n)
+        return max(1.0, self._alone(rows) * self.shaped[(rows, m)] / plain +
+                   self.PRIOR_SLOPE * (n - m))
+
+    def _alone(self, n: int) -> float:
         one = self.one()
         if n <= 1:
             return 1.0
@@ -162,10 +179,10 @@ class Pace:
             return 0
         a = min(rate.alpha, 0.99)
         best, best_k = self.MARGIN, 0
-        base = self.costs.ratio(rows)
+        base = self.costs.ratio(rows, rows)
         for k in range(1, self.max_draft + 1):
             emitted = (rows - 1 + (1 - a ** (k + 1)) / (1 - a)) / rows
-            gain = emitted * base / self.costs.ratio(rows * (k + 1))
+            gain = emitted * base / self.costs.ratio(rows * (k + 1), rows)
             if gain > best:
                 best, best_k = gain, k
         if best_k:
@@ -231,9 +248,9 @@ def fair_width(costs: PassCosts | DraftCosts, rows: int, widest: int) -> int:
     `rows` in which some member drafts nothing: its step then costs at most `FAIR` times a
     plain step of the batch, so a member writing prose beside one copying a file keeps at
     least 1 / FAIR of its decode rate (1: no drafts in this pass)."""
-    base = costs.ratio(rows)
+    base = costs.ratio(rows, rows)
     width = 1
-    while width < widest and costs.ratio(rows * (width + 1)) <= FAIR * base:
+    while width < widest and costs.ratio(rows * (width + 1), rows) <= FAIR * base:
         width += 1
     return width
 
@@ -260,10 +277,10 @@ class DraftCosts:
         draft model about as slow as the served one never does (it is then not asked)."""
         return any((k + 1) / self.ratio(k + 1) > Pace.MARGIN for k in range(1, most + 1))
 
-    def ratio(self, n: int) -> float:
+    def ratio(self, n: int, rows: int = 1) -> float:
         one = self.base.one()
         share = self.seconds / one if self.seconds is not None and one else self.PRIOR
-        return self.base.ratio(n) + (n - 1) * share
+        return self.base.ratio(n, rows) + (n - 1) * share
 
 
 @dataclass
