@@ -37,7 +37,9 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
     was submitted: the caller decides that under its lock, so a job submitted then starts a
     new loop); then admission, and the end of jobs cancelled while they waited. `start`: a
     job's task, given its `preempt` (asked between two layers of its pass; None with
-    `max_active` 1: a pass is then evaluated whole); `end(job,
+    `max_active` 1: a pass is then evaluated whole) and its `regroup` (asked once, one layer
+    into its first pass: whether to take that pass back so that jobs arrived since share it;
+    None without `prefill`); `end(job,
     result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
     taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each

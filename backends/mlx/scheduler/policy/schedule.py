@@ -29,6 +29,9 @@ Policy, between passes:
   have given unpaused. So a short request waits for about one layer of the pass under way (a
   slice / the model's depth: tens of ms), not the slice. A group worker's passes never pause
   (its ranks run whole passes in lockstep);
+- a short prompt's first pass (picked the moment it arrived) is taken back one layer in when
+  jobs that arrived meanwhile would share its prefill pass (`regroups`, `plan.regroups`), so
+  a burst's prompts prefill together;
 - a job held for room (`room.Room.held`: a borrower's reservation would not fit beside its
   next pass) is not picked until the borrowers end;
 - aging: a job that other jobs' passes kept waiting `AGE_LIMIT` slices' time in a row
