@@ -93,19 +93,16 @@ def part_n(port: int, args: argparse.Namespace, seed: str) -> dict[str, Any]:
     burst is decode), with `--cold` of prompts new to the server (the burst prefills them,
     then each is sent alone to compare)."""
     rng = random.Random(seed)
-    def fresh(n: int) -> list[dict[str, Any]]:
-        return [body([{"role": "user", "content": words(rng, 90)}], args.max_tokens)
-                for _ in range(n)]
+    fresh = lambda n: [body([{"role": "user", "content": words(rng, 90)}],  # noqa: E731
+                            args.max_tokens) for _ in range(n)]
     prompts = [] if args.cold else fresh(max(args.ns))
-    alone = [together(port, [p])[0][0] for p in prompts]
-    rows = []
+    alone, rows = [together(port, [p])[0][0] for p in prompts], []
     for n in args.ns:
         if args.cold:
             prompts = fresh(n)
-            outs, wall = together(port, prompts)
+        outs, wall = together(port, prompts[:n])
+        if args.cold:
             alone = [together(port, [p])[0][0] for p in prompts]
-        else:
-            outs, wall = together(port, prompts[:n])
         tokens = sum(o.get("completion", 0) for o in outs)
         tp = [t for o in outs if (t := tpot(o)) is not None]
         rows.append({"n": n, "wall": wall, "tokens": tokens, "rate": tokens / wall,
