@@ -30,6 +30,7 @@ from prefixd.backends.mlx.scheduler.policy.schedule import Schedule
 from prefixd.backends.mlx.scheduler.policy.slots import Slot
 from prefixd.backends.mlx.scheduler.policy.steps import Step
 from tests.test_checkpoints import _run, _settings, _words
+from tests.test_schedule import _text
 
 MAX = 6
 
@@ -74,11 +75,8 @@ def _burst(engine: Engine, tokenizer: Any, first: list[int], later: list[list[in
 
 
 def _alone(model: Any, tokenizer: Any, prompt: list[int]) -> str:
-    tokens = _run(Engine(model, _settings(cache_bytes=0, prefill_chunk=512)), prompt,
-                  max_tokens=MAX)[0]
-    eos = set(tokenizer.eos_token_ids)
-    ended = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return str(tokenizer.decode(tokens[:ended]))
+    return _text(tokenizer, _run(Engine(model, _settings(cache_bytes=0, prefill_chunk=512)),
+                                 prompt, max_tokens=MAX)[0])
 
 
 @pytest.fixture(scope="module")

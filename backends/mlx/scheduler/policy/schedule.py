@@ -63,7 +63,7 @@ Policy, between passes:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prefixd.backends.mlx.scheduler.jobs import Job
 from prefixd.backends.mlx.scheduler.policy.plan import Plan, prefill_rows, regroups
@@ -207,20 +207,8 @@ class Schedule(Sharing):
         pass)."""
         if slot.aged or slot.job.cancelled:
             return False
-        active = list(self.active)
         mine = self._rank(slot)[0]
-        for job in [*self.waiting, *arrived]:
-            if job.cancelled:
-                continue
-            how = self._fits(job, active)
-            if how is None:
-                return False
-            newcomer = Slot(job, self.room.cost(job), how == "borrow", how == "alone",
-                            cached=self._estimate(job))
-            if self._rank(newcomer)[0] < mine:
-                return True
-            active.append(newcomer)
-        return False
+        return any(self._rank(newcomer)[0] < mine for newcomer in self._newcomers(arrived))
 
     def regroups(self, slot: Slot, arrived: Sequence[Job]) -> bool:
         """Whether `slot`'s first prefill pass, one layer in, is taken back to run again
@@ -230,17 +218,21 @@ class Schedule(Sharing):
         job's."""
         if slot.aged or slot.job.cancelled:
             return False
-        active, newcomers = list(self.active), []
+        return regroups(slot, list(self._newcomers(arrived)), self.slice_tokens)
+
+    def _newcomers(self, arrived: Sequence[Job]) -> Iterator[Slot]:
+        """The jobs waiting and those that `arrived`, as they would be admitted in turn (up
+        to the first that would not fit): their slots, not admitted (nothing changes)."""
+        active = list(self.active)
         for job in [*self.waiting, *arrived]:
             if job.cancelled:
                 continue
             how = self._fits(job, active)
             if how is None:
-                break
-            newcomers.append(Slot(job, self.room.cost(job), how == "borrow", how == "alone",
-                                  cached=self._estimate(job)))
-            active.append(newcomers[-1])
-        return regroups(slot, newcomers, self.slice_tokens)
+                return
+            active.append(Slot(job, self.room.cost(job), how == "borrow", how == "alone",
+                               cached=self._estimate(job)))
+            yield active[-1]
 
     def _rank(self, s: Slot) -> tuple[int, int, int]:
         left = s.remaining()
