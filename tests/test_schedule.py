@@ -109,7 +109,7 @@ def _interleave(engine: Engine, tokenizer: Any, jobs: dict[str, tuple[Job, Seque
         return None if idle and not out else out
 
     def start(job: Job, preempt: Callable[[], bool] | None,
-              regroup: Callable[[], bool] | None = None) -> Observed:
+              regroup: Callable[[], int] | None = None) -> Observed:
         name, bounds = names[id(job)]
         tasks[name] = Observed(engine, tokenizer, job, log, name, bounds, preempt)
         return tasks[name]
@@ -230,7 +230,7 @@ def _interleave_mid_pass(engine: Engine, tokenizer: Any, long: list[int], short:
         return None if idle and not out else out
 
     def start(job: Job, preempt: Callable[[], bool] | None,
-              regroup: Callable[[], bool] | None = None) -> Observed:
+              regroup: Callable[[], int] | None = None) -> Observed:
         name = "long" if job.prompt.tokens == long else "short"
         tasks[name] = Observed(engine, tokenizer, job, log, name,
                                BOUNDS if name == "long" else (), preempt)
@@ -261,7 +261,7 @@ def test_a_paused_job_whose_client_left_ends_after_its_pass(model: CountingModel
         return None if idle and not out else out
 
     def start(job: Job, preempt: Callable[[], bool] | None,
-              regroup: Callable[[], bool] | None = None) -> Observed:
+              regroup: Callable[[], int] | None = None) -> Observed:
         name = "long" if job is jobs["long"] else "short"
         if name == "short":
             jobs["long"].cancel()              # its client leaves while its pass is paused

@@ -234,19 +234,27 @@ class Engine(Restoring, Checkpointing):
         if run.logits is not None:
             yield from run.decode(run.logits, stats)
 
-    def prefill_together(self, runs: list[Run]) -> int:
+    def prefill_together(self, runs: list[Run],
+                         regroup: Callable[[], int] | None = None) -> list[Run] | None:
         """The prompts of `runs` past what each restored, all but their last token, in one
         pass (`engine/batch/prefill.py`, at most `prefill.MOST`), each run then `Ready`; the
-        others prefill in passes of their own. How many shared it. Raises what the model
+        others prefill in passes of their own. The runs that shared it; None where it was
+        taken back for jobs that arrived meanwhile (`regroup`, asked only where none of them
+        was taken back before, `Run.regrouped`: each row at most once). Raises what the model
         raises (those runs are `broken`)."""
         rows = [r for r in runs if prefill.takes(r)][:prefill.MOST]
         if not self.prefills_together or len(rows) < 2:
-            return 0
+            return []
         todo = [len(r.prompt) - 1 - r.pos for r in rows]
-        seconds = prefill.together(self.model, rows, self.passes)
+        asked = regroup is not None and not any(r.regrouped for r in rows)
+        for r in rows:
+            r.regrouped = r.regrouped or asked
+        seconds = prefill.together(self.model, rows, self.passes, regroup if asked else None)
+        if seconds is None:
+            return None
         for r, n in zip(rows, todo, strict=True):   # its share, as the prefill rate sees it
             r.segments.append((n, seconds * n / sum(todo)))
-        return len(rows)
+        return rows
 
     def end(self, turn: Turn) -> None:
         """Commit what a turn's live state holds and let go of it (once; its passes are over).

@@ -40,7 +40,7 @@ class Paused:
 
 @dataclass(frozen=True)
 class Regrouped(Paused):
-    """A request's first prefill pass was taken back one layer in (its cache as it was
+    """A request's first prefill pass was taken back in its first layers (its cache as it was
     before): requests that arrived meanwhile share its prompt's pass instead
     (`engine/batch/prefill.py`). The next step runs the prefill again, unless a shared pass
     ran it first."""
@@ -50,11 +50,13 @@ class Regrouped(Paused):
 class Pacing:
     """What the caller decides before each step: the next prefill pass's size in tokens,
     whether a pass under way pauses between two layers (asked after each; None: never), and
-    whether a first prefill pass is taken back one layer in, to run again with company
-    (`regroup`, asked once; None: never)."""
+    whether a first prefill pass is taken back in its first layers, to run again with company
+    (`regroup`: how many jobs arrived since that would share it, 0: none; asked after its
+    1st, 2nd, 4th ... layer, `Run._regroups`; None: never)."""
 
     tokens: int
     preempt: Callable[[], bool] | None = None
     share: int = 0   # a prompt position other requests wait for: a pass ends there, published
     pausable: bool = True   # False: no newcomer can outrank it, so the pass is evaluated whole
-    regroup: Callable[[], bool] | None = None
+    regroup: Callable[[], int] | None = None
+

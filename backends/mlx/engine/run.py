@@ -18,10 +18,11 @@ between two layers `preempt()` may say another job should run first. The pass th
 is, its residual stream (tokens x hidden size) the only activation it keeps, while other jobs
 run their own passes; evaluated later, it gives exactly what it gives unpaused (the same graph,
 the same operations on the same inputs). A request's first prefill pass can instead be taken
-back one layer in (`pacing.regroup`, asked once, on a cache of full-attention KV alone): each
-layer's KV goes back to the arrays it held before the pass (`Regrouped`), so that requests
-that arrived in the same instant prefill with it in one pass (the burst's first request is
-picked the moment it arrives, before the others are there); what is lost is one layer's work.
+back in its first layers (`pacing.regroup`, asked after 1, 2, 4, ... layers, on a cache of
+full-attention KV alone): each layer's KV goes back to the arrays it held before the pass
+(`Regrouped`), so that requests that arrived in the same instant prefill with it in one pass
+(the burst's first request is picked the moment it arrives, before the others are there);
+what is lost is the layers it ran.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from mlx_lm.models.cache import KVCache
 
 from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
+from prefixd.backends.mlx.engine.batch.prefill import regroups
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.live.stops import Stops
 from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready, Regrouped
@@ -68,7 +70,8 @@ class Run(Stops):
         self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
         self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
         self.ended = False   # committed and let go (`Engine.end`)
-        self.regrouped = False   # its first pass was offered to be taken back (`_regroups`)
+        # a first pass of it was offered to be taken back (`_regroups`, or a shared one's)
+        self.regrouped = False
 
     def release(self) -> None:
         """`Live.release`, and the prompt's last logits."""
@@ -139,12 +142,11 @@ class Run(Stops):
         return [(c.keys, c.values, c.offset) for c in self.cache]
 
     def _regroups(self, before: list[tuple[Any, Any, int]]) -> bool:
-        """With the pass's first layer evaluated (requests arriving meanwhile are there by
-        now): whether the pass is taken back (`pacing.regroup`), its cache then as `before`."""
+        """Whether the pass is taken back (`prefill.regroups`), its cache then as `before`."""
         assert self.pacing.regroup is not None
         self.regrouped = True
-        mx.eval(snapshot.leaves(self.cache)[0].state)
-        if not self.pacing.regroup():
+        leaves = snapshot.leaves(self.cache)
+        if not regroups(len(leaves), lambda i: mx.eval(leaves[i].state), self.pacing.regroup):
             return False
         for c, (keys, values, offset) in zip(self.cache, before, strict=True):
             c.keys, c.values, c.offset = keys, values, offset

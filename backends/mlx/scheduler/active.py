@@ -24,7 +24,7 @@ from prefixd.backends.mlx.chat.oai import ToolFormat
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.engine import Turn
 from prefixd.backends.mlx.engine.loading import Loaded
-from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready
+from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready, Regrouped
 from prefixd.backends.mlx.engine.restorable import digest
 from prefixd.backends.mlx.engine.run import Run
 from prefixd.backends.mlx.engine.run import Step as EngineStep
@@ -52,7 +52,7 @@ class Active:
 
     def __init__(self, loaded: Loaded, grammars: GrammarTokenizers, job: Job,
                  lockstep: Lockstep, preempt: Callable[[], bool] | None = None,
-                 regroup: Callable[[], bool] | None = None) -> None:
+                 regroup: Callable[[], int] | None = None) -> None:
         self.loaded, self.grammars, self.job, self.lockstep = loaded, grammars, job, lockstep
         self.stopping = False
         # A group's ranks run whole passes in lockstep (their collectives in the same order):
@@ -271,9 +271,10 @@ def prefill_together(actives: list[Active], stops: list[bool]) -> list[Step]:
     """The first step of every job in `actives` (journaled first, as one entry): each begins
     (its cache restored), their prompts past what each restored prefill all but their last
     token in one pass (`Engine.prefill_together`: those its cache kind allows), the others
-    their first pass alone; each is then `Ready` (its last token waits for a decode pass).
-    `stops`: each job's `Decision.stop`. Never raises: a failed pass fails every job it
-    fed."""
+    their first pass alone; each is then `Ready` (its last token waits for a decode pass),
+    or, where the shared pass was taken back for jobs that arrived during it, `Regrouped`
+    (the scheduler plans them again, with those). `stops`: each job's `Decision.stop`.
+    Never raises: a failed pass fails every job it fed."""
     lockstep = actives[0].lockstep
     lockstep.journal(encode(PrefillEntry([a.job.id for a in actives], list(stops))))
     out: dict[int, Step] = {}
@@ -286,8 +287,10 @@ def prefill_together(actives: list[Active], stops: list[bool]) -> list[Step]:
     rows = [a for a in actives if id(a) not in out and not a.stopping and a.unstarted()]
     if len(rows) > 1:
         try:
-            actives[0].loaded.engine.prefill_together(
-                [a.turn.run for a in rows if a.turn.run is not None])
+            if actives[0].loaded.engine.prefill_together(
+                    [a.turn.run for a in rows if a.turn.run is not None],
+                    actives[0].turn.pacing.regroup) is None:   # taken back: planned again
+                out.update({id(a): Regrouped(0, 0) for a in rows})
         except Exception as e:
             out.update({id(a): a.fail(e) for a in rows})
     return [out[id(a)] if id(a) in out else a.advance() for a in actives]

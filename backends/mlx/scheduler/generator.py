@@ -263,7 +263,7 @@ class Generator:
             return list(self._inbox)
 
     def _start(self, job: Job, preempt: Callable[[], bool] | None,
-               regroup: Callable[[], bool] | None = None) -> Active:
+               regroup: Callable[[], int] | None = None) -> Active:
         assert self.loaded is not None
         self.lockstep.journal(encode(JobEntry.of(job)))
         return Active(self.loaded, self.grammars, job, self.lockstep, preempt, regroup)

@@ -26,7 +26,7 @@ from prefixd.backends.mlx.scheduler.policy.steps import (
 
 
 def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
-          start: Callable[[Job, Callable[[], bool] | None, Callable[[], bool] | None], Task],
+          start: Callable[[Job, Callable[[], bool] | None, Callable[[], int] | None], Task],
           end: Callable[[Job, Finished | Failed], None],
           arrived: Callable[[], Sequence[Job]] = lambda: (),
           batch: Batched | None = None,
@@ -37,9 +37,9 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
     was submitted: the caller decides that under its lock, so a job submitted then starts a
     new loop); then admission, and the end of jobs cancelled while they waited. `start`: a
     job's task, given its `preempt` (asked between two layers of its pass; None with
-    `max_active` 1: a pass is then evaluated whole) and its `regroup` (asked once, one layer
-    into its first pass: whether to take that pass back so that jobs arrived since share it;
-    None without `prefill`); `end(job,
+    `max_active` 1: a pass is then evaluated whole) and its `regroup` (asked in its first
+    pass's first layers: how many jobs arrived since, when that pass is to be taken back so
+    that they share it, else 0; None without `prefill`); `end(job,
     result)`: a job's last event (it ran to its end, or was cancelled waiting). Inside a
     pass, `arrived()` peeks at the jobs submitted since (cheap when none was; nothing is
     taken). `batch(tasks, stops)`: the decode steps of several jobs in one pass (None: each
@@ -66,9 +66,9 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         jobs = arrived()
         return bool(jobs) and schedule.preempts(slot, jobs)
 
-    def regroup(slot: Slot) -> bool:
+    def regroup(slot: Slot) -> int:
         jobs = arrived()
-        return bool(jobs) and schedule.regroups(slot, jobs)
+        return len(jobs) if jobs and schedule.regroups(slot, jobs) else 0
 
     def begin(job: Job, slot: Slot) -> Task:
         many = schedule.max_active > 1
@@ -111,8 +111,8 @@ def drive(schedule: Schedule, take: Callable[[bool], Sequence[Job] | None],
         for other in others:
             other.job.paused_s += spent
         schedule.ran(slot, spent, isinstance(steps[0], Paused), others, group)
-        for s in group:      # a first pass taken back: its prompt can share a pass again
-            s.regrouped = s is slot and isinstance(steps[0], Regrouped)
+        for s, step in zip(group, steps, strict=True):   # a first pass taken back: its
+            s.regrouped = isinstance(step, Regrouped)      # prompt can share a pass again
         if len(group) == 1:
             schedule.published(slot)
         ended = [(m, step) for m, step in zip(group, steps, strict=True)

@@ -211,9 +211,9 @@ class Schedule(Sharing):
         return any(self._rank(newcomer)[0] < mine for newcomer in self._newcomers(arrived))
 
     def regroups(self, slot: Slot, arrived: Sequence[Job]) -> bool:
-        """Whether `slot`'s first prefill pass, one layer in, is taken back to run again
-        with jobs that arrived meanwhile (`plan.regroups`: they would be admitted and share
-        its prompt's pass). Asked inside the pass, once, so it changes nothing: they are
+        """Whether `slot`'s first prefill pass, in its first layers, is taken back to run
+        again with jobs that arrived meanwhile (`plan.regroups`: they would be admitted and
+        share its prompt's pass). Asked inside the pass, so it changes nothing: they are
         admitted after it, between two passes. Not a pass aging chose, nor a cancelled
         job's."""
         if slot.aged or slot.job.cancelled:
