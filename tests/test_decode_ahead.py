@@ -234,3 +234,40 @@ def test_launching_ahead_pays_where_the_overlap_beats_the_passes_taken_back() ->
     assert large.undone < 0.01 and large.pays()
     assert all(Worth("on").pays() for _ in range(20))
     assert not any(Worth("off").pays() for _ in range(20))
+
+
+def test_a_batch_launches_its_next_pass_unless_its_next_step_would_verify() -> None:
+    """Whether the next step verifies is the batch's width (`company.width`), not whether some
+    member has a draft to offer: one member's short copy on the prior's acceptance beside
+    three with nothing is a draft the batch would decline, so its next pass is launched;
+    four members copying a long match, or one probing after its wait, would verify. Asking
+    changes no member's pace."""
+    from prefixd.backends.mlx.engine.batch.executor import Batch
+    from prefixd.backends.mlx.engine.batch.passes import PassCounts
+    from prefixd.backends.mlx.engine.live.state import Live
+    from prefixd.backends.mlx.engine.spec.config import SpecConfig
+    from prefixd.backends.mlx.engine.spec.draft import PassCosts
+    from prefixd.backends.mlx.engine.spec.speculate import Speculation
+
+    config = SpecConfig(max_draft=8, ngram=2, leaves=(), costs=PassCosts(timed=False))
+    short = [5, 6, 7, 8, 9, 5]            # after "5 6" came "7 8 9": a copy of reach 2
+    long = [*range(20, 40), 1, *range(20, 39)]   # "20 .. 39" again: a copy of reach 20
+
+    def member(prompt: list[int]) -> Live:
+        run = Live(None, [], prompt, len(prompt), lambda: False)
+        run.max_tokens, run.spec = 32, Speculation(config, prompt, 32)
+        return run
+
+    batch = Batch(None, PassCounts())
+    copying, quiet = member(short), [member(short) for _ in range(3)]
+    assert copying.spec is not None
+    assert copying.spec.peek(copying, 6, 16) is not None      # it has a draft to offer
+    assert not batch.would_verify([copying, *quiet], [6, 100, 100, 100])
+    rates = {k: (r.wait, r.probe) for k, r in copying.spec.pace.rates.items()}
+    copying.spec.pace.rates[2].probe = True                   # its probe after a wait
+    assert batch.would_verify([copying, *quiet], [6, 100, 100, 100])
+    copying.spec.pace.rates[2].probe = False
+    assert {k: (r.wait, r.probe) for k, r in copying.spec.pace.rates.items()} == rates
+    four = [member(long) for _ in range(4)]
+    assert batch.would_verify(four, [39] * 4)
+    assert not batch.would_verify([member(long) for _ in range(4)], [100] * 4)   # nothing

@@ -64,11 +64,14 @@ def _offer(run: Live, rows: int) -> Offer | None:
     return run.spec.offer(run, run.pending, room, rows)
 
 
-def _would_draft(run: Live, token: int) -> bool:
-    """Whether, once `token` is its pending token, it would offer a draft at the batch's next
-    step (`_offer`): asked without changing its pace."""
+def _peek(run: Live, token: int) -> Offer | bool | None:
+    """What it would offer at the batch's next step once `token` is its pending token
+    (`_offer`), asked without changing its pace; True where a model drafter may draft (its
+    draft is not known before it runs)."""
     room = _room(run, later=1)
-    return run.spec is not None and room > 0 and run.spec.would_offer(run, token, room)
+    if run.spec is None or room <= 0:
+        return None
+    return True if run.spec.model is not None else run.spec.peek(run, token, room)
 
 
 def _drafts(run: Live) -> Speculation | None:
@@ -133,14 +136,13 @@ class Batch(Members):
         self.passes.riders(riders)
         offers: list[Offer | None] = [_offer(r, len(members)) for r in members] \
             if drafts and self._verifies() and self.pace.drafts() else [None] * len(members)
-        offered = any(o is not None for o in offers)
-        if offered:
-            self._settle()
-            ahead = None
-        self.launched = None
         spec = next((r.spec for r, o in zip(members, offers, strict=True) if o is not None),
                     None)
         wide = width(offers, spec.config.costs) if spec is not None else 1
+        if wide > 1:
+            self._settle()
+            ahead = None
+        self.launched = None
         proposed = [o.tokens[:wide - 1] if o is not None else [] for o in offers]
         if wide == 1:
             for r, o in zip(members, offers, strict=True):
@@ -202,14 +204,26 @@ class Batch(Members):
 
     def _launches(self, members: list[Live], plain: list[bool], tokens: list[int]) -> bool:
         """Whether the next pass of `members`, fed `tokens`, is launched now (`launch.py`):
-        not where a member would offer a draft next (it would verify instead, and take it
-        back), and where launching pays (`Worth`). A step where a prompt ended launches
+        not where the next step would verify drafts (`would_verify`: it would take it back),
+        and where launching pays (`Worth`). A step where a prompt ended launches
         nothing either (its checkpoint is taken of its row before the next step)."""
         assert self.cache is not None
         return launch.may_launch(self.cache, members, plain) and not (
-            self._verifies() and any(_would_draft(r, t)
-                                     for r, t in zip(members, tokens, strict=True))) \
-            and self.ahead.pays()
+            self._verifies() and self.would_verify(members, tokens)) and self.ahead.pays()
+
+    def would_verify(self, members: list[Live], tokens: list[int]) -> bool:
+        """Whether the next step would verify drafts (`company.width` over what each member
+        would offer once `tokens` are pending), asked without changing any pace: a batch
+        whose members offer drafts it would not verify still launches its next pass."""
+        if not self.pace.would_draft():
+            return False
+        offers = [_peek(r, t) for r, t in zip(members, tokens, strict=True)]
+        if any(o is True for o in offers):
+            return True
+        spec = next((r.spec for r, o in zip(members, offers, strict=True) if o is not None),
+                    None)
+        return spec is not None and width(cast(list[Offer | None], offers),
+                                          spec.config.costs) > 1
 
     def _verifies(self) -> bool:
         """Whether drafts can be verified in this batch's passes: every row of every leaf can

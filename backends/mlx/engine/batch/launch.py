@@ -6,8 +6,8 @@ Owns: `Launched` (the pass fed with the last pass's draws, evaluated in the back
 `mx.async_eval`), when a batch may launch one (`may_launch`) and when it pays (`Worth`, the
 `decode_ahead` setting), and taking it back (`undo`). Each request then detokenizes, checks
 its stops and sends its text while the launched pass runs; stock mlx-lm's batch generator
-overlaps the same way. Where a member would offer a draft at the next step, nothing is
-launched (it would verify instead).
+overlaps the same way. Where the next step would verify drafts (the width its members'
+offers get, `company.width`), nothing is launched; drafts the batch would decline launch it.
 
 Why it is exact: the launched pass feeds each row the token its greedy draw picked (the
 argmax of its logits, the token the request yields next), so when the next step feeds the same

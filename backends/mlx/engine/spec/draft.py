@@ -88,13 +88,14 @@ class Rate:
     token is accepted given the ones before it were, an exponentially weighted estimate over
     its verify passes from a prior, and how long it waits before drafting again after a draft
     that failed or did not pay (twice as long each time, up to `cap` steps; back to one once a
-    draft of it is accepted)."""
+    draft of it that paid, not a probe, is accepted)."""
 
     accepted: float
     rejected: float
     wait: int = 0
     backoff: int = 1
     probe: bool = False       # the next length is a one-token probe if nothing pays
+    probing: bool = False     # the draft verified last was that probe
     cap: int = 64             # `Pace.MAX_WAIT`, a model's drafts' `Pace.MODEL_MAX_WAIT`
 
     @property
@@ -186,6 +187,7 @@ class Pace:
             gain = emitted * base / self.costs.ratio(rows * (k + 1), rows)
             if gain > best:
                 best, best_k = gain, k
+        rate.probing = not best_k and rate.probe
         if best_k:
             return best_k
         if rate.probe:      # it waited: one token, to see whether drafting pays again
@@ -204,18 +206,20 @@ class Pace:
         verifies at least one drafted token, paying or not, to learn); None while drafts of
         that reach wait. What pays is decided for the whole pass there; a draft the batch
         did not verify is `declined`."""
-        rate = self._rate(reach)
-        if self.max_draft <= 0:
-            return None
-        if rate.wait > 0:
-            rate.wait -= 1
-            return None
-        probe, rate.probe = rate.probe, False
-        return rate.alpha, probe
+        got, rate = self.peek(reach), self._rate(reach)
+        if got is None:
+            rate.wait = max(rate.wait - 1, 0)
+        else:
+            rate.probe, rate.probing = False, got[1]
+        return got
 
-    def would_offer(self, reach: int) -> bool:
-        """Whether `offer` would offer a draft of that reach now (asked without waiting less)."""
-        return self.max_draft > 0 and self._rate(reach).wait <= 0
+    def peek(self, reach: int) -> tuple[float, bool] | None:
+        """What `offer` would offer for that reach now, asked without changing the pace (a
+        batch deciding whether to launch its next pass before the step that offers)."""
+        rate = self._rate(reach)
+        if self.max_draft <= 0 or rate.wait > 0:
+            return None
+        return rate.alpha, rate.probe
 
     def decline(self, reach: int) -> None:
         """An offered draft of that reach did not pay in its batch's pass: drafts of it wait
@@ -233,8 +237,9 @@ class Pace:
         rate.rejected = rate.rejected * self.DECAY + (1 if accepted < drafted else 0)
         if accepted == 0:
             rate.back_off()
-        else:
+        elif not rate.probing:
             rate.backoff = 1
+        rate.probing = False
         self._keep(reach)
 
 
@@ -299,6 +304,9 @@ class BatchPace:
     backoff: int = 1
     WEIGHT = 0.3
     MAX_WAIT = 64
+
+    def would_draft(self) -> bool:   # what `drafts` would say now, without waiting less
+        return self.wait <= 0
 
     def drafts(self) -> bool:
         if self.wait > 0:

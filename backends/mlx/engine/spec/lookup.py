@@ -31,7 +31,7 @@ class PromptLookup:
         self.n = len(prompt)
         self.min_ngram = max(1, ngram)
         # its last proposal: (tokens held, k, proposal, reach), asked again for the same
-        # context (a batch launching ahead asks before the step that offers: `would_offer`)
+        # context (a batch launching ahead asks before the step that offers: `peek`)
         self._last: tuple[int, int, list[int], int] | None = None
 
     def extend(self, tokens: Sequence[int]) -> None:

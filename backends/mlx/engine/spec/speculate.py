@@ -110,18 +110,17 @@ class Speculation:
         out = self._model_draft(context, limit, rows)
         return Offer(out, self.model_pace.alpha(Pace.MODEL)) if out else None
 
-    def would_offer(self, run: Row, token: int, room: int) -> bool:
-        """Whether `offer` after `token` would offer a draft, asked without changing its pace
-        (a batch launching its next pass early asks: `engine/batch/launch.py`); a model
-        drafter may draft where the context has nothing, so with one: yes."""
+    def peek(self, run: Row, token: int, room: int) -> Offer | None:
+        """What `offer` after `token` would offer from the context, asked without changing its
+        pace (a batch deciding whether to launch its next pass asks: `engine/batch/launch.py`);
+        a model drafter's draft is not known before it runs (`model` is then asked)."""
         limit = min(room, self.config.max_draft)
         if limit <= 0:
-            return False
-        if self.model is not None:
-            return True
+            return None
         # the length `offer` asks for at that step: its proposal is then this one, kept
         tokens = self.lookup.propose(Context(run.prompt, run.fed, token), limit)
-        return bool(tokens) and self.pace.would_offer(self.lookup.reach)
+        got = self.pace.peek(self.lookup.reach) if tokens else None
+        return Offer(tokens, *got) if got is not None else None
 
     def declined(self) -> None:
         """The draft it offered was not verified: its batch's pass did not pay for it."""
