@@ -176,18 +176,6 @@ def test_a_draft_its_batch_declines_probes_ever_more_rarely_even_where_probes_ar
     pace.update(2, 3, 3)
     pace.decline(2)
     assert pace.offer(2) is None and pace.offer(2) is not None   # one step's wait again
-    # in a batch of 4 a probe widens four rows' pass: a declined draft waits 4x as long
-    four = Pace(8, PassCosts(timed=False))
-    waits = []
-    for _ in range(2):
-        assert four.offer(2) is not None
-        four.decline(2, rows=4)
-        waits.append(four.rates[2].wait)
-        assert [four.offer(2) for _ in range(waits[-1])] == [None] * waits[-1]
-        assert four.offer(2) == (pytest.approx(four.alpha(2)), True)   # then its probe
-        four.update(2, 1, 0)                  # rejected: it waits as alone
-        four.rates[2].wait = 0
-    assert waits == [4, 16]                  # backoff 1 then 4 (doubled twice), x 4
 
 
 def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:

@@ -147,7 +147,7 @@ class Batch(Members):
         if wide == 1:
             for r, o in zip(members, offers, strict=True):
                 if o is not None and r.spec is not None:
-                    r.spec.declined(len(members))
+                    r.spec.declined()
         if wide > 1:     # one verify pass, each row's draft up to the width the pass has
             self.verify(members, proposed)
             return

@@ -25,10 +25,12 @@ class PassCosts:
     """What a decode pass of `n` tokens costs, relative to one of 1 token: measured (an
     exponential average of the passes' own times, per shape) on top of a prior shape (a
     CPU's: every extra token ~15% of a one-token pass). A request's own passes are kept by
-    length (`seconds`); a decode batch's by rows and tokens (`shaped`), for a pass of 8
-    tokens is not one cost (the built-in model, 2 CPU cores: one request's pass of 5 tokens
-    73 ms, 4 rows x 2 110 ms, 8 rows x 1 120 ms). `timed` False: the prior only (a group's
-    ranks decide alike)."""
+    length (`seconds`); a decode batch's by its rows and its tokens (`shaped`: rows x width,
+    the work a pass does grows with both), for a pass of 8 tokens is not one cost: one
+    request verifying 7 drafted tokens, 4 rows verifying one each and 8 rows stepping are
+    measured apart (on 2 CPU cores, the built-in model: one request's pass of 5 tokens 73 ms,
+    4 rows x 2 110 ms, 8 rows x 1 120 ms). `timed` False: the prior only (a group's ranks
+    decide alike)."""
 
     timed: bool = True
     seconds: dict[int, float] = field(default_factory=dict)
@@ -219,12 +221,10 @@ class Pace:
             return None
         return rate.alpha, rate.probe
 
-    def decline(self, reach: int, rows: int = 1) -> None:
-        """An offered draft of that reach did not pay in its batch's pass of `rows`: drafts of
-        it wait (doubling), then probe, as alone, `rows` times as long (a probe widens every
-        row's pass: the batch probes as often as one request alone)."""
-        (rate := self._rate(reach)).back_off()
-        rate.wait *= rows
+    def decline(self, reach: int) -> None:
+        """An offered draft of that reach did not pay in its batch's pass: drafts of it wait
+        (doubling), then probe, as a draft that does not pay alone (`length`)."""
+        self._rate(reach).back_off()
         self._keep(reach)
 
     def update(self, reach: int, drafted: int, accepted: int) -> None:

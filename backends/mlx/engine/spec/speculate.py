@@ -122,9 +122,9 @@ class Speculation:
         got = self.pace.peek(self.lookup.reach) if tokens else None
         return Offer(tokens, *got) if got is not None else None
 
-    def declined(self, rows: int) -> None:
-        """The draft it offered was not verified: its batch's pass (of `rows`) did not pay."""
-        self.source.decline(self.reach, rows)
+    def declined(self) -> None:
+        """The draft it offered was not verified: its batch's pass did not pay for it."""
+        self.source.decline(self.reach)
 
     def verify(self, run: Row, token: int, draft: list[int]) -> list[int]:
         """Feed `token` and `draft` in one pass: the tokens the run yields from here (the
