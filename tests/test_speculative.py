@@ -30,14 +30,8 @@ from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.engine import Engine
 from prefixd.backends.mlx.engine.inpass.captured import Captured, RowOf
-from prefixd.backends.mlx.engine.spec.company import Offer, emitted, width
-from prefixd.backends.mlx.engine.spec.draft import (
-    BatchPace,
-    Pace,
-    PassCosts,
-    Rate,
-    fair_width,
-)
+from prefixd.backends.mlx.engine.spec.company import BatchPace, Offer, emitted, width
+from prefixd.backends.mlx.engine.spec.draft import Pace, PassCosts, Rate, fair_width
 from prefixd.backends.mlx.engine.spec.draftmodel import ModelDrafter
 from prefixd.backends.mlx.engine.spec.lookup import PromptLookup
 from prefixd.backends.mlx.model.tiny import (
@@ -176,6 +170,14 @@ def test_a_draft_its_batch_declines_probes_ever_more_rarely_even_where_probes_ar
     pace.update(2, 3, 3)
     pace.decline(2)
     assert pace.offer(2) is None and pace.offer(2) is not None   # one step's wait again
+    # a probe after a rejection (acceptance, not cost, made it wait), accepted: drafts of it
+    # may pay again, and the next wait is one step (a head that starts guessing right)
+    pace.update(2, 1, 0)
+    pace.rates[2].wait = 0
+    assert pace.offer(2) == (pytest.approx(pace.alpha(2)), True)
+    pace.update(2, 1, 1)
+    pace.decline(2)
+    assert pace.offer(2) is None and pace.offer(2) is not None
 
 
 def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:

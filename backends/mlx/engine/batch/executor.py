@@ -41,8 +41,7 @@ from prefixd.backends.mlx.engine.batch.members import Members
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import RowOf
-from prefixd.backends.mlx.engine.spec.company import Offer, width
-from prefixd.backends.mlx.engine.spec.draft import BatchPace
+from prefixd.backends.mlx.engine.spec.company import BatchPace, Offer, width
 from prefixd.backends.mlx.engine.spec.row import argmax_rows
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """Speculation in company: how wide a decode batch's verify pass is, decided for the whole
-pass (pure, no mlx).
+pass, and whether the batch drafts at all (`BatchPace`) (pure, no mlx).
 
 A batch's verify pass costs what its rows x width tokens cost, every row padded to the
 widest; so a draft sized for one request alone (`draft.Pace.length`: its own tokens against
@@ -19,7 +19,7 @@ their time per token 3-5% over stock mlx-lm's).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixd.backends.mlx.engine.spec.draft import Pace, PassCosts, fair_width
 
@@ -66,3 +66,44 @@ def width(offers: list[Offer | None], costs: PassCosts) -> int:
     if best_w == 1 and any(o is not None and o.probe and o.tokens for o in offers):
         return 2
     return best_w
+
+
+@dataclass
+class BatchPace:
+    """Whether a decode batch's members draft at all: the tokens per second its verify passes
+    emit against its plain steps', per batch size (exponential averages of the passes' own
+    times, every cost in them: the pass, the draws at every position, each row going back).
+    Verify passes that emit less per second than plain steps stop the batch drafting for a
+    while (doubling to `MAX_WAIT` steps), then it tries again. Unmeasured passes (a group's, or
+    with untimed costs: 0 s) change nothing: members then draft by their own pace alone."""
+
+    plain: dict[int, float] = field(default_factory=dict)
+    verify: dict[int, float] = field(default_factory=dict)
+    wait: int = 0
+    backoff: int = 1
+    WEIGHT = 0.3
+    MAX_WAIT = 64
+
+    def would_draft(self) -> bool:   # what `drafts` would say now, without waiting less
+        return self.wait <= 0
+
+    def drafts(self) -> bool:
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def observe(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rates = self.verify if verified else self.plain
+        rate, old = tokens / seconds, rates.get(rows)
+        rates[rows] = rate if old is None else old + self.WEIGHT * (rate - old)
+        plain, verify = self.plain.get(rows), self.verify.get(rows)
+        if not verified or plain is None or verify is None:
+            return
+        if verify < plain:
+            self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.MAX_WAIT)
+            del self.verify[rows]      # measured afresh when it tries again
+        else:
+            self.backoff = 1

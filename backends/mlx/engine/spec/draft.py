@@ -88,7 +88,7 @@ class Rate:
     token is accepted given the ones before it were, an exponentially weighted estimate over
     its verify passes from a prior, and how long it waits before drafting again after a draft
     that failed or did not pay (twice as long each time, up to `cap` steps; back to one once a
-    draft of it that paid, not a probe, is accepted)."""
+    draft of it is accepted, but for a probe after a decline, `Pace.decline`)."""
 
     accepted: float
     rejected: float
@@ -96,6 +96,7 @@ class Rate:
     backoff: int = 1
     probe: bool = False       # the next length is a one-token probe if nothing pays
     probing: bool = False     # the draft verified last was that probe
+    declined: bool = False    # its wait follows its batch declining a draft (its cost)
     cap: int = 64             # `Pace.MAX_WAIT`, a model's drafts' `Pace.MODEL_MAX_WAIT`
 
     @property
@@ -187,7 +188,6 @@ class Pace:
             gain = emitted * base / self.costs.ratio(rows * (k + 1), rows)
             if gain > best:
                 best, best_k = gain, k
-        rate.probing = not best_k and rate.probe
         if best_k:
             return best_k
         if rate.probe:      # it waited: one token, to see whether drafting pays again
@@ -223,8 +223,11 @@ class Pace:
 
     def decline(self, reach: int) -> None:
         """An offered draft of that reach did not pay in its batch's pass: drafts of it wait
-        (doubling), then probe, as a draft that does not pay alone (`length`)."""
-        self._rate(reach).back_off()
+        (doubling), then probe, as a draft that does not pay alone (`length`); that probe
+        accepted does not shorten the next wait (the batch's cost declined it, not its
+        acceptance)."""
+        (rate := self._rate(reach)).back_off()
+        rate.declined = True
         self._keep(reach)
 
     def update(self, reach: int, drafted: int, accepted: int) -> None:
@@ -235,10 +238,12 @@ class Pace:
         rate = self._rate(reach)
         rate.accepted = rate.accepted * self.DECAY + accepted
         rate.rejected = rate.rejected * self.DECAY + (1 if accepted < drafted else 0)
-        if accepted == 0:
-            rate.back_off()
-        elif not rate.probing:
-            rate.backoff = 1
+        if accepted == 0 or not (rate.probing and rate.declined):
+            rate.declined = False
+            if accepted == 0:
+                rate.back_off()
+            else:
+                rate.backoff = 1
         rate.probing = False
         self._keep(reach)
 
@@ -287,44 +292,3 @@ class DraftCosts:
         one = self.base.one()
         share = self.seconds / one if self.seconds is not None and one else self.PRIOR
         return self.base.ratio(n, rows) + (n - 1) * share
-
-
-@dataclass
-class BatchPace:
-    """Whether a decode batch's members draft at all: the tokens per second its verify passes
-    emit against its plain steps', per batch size (exponential averages of the passes' own
-    times, every cost in them: the pass, the draws at every position, each row going back).
-    Verify passes that emit less per second than plain steps stop the batch drafting for a
-    while (doubling to `MAX_WAIT` steps), then it tries again. Unmeasured passes (a group's, or
-    with untimed costs: 0 s) change nothing: members then draft by their own pace alone."""
-
-    plain: dict[int, float] = field(default_factory=dict)
-    verify: dict[int, float] = field(default_factory=dict)
-    wait: int = 0
-    backoff: int = 1
-    WEIGHT = 0.3
-    MAX_WAIT = 64
-
-    def would_draft(self) -> bool:   # what `drafts` would say now, without waiting less
-        return self.wait <= 0
-
-    def drafts(self) -> bool:
-        if self.wait > 0:
-            self.wait -= 1
-            return False
-        return True
-
-    def observe(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        rates = self.verify if verified else self.plain
-        rate, old = tokens / seconds, rates.get(rows)
-        rates[rows] = rate if old is None else old + self.WEIGHT * (rate - old)
-        plain, verify = self.plain.get(rows), self.verify.get(rows)
-        if not verified or plain is None or verify is None:
-            return
-        if verify < plain:
-            self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.MAX_WAIT)
-            del self.verify[rows]      # measured afresh when it tries again
-        else:
-            self.backoff = 1
