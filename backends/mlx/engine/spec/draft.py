@@ -238,12 +238,11 @@ class Pace:
         rate = self._rate(reach)
         rate.accepted = rate.accepted * self.DECAY + accepted
         rate.rejected = rate.rejected * self.DECAY + (1 if accepted < drafted else 0)
-        if accepted == 0 or not (rate.probing and rate.declined):
+        if accepted == 0:
+            rate.back_off()
             rate.declined = False
-            if accepted == 0:
-                rate.back_off()
-            else:
-                rate.backoff = 1
+        elif not (rate.probing and rate.declined):   # a probe after a decline keeps its wait
+            rate.backoff, rate.declined = 1, False
         rate.probing = False
         self._keep(reach)
 
