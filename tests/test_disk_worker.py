@@ -109,7 +109,7 @@ WRITER = textwrap.dedent("""
     from pathlib import Path
     from prefixd.backends.mlx.engine.tierglue import DiskSpec
     from prefixd.backends.mlx.engine.engine import Engine, EngineConfig, Turn
-    from prefixd.backends.mlx.engine.pacing import Pacing
+    from prefixd.backends.mlx.engine.pacing import Pacing, Plan
     from prefixd.backends.mlx.model.tiny import build_model
     import mlx.core as mx
     model = build_model("qwen3_5", seed=3)
@@ -119,7 +119,7 @@ WRITER = textwrap.dedent("""
         rng = random.Random(i)
         prompt = [rng.randrange(1, 1000) for _ in range(900)]
         steps = engine.steps(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=2,
-                             turn=Turn(Pacing(64)))
+                             turn=Turn(Pacing()), plan=Plan(64))
         for _ in steps:
             pass
         engine.persist()

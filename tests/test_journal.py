@@ -20,6 +20,8 @@ import pytest
 from prefixd.api.structured import Constraint
 from prefixd.backends.mlx.chat.prompt import Prompt
 from prefixd.backends.mlx.chat.request import Sampling
+from prefixd.backends.mlx.engine.live.fed import Fed
+from prefixd.backends.mlx.engine.pacing import Plan
 from prefixd.backends.mlx.group.leader import Leader
 from prefixd.backends.mlx.group.lockstep import Lockstep
 from prefixd.backends.mlx.group.start import Start
@@ -134,8 +136,9 @@ class Probe(Active):
 
     ran: list[tuple[int, bool, int, bool]]
 
-    def advance(self) -> Step:
-        p = self.turn.pacing
+    def advance(self, sent: Plan | Fed | None = None) -> Step:
+        # a step of its own goes in with its plan; a batch's step with none (the last stands)
+        p = self.plan = sent if isinstance(sent, Plan) else getattr(self, "plan", Plan(0))
         self.ran = [*getattr(self, "ran", []), (p.tokens, self.stopping, p.share, p.pausable)]
         return Finished("cancelled", 0, 0) if self.stopping else Decoded(len(self.ran))
 

@@ -206,10 +206,10 @@ def test_the_heads_drafts_are_its_own_from_the_served_models_hidden_states(arch:
     got = [[next(s)] for s in steps]
     batched = len(drafts.seen)
     while live := [i for i, out in enumerate(got) if len(out) < 30]:
-        on.batch.step([turns[i].run for i in live])
-        for i in live:
+        left = on.batch.step([turns[i].run for i in live])
+        for i, fed in zip(live, left, strict=True):
             drafts.look(turns[i])
-            got[i].append(next(steps[i]))
+            got[i].append(steps[i].send(fed))
             while (run := turns[i].run) is not None and run.ahead and len(got[i]) < 30:
                 got[i].append(next(steps[i]))
             drafts.look(turns[i])

@@ -4,8 +4,8 @@ holds.
 
 Owns, at its top: the Engine (`engine.py`: a turn's `begin`, its passes `steps_of`, its `end`;
 restores in `restoring.py`, checkpoints and commits in `checkpointing.py`, both mixins of it),
-one request's run (`run.py`: its prefill passes cut or captured at checkpoint marks, its
-decode; the typed steps and their pacing `pacing.py`), the start-up probes (`probe.py`), the
+one request's run (`run.py`: its prefill passes cut or captured at checkpoint marks, its decode;
+the typed steps and what each goes in with, `pacing.py`), the start-up probes (`probe.py`), the
 counts and metrics (`counts.py`, `stats.py`), the RAM/disk glue (`tierglue.py`), what a reply
 can restore (`restorable.py`), the settings it reads (`config.py`) and loading a model into an
 Engine (`loading.py`). Its rooms, each importing only those before it:

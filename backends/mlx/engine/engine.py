@@ -5,15 +5,14 @@ Owns: the prefill/decode loop (so prefill chunks can end exactly at checkpoint p
 restore decision and its fallbacks, taking checkpoints and the commit at the end of a request
 (`engine/checkpointing.py`, a mixin), per-request `PromptStats`, and the face other workers' states
 come in and go out through (`engine/transfer/bundle.py`). What this model's cache supports is
-probed at start
-(`engine/probe.py`); the counts and cache metrics are `engine/counts.py`; policy (placement, lookup,
-budget) lives in `cache/placement.py` and `cache/store.py`; per-class cache handling in
-`cache/snapshot.py`; the disk tier behind `engine/tierglue.py`. Called from one thread only (the
-worker's single-thread executor), so nothing here locks. In a group worker every rank runs the same
-Engine calls in lockstep on its own layers; the values a rank computes from its layers alone (sizes,
-trimmability, whether a restore worked, what the start-up probes found) go through the `lockstep`
-(`group/lockstep.py`) so every rank's store decides as the leader's, and the prefill passes have the
-same shapes on every rank. The Engine never asks which rank it is.
+probed at start (`engine/probe.py`); the counts and cache metrics are `engine/counts.py`; policy
+(placement, lookup, budget) lives in `cache/placement.py` and `cache/store.py`; per-class cache
+handling in `cache/snapshot.py`; the disk tier behind `engine/tierglue.py`. Called from one thread
+only (the worker's single-thread executor), so nothing here locks. In a group worker every rank
+runs the same Engine calls in lockstep on its own layers; the values a rank computes from its
+layers alone (sizes, trimmability, whether a restore worked, what the start-up probes found) go
+through the `lockstep` (`group/lockstep.py`) so every rank's store decides as the leader's, and the
+prefill passes have the same shapes on every rank. The Engine never asks which rank it is.
 """
 
 from __future__ import annotations
@@ -37,10 +36,10 @@ from prefixd.backends.mlx.engine.batch.stacking import unbatchable
 from prefixd.backends.mlx.engine.checkpointing import Checkpointing
 from prefixd.backends.mlx.engine.config import EngineConfig
 from prefixd.backends.mlx.engine.counts import CacheCounts
-from prefixd.backends.mlx.engine.pacing import Pacing
+from prefixd.backends.mlx.engine.pacing import Pacing, Plan, Sent, resume
 from prefixd.backends.mlx.engine.restoring import Restoring
 from prefixd.backends.mlx.engine.run import Run, Step
-from prefixd.backends.mlx.engine.spec.config import spec_config
+from prefixd.backends.mlx.engine.spec.config import spec_config, spec_info
 from prefixd.backends.mlx.engine.spec.speculate import Speculation
 from prefixd.backends.mlx.engine.stats import PromptStats
 from prefixd.backends.mlx.engine.tierglue import DiskSpec, TierGlue
@@ -59,8 +58,9 @@ log = logging.getLogger("prefixd.worker.cache")
 @dataclass(eq=False)
 class Turn:
     """One request's own view of the Engine (several may be under way: `scheduler/`): its
-    pacing (the next pass's size and whether a pass pauses, set by its scheduler before each
-    step), its stats and store entry (set when it starts) and its live state."""
+    pacing (whether a pass under way pauses, whether a first pass is taken back: fixed for the
+    turn; each pass's size goes in with its step, `pacing.Plan`), its stats and store entry
+    (set when it starts) and its live state."""
 
     pacing: Pacing
     stats: PromptStats | None = None
@@ -155,22 +155,25 @@ class Engine(Restoring, Checkpointing):
     # --- generation --------------------------------------------------------------------------
     def steps(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
               logits_processors: list | None = None, max_tokens: int,
-              boundaries: Sequence[int] = (),
-              should_stop: Callable[[], bool] = lambda: False,
-              namespace: str = "", turn: Turn) -> Generator[Step, None, None]:
+              boundaries: Sequence[int] = (), should_stop: Callable[[], bool] = lambda: False,
+              namespace: str = "", turn: Turn, plan: Plan | None = None
+              ) -> Generator[Step, Sent, None]:
         """A request's whole turn: `begin` (now), its passes (`steps_of`), and, on every exit
-        (its end, or the caller closing the generator), `end`. When the engine speculates it
-        may decode by drafts verified in one pass (`engine/spec/speculate.py`)."""
+        (its end, or the caller closing the generator), `end`. Each step is resumed with what
+        it runs on (`pacing.Sent`: a new `Plan`, what a decode batch's pass left for it, or
+        nothing: the last plan stands); `plan` is the first (default: passes of a whole
+        `prefill_chunk`, a request alone). When the engine speculates it may decode by drafts
+        verified in one pass (`engine/spec/speculate.py`)."""
         self.begin(prompt, sampler=sampler, logits_processors=logits_processors,
                    max_tokens=max_tokens, should_stop=should_stop, namespace=namespace,
                    turn=turn)
-        return self.to_end(turn, boundaries)
+        return self.to_end(turn, boundaries, plan or Plan(self.config.prefill_chunk))
 
-    def to_end(self, turn: Turn, boundaries: Sequence[int] = ()
-               ) -> Generator[Step, None, None]:
-        """A begun turn's passes (`steps_of`), then `end` on every exit."""
+    def to_end(self, turn: Turn, boundaries: Sequence[int], plan: Plan
+               ) -> Generator[Step, Sent, None]:
+        """A begun turn's passes (`steps_of`, the first on `plan`), then `end` on any exit."""
         try:
-            yield from self.steps_of(turn, boundaries)
+            yield from self.steps_of(turn, boundaries, plan)
         finally:
             self.end(turn)
 
@@ -198,14 +201,14 @@ class Engine(Restoring, Checkpointing):
             run.spec = Speculation(self.spec, prompt, max_tokens)
         return run   # its cache is the run's alone: a decode batch takes it over
 
-    def steps_of(self, turn: Turn, boundaries: Sequence[int] = ()
-                 ) -> Generator[Step, None, None]:
+    def steps_of(self, turn: Turn, boundaries: Sequence[int], plan: Plan
+                 ) -> Generator[Step, Sent, None]:
         """The forward passes of a begun turn, one per step (`run.Step`): `Prefilled` after
         each prefill pass but the last (checkpoints taken at the plan's marks), `Paused` inside
         one, `Ready` before its prompt's last token, then the token of each decode step, up
-        to `max_tokens`. Each pass's size is `turn.pacing`'s when it starts. Stops early when
-        `should_stop()` is true between passes. `turn.stats` gets the cached and recomputed
-        tokens once the prefill ended."""
+        to `max_tokens`. Each pass's size is `plan`'s, or that of the `Plan` sent in since.
+        Stops early when `should_stop()` is true between passes. `turn.stats` gets the cached
+        and recomputed tokens once the prefill ended."""
         run, stats, entry = turn.run, turn.stats, turn.entry
         assert run is not None and stats is not None
 
@@ -215,10 +218,12 @@ class Engine(Restoring, Checkpointing):
         # the prefill's own time: not the passes of other jobs run while it was paused (the
         # prefill rate it feeds decides whether a disk load beats recomputing)
         prefill_s, t0 = 0.0, time.perf_counter()
-        for step in run.prefill_passes(*self._plan(len(run.prompt), run.start, boundaries),
-                                       capture):
+        passes = run.prefill_passes(*self._plan(len(run.prompt), run.start, boundaries),
+                                    capture, plan)
+        sent: Sent = None
+        while (step := resume(passes, sent)) is not None:
             prefill_s += time.perf_counter() - t0
-            yield step
+            sent = yield step
             t0 = time.perf_counter()
         prefill_s += time.perf_counter() - t0
         stats.prefill_s, stats.segments, stats.yields = prefill_s, run.segments, run.yields
@@ -231,8 +236,8 @@ class Engine(Restoring, Checkpointing):
             self.inpass = None
         self.counts.request(stats, run.start, run.pos - run.start)
         self.tiers.prefilled(stats)
-        if run.logits is not None:
-            yield from run.decode(run.logits, stats)
+        if run.opening is not None:
+            yield from run.decode(run.opening, stats)
 
     def prefill_together(self, runs: list[Run],
                          regroup: Callable[[], int] | None = None) -> list[Run] | None:
@@ -300,12 +305,8 @@ class Engine(Restoring, Checkpointing):
             "disk": self.tiers.info(),
             "misses": self.tiers.misses(),
             "batch": {**self.passes.info(), "disabled_reason": self.unbatchable},
-            "speculative": {**self.passes.spec_info(), "disabled_reason": self.unspeculative,
-                            "draft_max": self.spec.max_draft if self.spec else None,
-                            "draft_model": self.spec is not None
-                            and self.spec.draft_model is not None,
-                            "mtp": self.spec is not None and self.spec.mtp is not None,
-                            "refused": {k: dict(v) for k, v in self.refused.items()}},
+            "speculative": {**self.passes.spec_info(),
+                            **spec_info(self.spec, self.unspeculative, self.refused)},
         }
 
     # --- the disk tier (generation thread) ----------------------------------------------------

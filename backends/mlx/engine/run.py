@@ -8,21 +8,20 @@ model passed `tap.verify`), a pass is not cut at marks: the marks inside it are 
 the pass itself (`engine/inpass/tap.py`), so checkpoints add no forward passes.
 
 The steps are typed: a prefill pass yields `Prefilled` when it ends, `Paused(layer)` when it
-stops between two layers, a decode step the token it sampled. A pass's size is the `Pacing`
-its caller set before the step (the scheduler decides it, `scheduler/policy/schedule.py`); nothing
-here sizes passes but the checkpoint marks that cut them.
+stops between two layers, a decode step the token it sampled. Each step goes in with what it
+runs on, sent into the generator as it resumes (`_sent`): the `Plan` that sizes its passes (the
+scheduler decides it, `scheduler/policy/schedule.py`; nothing here sizes passes but the marks
+that cut them), or what a decode batch's pass left for it (`pacing.Fed`).
 
 A prefill pass can pause in the middle (`pacing.preempt`, from the worker's scheduler): its
 graph is built whole, then evaluated a layer at a time (the cache leaves in layer order), and
 between two layers `preempt()` may say another job should run first. The pass then waits as it
-is, its residual stream (tokens x hidden size) the only activation it keeps, while other jobs
-run their own passes; evaluated later, it gives exactly what it gives unpaused (the same graph,
-the same operations on the same inputs). A request's first prefill pass can instead be taken
-back in its first layers (`pacing.regroup`, asked after 1, 2, 4, ... layers, on a cache of
-full-attention KV alone): each layer's KV goes back to the arrays it held before the pass
-(`Regrouped`), so that requests that arrived in the same instant prefill with it in one pass
-(the burst's first request is picked the moment it arrives, before the others are there);
-what is lost is the layers it ran.
+is, its residual stream (tokens x hidden size) the only activation it keeps; evaluated later, it
+gives exactly what it gives unpaused (the same graph, the same operations on the same inputs).
+A request's first prefill pass can instead be taken back in its first layers (`pacing.regroup`,
+asked after 1, 2, 4, ... layers, on a cache of full-attention KV alone): each layer's KV goes
+back to the arrays it held before the pass (`Regrouped`), so that requests that arrived in the
+same instant prefill with it in one pass; what is lost is the layers it ran.
 """
 
 from __future__ import annotations
@@ -38,8 +37,17 @@ from prefixd.backends.mlx.cache import snapshot
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.batch.prefill import regroups
 from prefixd.backends.mlx.engine.inpass import tap
+from prefixd.backends.mlx.engine.live.fed import Fed
 from prefixd.backends.mlx.engine.live.stops import Stops
-from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready, Regrouped
+from prefixd.backends.mlx.engine.pacing import (
+    Pacing,
+    Paused,
+    Plan,
+    Prefilled,
+    Ready,
+    Regrouped,
+    Sent,
+)
 from prefixd.backends.mlx.engine.stats import PromptStats
 
 # Called at each mark the prefill reaches: (position, is an in-message interval mark, the
@@ -59,13 +67,15 @@ class Run(Stops):
 
     def __init__(self, model: Any, cache: list[Any], prompt: list[int], start: int,
                  pacing: Pacing, should_stop: Callable[[], bool],
-                 inpass: tuple[int, ...] | None = None,
-                 passes: PassCounts | None = None,
+                 inpass: tuple[int, ...] | None = None, passes: PassCounts | None = None,
                  publish: Callable[[int], None] = lambda pos: None) -> None:
         super().__init__(model, cache, prompt, start, should_stop)
         self.pacing, self.passes, self.publish = pacing, passes or PassCounts(), publish
+        self.plan = Plan(0)   # its steps' first plan or the last sent in, read as passes start
         self.yields = 0  # how many times a prefill pass paused in the middle
-        self.logits: mx.array | None = None  # the prompt's last logits, once prefilled
+        # what its first token is drawn from, once prefilled: the prompt's last logits (and
+        # the token drawn from them, where a decode batch's pass fed that last token)
+        self.opening: Fed | None = None
         self.inpass = inpass  # the snapshotted leaves, when marks are captured inside passes
         self.tap_failure: str | None = None  # why a pass's in-pass checkpoints were not built
         self.segments: list[tuple[int, float]] = []  # (tokens, seconds) of each prefill pass
@@ -73,10 +83,18 @@ class Run(Stops):
         # a first pass of it was offered to be taken back (`_regroups`, or a shared one's)
         self.regrouped = False
 
+    def _sent(self, got: Sent) -> Fed | None:
+        """What its steps were resumed with: a new plan is kept for the passes from here on;
+        what a decode batch's pass left for it is returned (None: nothing)."""
+        if isinstance(got, Plan):
+            self.plan = got
+            return None
+        return got
+
     def release(self) -> None:
         """`Live.release`, and the prompt's last logits."""
         super().release()
-        self.logits = None
+        self.opening = None
 
     def saw(self, start: int, n: int) -> None:
         """Its last pass's hidden states at positions start..start + n to its drafter."""
@@ -121,7 +139,7 @@ class Run(Stops):
             return None
         del before     # the pass's first layer no longer keeps the buffers it wrote into
         preempt = self.pacing.preempt
-        if staged and preempt is not None and self.pacing.pausable:
+        if staged and preempt is not None and self.plan.pausable:
             leaves = snapshot.leaves(self.cache)
             for layer, leaf in enumerate(leaves[:-1]):
                 mx.eval(leaf.state)
@@ -154,8 +172,8 @@ class Run(Stops):
         self.passes.regrouped += 1
         return True
 
-    def prefill_passes(self, marks: dict[int, bool], final: int,
-                       capture: Capture) -> Generator[Prefilled | Ready | Paused, None, None]:
+    def prefill_passes(self, marks: dict[int, bool], final: int, capture: Capture,
+                       plan: Plan) -> Generator[Prefilled | Ready | Paused, Sent, None]:
         """Run prompt[pos:] through the model, ending a pass at every mark and calling
         `capture` there; the last pass runs from `final` (or from where the prefill is, if
         beyond) to the end. One forward pass per step: `Prefilled` after each pass but the
@@ -164,23 +182,23 @@ class Run(Stops):
         last token's logits in `logits` (None if should_stop() ended it). Where the last pass
         is the last token alone (no checkpoint after it), `Ready` comes first: the token waits
         as `pending`, and a decode pass may feed it as a row of its batch (its logits then
-        come from that pass, and no pass of its own runs). A pass is
-        `pacing.tokens` (read before each pass); checkpoints land at the same positions
-        whatever the pass sizes (marks inside a pass are captured in it, or the pass is cut
-        there)."""
-        n = len(self.prompt)
+        come from that pass, sent in as it resumes, and no pass of its own runs). A pass is
+        `plan.tokens` (`plan`, or the one sent in since, read before each pass); checkpoints
+        land at the same positions whatever the pass sizes (marks inside a pass are captured
+        in it, or the pass is cut there)."""
+        n, self.plan = len(self.prompt), plan
         # a mark inside a pass costs nothing where passes capture them (`inpass`): the last
         # pass is then the last token, which can ride a decode pass
         final = n - 1 if self.inpass is not None else min(max(final, self.pos), n - 1)
         cuts = [] if self.inpass is not None else sorted(p for p in marks
                                                           if self.pos < p < final)
-        self.logits = None
+        self.opening = None
         while self.pos < final:
             if self.should_stop():
                 return
             start = self.pos
-            share = self.pacing.share
-            end = min([final, self.pos + max(1, self.pacing.tokens),
+            share = self.plan.share
+            end = min([final, self.pos + max(1, self.plan.tokens),
                        *(p for p in cuts if p > self.pos),
                        *((share,) if self.pos < share < final else ())])
             # Prefill logits are never evaluated, so lm_head over the chunk is never computed.
@@ -189,24 +207,25 @@ class Run(Stops):
             if end == share:       # others wait for this prefix: stored now
                 self.publish(end)
             mx.clear_cache()
-            yield Prefilled(end - start)
+            self._sent((yield Prefilled(end - start)))
         if self.should_stop():
             return
         if self.pos == n - 1:   # its last token: in a decode pass, or alone
             self.pending, self.prompt_pending = self.prompt[-1], True
-            yield Ready()
-            if self.incoming is not None:      # a decode pass fed it (its row in the batch)
-                self.logits, self.incoming = self.incoming, None
+            fed = self._sent((yield Ready()))
+            if fed is not None:      # a decode pass fed it (its row in the batch)
+                self.opening = fed
                 if n in marks:
                     capture(n, marks[n], None)   # from its row of the batch
                 return
             self.pending, self.prompt_pending = None, False
             if self.should_stop():
                 return
-        self.logits = yield from self._pass(n, marks, capture, logits=True)
+        last = yield from self._pass(n, marks, capture, logits=True)
+        self.opening = Fed(last) if last is not None else None
 
     def _pass(self, end: int, marks: dict[int, bool], capture: Capture,
-              logits: bool = False) -> Generator[Paused, None, mx.array | None]:
+              logits: bool = False) -> Generator[Paused, Sent, mx.array | None]:
         """One prefill pass over prompt[pos:end], timed (its own time: not while it waited
         half-evaluated), then the captures of the marks it reached; with `logits`, the last
         position's logits, evaluated with the cache."""
@@ -222,7 +241,7 @@ class Run(Stops):
                 out, snaps = done.value
                 break
             own += time.perf_counter() - t0
-            yield paused
+            self._sent((yield paused))
             t0 = time.perf_counter()
         self.segments.append((end - start, own + time.perf_counter() - t0))
         self.passes.prefill(end - start)
@@ -234,30 +253,33 @@ class Run(Stops):
             capture(end, marks[end], None)
         return out
 
-    def decode(self, logits: mx.array, stats: PromptStats) -> Generator[int, None, None]:
+    def decode(self, opening: Fed, stats: PromptStats) -> Generator[int, Sent, None]:
         """Sample, yield the token, feed it: alone (a forward pass of its own, or a verify pass
         of it and a draft, `engine/spec/speculate.py`, when `spec` drafts), or, when a `Batch` fed
-        it with others' before this step resumed, from the logits it left in `incoming` (and the
-        token it drew from them in the same evaluation, `drawn`). After a verify pass the
-        tokens it accepted are yielded one per step, with no pass between them. Its sampler,
-        processors and `max_tokens` are set before its prefill (a decode pass that feeds its
-        prompt's last token draws its first token)."""
+        it with others' before this step resumed, from what that pass left for it, sent in as
+        it resumes (`Fed`: its row's logits and the token drawn from them in the same
+        evaluation, or the tokens its verify pass emits). After a verify pass the tokens it
+        accepted are yielded one per step, with no pass between them. Its sampler, processors
+        and `max_tokens` are set before its prefill (a decode pass that feeds its prompt's last
+        token draws its first token: `opening`)."""
+        fed: Fed | None = opening
         for i in range(self.max_tokens):
             t0 = time.perf_counter()
             if self.ahead:       # accepted in a verify pass (all but the last are in the cache)
                 token = self.ahead.pop(0)
                 self.pending = None if self.ahead else token
             else:
-                drawn, self.drawn = self.drawn, None
-                token = self.pending = int(drawn if drawn is not None else self.draw(logits))
+                assert fed is not None
+                token = self.pending = int(fed.drawn if fed.drawn is not None
+                                           else self.draw(fed.logits))
             if i == 0:
                 stats.first_token_s = time.perf_counter() - t0
             self.sampled = i + 1
-            yield token
+            got = self._sent((yield token))
             if self.ahead:
                 continue
-            if self.incoming is not None:      # a batch fed it
-                logits, self.incoming = self.incoming, None
+            if got is not None:      # a batch fed it
+                fed, self.ahead = got, list(got.ahead)
                 continue
             if not self.wants_feed():
                 return
@@ -274,6 +296,7 @@ class Run(Stops):
                 self.batched += len(self.ahead)
                 continue
             logits, _ = self._forward([token])
+            fed = Fed(logits)
             if self.spec is not None:
                 self.spec.config.costs.observe(1, time.perf_counter() - t0)
                 self.saw(self.pos + len(self.fed), 1)

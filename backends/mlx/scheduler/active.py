@@ -23,8 +23,18 @@ from typing import Any
 from prefixd.backends.mlx.chat.oai import ToolFormat
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.engine import Turn
+from prefixd.backends.mlx.engine.live.fed import Fed
 from prefixd.backends.mlx.engine.loading import Loaded
-from prefixd.backends.mlx.engine.pacing import Pacing, Paused, Prefilled, Ready, Regrouped
+from prefixd.backends.mlx.engine.pacing import (
+    Pacing,
+    Paused,
+    Plan,
+    Prefilled,
+    Ready,
+    Regrouped,
+    Sent,
+    resume,
+)
 from prefixd.backends.mlx.engine.restorable import digest
 from prefixd.backends.mlx.engine.run import Run
 from prefixd.backends.mlx.engine.run import Step as EngineStep
@@ -58,9 +68,9 @@ class Active:
         # A group's ranks run whole passes in lockstep (their collectives in the same order):
         # only one process pauses a pass between two layers, or takes one back (`run.Run`).
         untimed = lockstep.untimed
-        self.turn = Turn(Pacing(0, None if untimed else preempt,
-                                regroup=None if untimed else regroup))
-        self.steps: Generator[EngineStep, None, None] | None = None
+        self.turn = Turn(Pacing(None if untimed else preempt, None if untimed else regroup))
+        # its Engine steps, from its first step on (`Engine.to_end`; begun before: `begin`)
+        self.steps: Generator[EngineStep, Sent, None] | None = None
         self.n, self.finish, self.t0 = 0, "length", time.perf_counter()
 
     def remaining(self) -> int:
@@ -82,11 +92,10 @@ class Active:
 
     def step(self, decision: Decision) -> Step:
         """One forward pass, or its part up to a pause, on `decision` (journaled first: a
-        group's followers replay it). Never raises."""
-        self.turn.pacing.tokens, self.stopping = decision.tokens, decision.stop
-        self.turn.pacing.share, self.turn.pacing.pausable = decision.share, decision.pausable
+        group's followers replay it): its plan goes in with the step. Never raises."""
+        self.stopping = decision.stop
         self.lockstep.journal(encode(StepEntry(self.job.id, decision)))
-        return self.advance()
+        return self.advance(Plan(decision.tokens, decision.share, decision.pausable))
 
     def publish(self, at: int) -> int | None:
         """Store its prompt's state at `at` (its prefill is past it) from its live state, for
@@ -107,16 +116,15 @@ class Active:
     def begin(self) -> None:
         """Its turn begun, if not yet: sampling set up, its cache restored (`Engine.begin`);
         no pass runs. Raises what the restore raises."""
-        if self.steps is None and not self.stopping:
-            self.steps = self._begin()
+        if self.turn.run is None and not self.stopping:
+            self._begin()
 
     def unstarted(self) -> bool:
         """Whether it began and no pass of it ran yet, nor is half done (one taken back,
         `Regrouped`, counts as none): its prompt past what it restored can share a prefill
         pass with others' (`prefill_together`)."""
         run = self.turn.run
-        return self.steps is not None and run is not None and run.pos == run.start and \
-            not run.fed and not run.broken
+        return run is not None and run.pos == run.start and not run.fed and not run.broken
 
     def feeding(self) -> Run | None:
         """Its run, when its next step feeds the token it sampled last (a decode step that
@@ -124,11 +132,12 @@ class Active:
         run = self.turn.run
         return run if run is not None and self.steps is not None and run.wants_feed() else None
 
-    def advance(self) -> Step:
-        """Its next step (after a batch fed it, the sampling of its next token). Never
+    def advance(self, sent: Plan | Fed | None = None) -> Step:
+        """Its next step, resumed with `sent` (`pacing.Sent`: its plan, or what a decode
+        batch's pass that fed it left for it, from which it samples its next token). Never
         raises."""
         try:
-            step = self._step()
+            step = self._step(sent)
             return step if step is not None else self._result()
         except Exception as e:
             return self.fail(e)
@@ -140,11 +149,13 @@ class Active:
         self.lockstep.failed(why)
         if self.steps is not None:
             self.steps.close()  # commits what is in the KV state (never raises)
+        elif self.turn.run is not None:   # begun, no step of it ran: let go of it
+            self.loaded.engine.end(self.turn)
         _reset_random_state()
         self._let_go()
         return Failed(f"generation failed: {why}")
 
-    def _begin(self) -> Generator[EngineStep, None, None]:
+    def _begin(self) -> None:
         engine, tokenizer, job = self.loaded.engine, self.loaded.tokenizer, self.job
         s, fmt = job.sampling, self.loaded.renderer.tool_format()
         mask = None if s.constraint is None else grammar_mask(
@@ -154,23 +165,27 @@ class Active:
         stops, until = stop_strings(s, fmt)
         self.text = TextOut(job.emit, stops, tokenizer.detokenizer, until)
         self.eos = tokenizer.eos_token_ids
-        return engine.steps(job.prompt.tokens, sampler=self.tap or sampler,
-                            logits_processors=processors or None, max_tokens=job.max_tokens,
-                            boundaries=job.prompt.boundaries, should_stop=self._stopping,
-                            namespace=job.namespace, turn=self.turn)
+        engine.begin(job.prompt.tokens, sampler=self.tap or sampler,
+                     logits_processors=processors or None, max_tokens=job.max_tokens,
+                     should_stop=self._stopping, namespace=job.namespace, turn=self.turn)
 
     def _stopping(self) -> bool:
         return self.stopping
 
-    def _step(self) -> Prefilled | Ready | Paused | Decoded | None:
-        """One step of the Engine; None when the job is done."""
+    def _step(self, sent: Sent) -> Prefilled | Ready | Paused | Decoded | None:
+        """One step of the Engine, resumed with `sent`; None when the job is done."""
         if self.steps is None:
-            if self.stopping:
-                self.finish = "cancelled"
-                return None
-            self.steps = self._begin()
+            if self.turn.run is None:
+                if self.stopping:
+                    self.finish = "cancelled"
+                    return None
+                self._begin()
+            self.steps = self.loaded.engine.to_end(
+                self.turn, self.job.prompt.boundaries,
+                sent if isinstance(sent, Plan) else Plan(0))
+            sent = None   # its first step runs on that plan
         while True:   # a decode step that verified a draft yields every token it accepted
-            step = next(self.steps, None)
+            step, sent = resume(self.steps, sent), None
             if step is None:           # the generator ended (max_tokens, or should_stop)
                 return None
             if isinstance(step, Prefilled | Ready | Paused):
@@ -258,13 +273,15 @@ def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:
     for a, stop in zip(actives, stops, strict=True):
         a.stopping = stop
     fed = [(a, run) for a in actives if (run := a.feeding()) is not None]
+    left: dict[int, Fed] = {}
     if len(fed) > 1:
         try:
-            actives[0].loaded.engine.batch.step([run for _, run in fed])
+            got = actives[0].loaded.engine.batch.step([run for _, run in fed])
         except Exception as e:
             failed = {id(a) for a, _ in fed}
             return [a.fail(e) if id(a) in failed else a.advance() for a in actives]
-    return [a.advance() for a in actives]
+        left = {id(a): f for (a, _), f in zip(fed, got, strict=True)}
+    return [a.advance(left.get(id(a))) for a in actives]
 
 
 def prefill_together(actives: list[Active], stops: list[bool]) -> list[Step]:

@@ -8,16 +8,17 @@ no memory twice); out of it, its checkpoints, commit, disk tier and transfers se
 
 A step feeds every member's pending token (the one it sampled last; a newcomer's, its prompt's
 last token: its prefill ends in the batch's pass, not in one of its own) in one pass of shape
-[members, 1] and hands each member its row of logits (`Live.incoming`); each request then
-samples on its own (its sampler, processors, seed, grammar). mlx-lm's masks keep each row's
-attention to its own tokens (left padding masked), so a row's logits are those of the request
-alone up to kernel rounding (measured: identical on the tiny qwen3, qwen3_next, qwen3_5 and
-falcon_h1; within 2e-5 in log-probability on gemma3's sliding windows). A forward pass that
-raises leaves every member's state unknown: each is marked `broken` (not cached) and the batch
-is emptied. With speculative decoding, each member offers its draft and the pass's width is
-decided for all of them (`engine/spec/company.py`); a step then carries every member's draft
-up to that width (`verify`, rows padded to it), and each row goes back to its own last
-accepted token (`engine/batch/rows.py`), on every cache kind.
+[members, 1] and hands each member its row of logits (`pacing.Fed`, which its caller sends into
+the member's steps as they resume); each request then samples on its own (its sampler,
+processors, seed, grammar). mlx-lm's masks keep each row's attention to its own tokens (left
+padding masked), so a row's logits are those of the request alone up to kernel rounding
+(measured: identical on the tiny qwen3, qwen3_next, qwen3_5 and falcon_h1; within 2e-5 in
+log-probability on gemma3's sliding windows). A forward pass that raises leaves every member's
+state unknown: each is marked `broken` (not cached) and the batch is emptied. With speculative
+decoding, each member offers its draft and the pass's width is decided for all of them
+(`engine/spec/company.py`); a step then carries every member's draft up to that width (`verify`,
+rows padded to it), and each row goes back to its own last accepted token
+(`engine/batch/rows.py`), on every cache kind.
 
 Why mlx-lm's batch caches and not our own: they are the model classes' own masks and offsets
 (per-row RoPE offsets, left padding), kept in step with every model mlx-lm adds. Why prefixd's
@@ -41,6 +42,7 @@ from prefixd.backends.mlx.engine.batch.members import Members
 from prefixd.backends.mlx.engine.batch.passes import PassCounts
 from prefixd.backends.mlx.engine.inpass import tap
 from prefixd.backends.mlx.engine.inpass.captured import RowOf
+from prefixd.backends.mlx.engine.live.fed import Fed
 from prefixd.backends.mlx.engine.spec.company import BatchPace, Offer, width
 from prefixd.backends.mlx.engine.spec.row import argmax_rows
 
@@ -92,9 +94,15 @@ def _timed(members: list[Live], tokens: int, t0: float) -> float:
     return seconds
 
 
-def _draw(run: Live) -> mx.array | None:
+def _order(runs: list[Live], members: list[Live], fed: list[Fed]) -> list[Fed]:
+    """What a pass left for each of `members` (in their order), in the order of `runs`."""
+    by = {id(m): f for m, f in zip(members, fed, strict=True)}
+    return [by[id(r)] for r in runs]
+
+
+def _draw(run: Live, logits: mx.array) -> mx.array | None:
     try:
-        return run.draw(run.incoming) if run.incoming is not None else None
+        return run.draw(logits)
     except Exception:
         return None
 
@@ -111,9 +119,11 @@ class Batch(Members):
         self.ahead = launch.Worth()   # whether its next pass is launched early (`launch.py`)
         self._left: float | None = None   # when its last plain step ended
 
-    def step(self, runs: list[Live], drafts: bool = True) -> None:
-        """Feed each run's pending token in one forward pass; each run's logits for its next
-        token land in its `incoming`. Members not in `runs` leave first (their requests end).
+    def step(self, runs: list[Live], drafts: bool = True) -> list[Fed]:
+        """Feed each run's pending token in one forward pass: what it left for each run's next
+        step (in the order of `runs`; its caller sends each into that run's steps as they
+        resume): its row's logits and the token drawn from them, or what its draft's verify
+        emits. Members not in `runs` leave first (their requests end).
         With drafts (`verify`), each run's draft goes through the same pass. Raises what the
         model raises (every member is then `broken` and out of the batch). A pass launched
         for this step (`launch.py`) is this step's pass when it fed these rows these tokens and
@@ -148,8 +158,7 @@ class Batch(Members):
                 if o is not None and r.spec is not None:
                     r.spec.declined()
         if wide > 1:     # one verify pass, each row's draft up to the width the pass has
-            self.verify(members, proposed)
-            return
+            return _order(runs, members, self.verify(members, proposed))
         t0 = time.perf_counter()
         try:
             for r in members:
@@ -168,7 +177,6 @@ class Batch(Members):
                 if r.spec is not None:
                     r.spec.saw(r.pos + len(r.fed), hidden, i, 1)
                 r.fed_pending()
-                r.incoming = logits[i:i + 1]
             # each one's next token drawn in the same evaluation (one sync for the pass): the
             # greedy ones together, the others each with its own sampler; a member whose draw
             # cannot be built draws in its own step (and fails alone)
@@ -176,8 +184,8 @@ class Batch(Members):
             together = ready if ready is not None else \
                 argmax_rows(logits) if sum(plain) > 1 else None
             drawn: list[mx.array | int | None] = [
-                None if together is not None and p else _draw(r)
-                for r, p in zip(members, plain, strict=True)]
+                None if together is not None and p else _draw(r, logits[i:i + 1])
+                for i, (r, p) in enumerate(zip(members, plain, strict=True))]
             snapshot.evaluate(self.cache, logits, *drawn,
                               *((together,) if together is not None else ()))
             if ahead is None:
@@ -196,10 +204,11 @@ class Batch(Members):
             raise
         self.passes.decode(len(members))
         self.pace.observe(len(members), False, len(members), _timed(members, len(members), t0))
-        for r, d in zip(members, drawn, strict=True):
+        for r in members:
             r.batched += len(members)
-            r.drawn, r.broken = d, False
+            r.broken = False
         self._left = time.perf_counter()
+        return _order(runs, members, [Fed(logits[i:i + 1], d) for i, d in enumerate(drawn)])
 
     def _launches(self, members: list[Live], plain: list[bool], tokens: list[int]) -> bool:
         """Whether the next pass of `members`, fed `tokens`, is launched now (`launch.py`):
@@ -233,12 +242,13 @@ class Batch(Members):
         captured = next((r.spec.config.leaves for r in self.runs if r.spec is not None), ())
         return self.cache is not None and rows.verifiable(self.cache, captured)
 
-    def verify(self, members: list[Live], drafts: list[list[int]]) -> None:
+    def verify(self, members: list[Live], drafts: list[list[int]]) -> list[Fed]:
         """One pass of every member's pending token and draft (rows padded to the longest):
         each accepts its drafted tokens while they equal its own draws (`Speculation.accept`),
         yields them and its first draw that differs (`Live.ahead`); then each row goes back to
-        its last accepted token (`rows.back`). Should the tap fail, the batch goes back to
-        where it was and steps its pending tokens alone."""
+        its last accepted token (`rows.back`). What it left for each member (`step`). Should
+        the tap fail, the batch goes back to where it was and steps its pending tokens
+        alone."""
         assert self.cache is not None
         t0 = time.perf_counter()   # all of it: the pass, its captures, going back
         xs = [[cast(int, r.pending), *d] for r, d in zip(members, drafts, strict=True)]
@@ -270,21 +280,22 @@ class Batch(Members):
                      for i, (r, x) in enumerate(zip(members, xs, strict=True))]
             snapshot.evaluate(self.cache, logits, *(d for row in draws for d in row),
                               *(captured.arrays() if captured else ()))
-            kept = []
+            kept, fed = [], []
             for i, (r, x, d) in enumerate(zip(members, xs, draws, strict=True)):
                 if r.spec is not None:   # before accepting (`saw` replaces from `start` on)
                     r.spec.saw(starts[i], hidden, i, len(x))
                 spec = _drafts(r)
                 if spec is None:
                     r.fed_pending()
-                    r.incoming, r.drawn = logits[i, :1], d[0]
+                    fed.append(Fed(logits[i, :1], d[0]))
                     kept.append(1)
                     continue
-                a, r.ahead = spec.accept(r, x, d)
+                a, emitted = spec.accept(r, x, d)
+                fed.append(Fed(ahead=tuple(emitted)))
                 spec.held = a + 1
                 spec.captured = RowOf(captured, i) if captured else None
                 self.passes.drafts(len(x) - 1, a, spec.kind)
-                r.pending, r.incoming, r.drawn = None, None, None
+                r.pending = None
                 kept.append(a + 1)
             for r, k in zip(members, kept, strict=True):
                 r.batched += len(members) * k
@@ -298,3 +309,4 @@ class Batch(Members):
         self.pace.observe(len(members), True, sum(kept), _timed(members, len(members) * width, t0))
         for r in members:
             r.broken = False
+        return fed

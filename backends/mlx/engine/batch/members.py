@@ -85,7 +85,7 @@ class Members:
 
     def _break(self) -> None:
         for r in self.runs:
-            r.broken, r.batch, r.drawn = True, None, None
+            r.broken, r.batch = True, None
         self.runs, self.cache, self.launched = [], None, None
 
     def states_of(self, run: Live, kept: tuple[int, ...]) -> snapshot.Snapshot:

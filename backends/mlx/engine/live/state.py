@@ -4,9 +4,11 @@ Owns: the live cache of the running request (empty while a decode batch holds it
 far it got (`pos` prompt tokens and the `fed` generated tokens are in it), the token it feeds
 next (`pending`: the one it sampled last, or, while its prefill waits for a decode pass to
 carry it, its prompt's last token: `prompt_pending`), whether an exception left the state
-unknown (`broken`), its sampler and processors, its drafting (`spec`), and what a batch pass
-left it (`incoming` logits, the token `drawn` from them). The prefill's own state and the
-steps of a generation are `engine/run.py`'s (`Run` extends this class).
+unknown (`broken`), its sampler and processors, its drafting (`spec`), and the tokens a verify
+pass accepted that its steps have not yielded yet (`ahead`). What a batch's pass leaves for its
+next step is not kept here: the pass returns it and its caller sends it into the run's steps
+(`pacing.Fed`). The prefill's own state and the steps of a generation are `engine/run.py`'s
+(`Run` extends this class).
 """
 
 from __future__ import annotations
@@ -57,12 +59,10 @@ class Live:
         self.prompt_pending = False
         self.broken = False  # an exception hit mid-forward: the cache state is unknown
         # decoding in a batch (`engine/batch/executor.py`): the batch holds the cache (`cache`
-        # is empty), feeds `pending` with the other members' and leaves the next logits here
+        # is empty) and feeds `pending` with the other members'
         self.batch: Seat | None = None
-        self.incoming: mx.array | None = None
         self.sampled, self.max_tokens = 0, 0   # decode steps sampled, of at most max_tokens
         self.batched = 0   # the requests of each decode pass that fed it, summed
-        self.drawn: mx.array | int | None = None   # its next token, drawn in a batch's pass
         self.sampler: Callable[[mx.array], mx.array] = lambda x: x
         self.processors: list = []
         self.spec: Speculation | None = None   # drafting, when this request speculates
@@ -113,7 +113,7 @@ class Live:
         stop check), so whatever they reach waits for Python's cycle collector, which runs
         seldom in a worker that allocates few Python objects: measured, ~12 MiB of a finished
         request's KV buffers on the built-in model, GBs over a few dozen requests."""
-        self.cache, self.incoming, self.drawn = [], None, None
+        self.cache = []
         self.hidden = None
         self.stop_mark = None
         if self.spec is not None:

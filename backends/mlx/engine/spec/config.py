@@ -114,3 +114,13 @@ def spec_config(config: SpecSettings, snap_idx: tuple[int, ...], inpass: tuple[i
     return SpecConfig(longest, config.spec_ngram, inpass or (), costs, draft_model,
                       DraftCosts(costs) if drafts else None, config.spec_capture_bytes,
                       mtp), None
+
+
+def spec_info(spec: SpecConfig | None, unspeculative: str | None,
+              refused: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """What GET /v1/cache says of how the Engine speculates (its passes' counts aside)."""
+    return {"disabled_reason": unspeculative,
+            "draft_max": spec.max_draft if spec else None,
+            "draft_model": spec is not None and spec.draft_model is not None,
+            "mtp": spec is not None and spec.mtp is not None,
+            "refused": {k: dict(v) for k, v in refused.items()}}
