@@ -187,7 +187,16 @@ def test_pass_costs_use_measured_ratios_else_the_prior_shape() -> None:
     costs.observe(1, 0.05)
     costs.observe(4, 0.06)
     assert costs.ratio(4) == pytest.approx(1.2)
-    assert costs.ratio(6) == pytest.approx(1.2 + 2 * PassCosts.PRIOR_SLOPE)
+    # a length not measured yet: priced as the longest measured below it, so that it is tried
+    # (on a CPU a pass of 16 tokens can cost less than one of 12), then measured
+    assert costs.ratio(6) == pytest.approx(1.2)
+    costs.observe(6, 0.08)
+    assert costs.ratio(6) == pytest.approx(1.6)
+    assert costs.ratio(5) == pytest.approx(1.2)
+    # a decode batch's verify pass is not tried on hope: the prior's slope above its plain
+    # step (2 rows, 2 tokens: a 2-token pass on the prior), 2 tokens more
+    costs.observe(2, 0.12, rows=2)
+    assert costs.ratio(4, rows=2) == pytest.approx(1 + 3 * PassCosts.PRIOR_SLOPE)
     costs.observe(2, 0.01)            # a pass is never cheaper than a one-token pass
     assert costs.ratio(2) == 1.0
     # no one-token pass measured (every step drafted): its cost estimated through the prior
