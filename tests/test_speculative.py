@@ -143,6 +143,24 @@ def test_a_request_whose_drafts_fail_drafts_rarely_and_one_that_copies_drafts_lo
     assert mixed.length(2) == 0
 
 
+def test_a_copy_rejected_alone_drafts_again_at_once_sized_by_its_lowered_acceptance() -> None:
+    """Verified by a request alone, a copy none of whose drafted tokens were accepted (a line
+    break the reply moved) does not wait: the next position drafts again, shorter, its
+    acceptance lowered; a batch member's, or a model drafter's, waits as before."""
+    costs = PassCosts(timed=False)
+    alone = Pace(8, costs)
+    first = alone.length(17)
+    alone.update(17, first, 0, alone=True)
+    again = alone.length(17)
+    assert 0 < again < first
+    for reach, company in ((17, True), (Pace.MODEL, False)):
+        waits = Pace(8, costs)
+        k = waits.length(reach)
+        assert k > 0
+        waits.update(reach, k, 0, alone=not company)
+        assert waits.length(reach) == 0
+
+
 def test_a_draft_its_batch_declines_probes_ever_more_rarely_even_where_probes_are_accepted(
         ) -> None:
     """A decline is the batch's cost deciding: the member's drafts of that reach wait 1, 2,

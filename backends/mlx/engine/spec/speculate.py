@@ -146,7 +146,7 @@ class Speculation:
         draws = self.draws(run, x, logits)
         snapshot.evaluate(run.cache, logits, *draws, *(captured.arrays() if captured else ()))
         run.broken = False
-        a, emitted = self.accept(run, x, draws)
+        a, emitted = self.accept(run, x, draws, alone=True)
         if recorder is not None and recorder.failed and a + 1 < n:
             self._refeed(run, before, x[:a + 1], n)
             hidden = self.config.taken()
@@ -167,7 +167,8 @@ class Speculation:
         history = run.prompt + run.fed
         return [run.draw(logits[i:i + 1], history + x[:i + 1]) for i in range(len(x))]
 
-    def accept(self, run: Row, x: list[int], draws: list[mx.array]) -> tuple[int, list[int]]:
+    def accept(self, run: Row, x: list[int], draws: list[mx.array],
+               alone: bool = False) -> tuple[int, list[int]]:
         """The drafted tokens of `x` (after its first) that equal the draws (evaluated):
         how many, and the tokens the run yields (those, then the first draw that differs or
         the one after them); the sampler's unused draws undone, the counts and pace updated,
@@ -182,7 +183,7 @@ class Speculation:
             _rewind(proc, len(x) - (a + 1))
         self.drafted, self.accepted, self.passes = (self.drafted + len(draft),
                                                     self.accepted + a, self.passes + 1)
-        self.source.update(self.reach, len(draft), a)
+        self.source.update(self.reach, len(draft), a, alone)
         if self.source is self.model_pace:   # counted once verified (a batch may cut it)
             self.model_drafted += len(draft)
             self.model_accepted += a
