@@ -118,10 +118,11 @@ WRITER = textwrap.dedent("""
     for i in range(10_000):
         rng = random.Random(i)
         prompt = [rng.randrange(1, 1000) for _ in range(900)]
-        steps = engine.steps(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=2,
-                             turn=Turn(Pacing()), plan=Plan(64))
-        for _ in steps:
+        turn = Turn(Pacing())
+        engine.begin(prompt, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=2, turn=turn)
+        for _ in engine.steps_of(turn, (), Plan(64)):
             pass
+        engine.end(turn)
         engine.persist()
         print("wrote", i, flush=True)
 """)

@@ -153,30 +153,6 @@ class Engine(Restoring, Checkpointing):
         return snapshot.quantize_kv(cache, *self._kv) if self._kv else cache
 
     # --- generation --------------------------------------------------------------------------
-    def steps(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
-              logits_processors: list | None = None, max_tokens: int,
-              boundaries: Sequence[int] = (), should_stop: Callable[[], bool] = lambda: False,
-              namespace: str = "", turn: Turn, plan: Plan | None = None
-              ) -> Generator[Step, Sent, None]:
-        """A request's whole turn: `begin` (now), its passes (`steps_of`), and, on every exit
-        (its end, or the caller closing the generator), `end`. Each step is resumed with what
-        it runs on (`pacing.Sent`: a new `Plan`, what a decode batch's pass left for it, or
-        nothing: the last plan stands); `plan` is the first (default: passes of a whole
-        `prefill_chunk`, a request alone). When the engine speculates it may decode by drafts
-        verified in one pass (`engine/spec/speculate.py`)."""
-        self.begin(prompt, sampler=sampler, logits_processors=logits_processors,
-                   max_tokens=max_tokens, should_stop=should_stop, namespace=namespace,
-                   turn=turn)
-        return self.to_end(turn, boundaries, plan or Plan(self.config.prefill_chunk))
-
-    def to_end(self, turn: Turn, boundaries: Sequence[int], plan: Plan
-               ) -> Generator[Step, Sent, None]:
-        """A begun turn's passes (`steps_of`, the first on `plan`), then `end` on any exit."""
-        try:
-            yield from self.steps_of(turn, boundaries, plan)
-        finally:
-            self.end(turn)
-
     def begin(self, prompt: list[int], *, sampler: Callable[[mx.array], mx.array],
               logits_processors: list | None = None, max_tokens: int,
               should_stop: Callable[[], bool] = lambda: False, namespace: str = "",
@@ -203,12 +179,14 @@ class Engine(Restoring, Checkpointing):
 
     def steps_of(self, turn: Turn, boundaries: Sequence[int], plan: Plan
                  ) -> Generator[Step, Sent, None]:
-        """The forward passes of a begun turn, one per step (`run.Step`): `Prefilled` after
-        each prefill pass but the last (checkpoints taken at the plan's marks), `Paused` inside
-        one, `Ready` before its prompt's last token, then the token of each decode step, up
-        to `max_tokens`. Each pass's size is `plan`'s, or that of the `Plan` sent in since.
+        """The forward passes of a turn `begin` began, one per step (`run.Step`): `Prefilled`
+        after each prefill pass but the last (checkpoints taken at the plan's marks), `Paused`
+        inside one, `Ready` before its prompt's last token, then the token of each decode step,
+        up to `max_tokens`. Each pass's size is `plan`'s, or that of the `Plan` sent in since.
         Stops early when `should_stop()` is true between passes. `turn.stats` gets the cached
-        and recomputed tokens once the prefill ended."""
+        and recomputed tokens once the prefill ended. The restore and the commit are not
+        steps: its caller calls `end` once they are over, on any exit (the generator ended,
+        closed or failed)."""
         run, stats, entry = turn.run, turn.stats, turn.entry
         assert run is not None and stats is not None
 

@@ -1,6 +1,6 @@
 """The typed steps of a generation and what paces them: pure, no mlx.
 
-A step of `Engine.steps` is one forward pass: `Prefilled` (a prefill pass ended), `Paused` (a
+A step of `Engine.steps_of` is one forward pass: `Prefilled` (a prefill pass ended), `Paused` (a
 prefill pass stopped between two layers; the next step resumes it; `Regrouped`: a first pass
 taken back, to run with company), or the token a decode step sampled. Each step goes in with
 what it runs on, sent into the generator as it resumes: the scheduler's `Plan` for a pass of
@@ -57,7 +57,7 @@ class Plan:
     the size in tokens of its next prefill pass, a prompt position other requests wait for
     (`share`: a pass ends there and the state is published; 0: none), and whether that pass
     may pause between two layers for a newcomer. It goes in with the step: sent into the
-    request's steps as they resume (`Engine.steps`; a resume with nothing sent keeps the last
+    request's steps as they resume (`Engine.steps_of`; a resume with nothing sent keeps the last
     plan), read as each pass starts."""
 
     tokens: int

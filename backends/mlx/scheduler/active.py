@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
-from prefixd.backends.mlx.chat.oai import ToolFormat
-from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.engine.engine import Turn
 from prefixd.backends.mlx.engine.live.fed import Fed
 from prefixd.backends.mlx.engine.loading import Loaded
@@ -49,7 +47,12 @@ from prefixd.backends.mlx.scheduler.journal import (
     StepEntry,
     encode,
 )
-from prefixd.backends.mlx.scheduler.output import LogprobTap, TextOut, sampling_functions
+from prefixd.backends.mlx.scheduler.output import (
+    LogprobTap,
+    TextOut,
+    sampling_functions,
+    stop_strings,
+)
 from prefixd.backends.mlx.scheduler.policy.steps import Decision, Decoded, Step
 from prefixd.metrics import worker as metrics
 
@@ -69,7 +72,7 @@ class Active:
         # only one process pauses a pass between two layers, or takes one back (`run.Run`).
         untimed = lockstep.untimed
         self.turn = Turn(Pacing(None if untimed else preempt, None if untimed else regroup))
-        # its Engine steps, from its first step on (`Engine.to_end`; begun before: `begin`)
+        # its Engine steps, from its first step on (`Engine.steps_of`; begun before: `begin`)
         self.steps: Generator[EngineStep, Sent, None] | None = None
         self.n, self.finish, self.t0 = 0, "length", time.perf_counter()
 
@@ -147,13 +150,18 @@ class Active:
         log.exception("worker: generation failed", exc_info=e)
         why = f"{type(e).__name__}: {e}"
         self.lockstep.failed(why)
-        if self.steps is not None:
-            self.steps.close()  # commits what is in the KV state (never raises)
-        elif self.turn.run is not None:   # begun, no step of it ran: let go of it
-            self.loaded.engine.end(self.turn)
+        self._end()
         _reset_random_state()
         self._let_go()
         return Failed(f"generation failed: {why}")
+
+    def _end(self) -> None:
+        """Its steps over (ended, or closed here) and its turn ended: what its live cache
+        holds committed, its arrays let go (`Engine.end`: once; never raises)."""
+        if self.steps is not None:
+            self.steps.close()
+        if self.turn.run is not None:
+            self.loaded.engine.end(self.turn)
 
     def _begin(self) -> None:
         engine, tokenizer, job = self.loaded.engine, self.loaded.tokenizer, self.job
@@ -180,7 +188,7 @@ class Active:
                     self.finish = "cancelled"
                     return None
                 self._begin()
-            self.steps = self.loaded.engine.to_end(
+            self.steps = self.loaded.engine.steps_of(
                 self.turn, self.job.prompt.boundaries,
                 sent if isinstance(sent, Plan) else Plan(0))
             sent = None   # its first step runs on that plan
@@ -215,7 +223,7 @@ class Active:
         job = self.job
         if self.steps is None:     # cancelled before it started
             return Finished("cancelled", 0, 0)
-        self.steps.close()  # the Engine commits what is in the KV state on any exit
+        self._end()
         if self.stopping:
             self.finish = "cancelled"
         else:
@@ -249,18 +257,6 @@ class Active:
         which seldom runs in a worker; an entry the store has since evicted or merged would
         hold its whole KV there (measured: ~12 MiB a request on the built-in model)."""
         self.turn.entry = None
-
-
-def stop_strings(s: Sampling, fmt: ToolFormat) -> tuple[tuple[str, ...], str | None]:
-    """The stop strings a reply is cut at, and where they stop applying: a reply that is all
-    structure (a `response_format` schema, a required or named tool call) has none; with tools
-    a model may call, they apply to the text before its first call's opening marker. A stop
-    string cutting a call or a schema's JSON would send markup as text, or JSON that does not
-    parse, as a finished answer."""
-    c = s.constraint
-    if c is not None and (c.schema is not None or (c.tools and c.required)):
-        return (), None
-    return s.stop, fmt.start if c is not None and c.tools else None
 
 
 def step_batch(actives: list[Active], stops: list[bool]) -> list[Step]:

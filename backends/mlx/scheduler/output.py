@@ -1,6 +1,6 @@
 """From sampled token ids to what the client gets: text deltas (detokenized, cut at stop
-strings) and the log-probabilities of the tokens behind each delta. Runs on the generation
-thread; the mlx sampler and logits processors are built here too.
+strings, `stop_strings`) and the log-probabilities of the tokens behind each delta. Runs on the
+generation thread; the mlx sampler and logits processors are built here too.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from prefixd.backends.mlx.chat.logprobs import TokenLogprob
+from prefixd.backends.mlx.chat.oai import ToolFormat
 from prefixd.backends.mlx.chat.request import Sampling
 from prefixd.backends.mlx.chat.stops import StopMatcher
 
@@ -166,3 +167,15 @@ class TextOut:
         if text or (last and self._logprobs):
             self.emit(Delta(text, tuple(self._logprobs)))
             self._logprobs = []
+
+
+def stop_strings(s: Sampling, fmt: ToolFormat) -> tuple[tuple[str, ...], str | None]:
+    """The stop strings a reply is cut at, and where they stop applying: a reply that is all
+    structure (a `response_format` schema, a required or named tool call) has none; with tools
+    a model may call, they apply to the text before its first call's opening marker. A stop
+    string cutting a call or a schema's JSON would send markup as text, or JSON that does not
+    parse, as a finished answer."""
+    c = s.constraint
+    if c is not None and (c.schema is not None or (c.tools and c.required)):
+        return (), None
+    return s.stop, fmt.start if c is not None and c.tools else None
