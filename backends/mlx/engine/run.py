@@ -11,7 +11,7 @@ The steps are typed: a prefill pass yields `Prefilled` when it ends, `Paused(lay
 stops between two layers, a decode step the token it sampled. Each step goes in with what it
 runs on, sent into the generator as it resumes (`_sent`): the `Plan` that sizes its passes (the
 scheduler decides it, `scheduler/policy/schedule.py`; nothing here sizes passes but the marks
-that cut them), or what a decode batch's pass left for it (`pacing.Fed`).
+that cut them), or what a decode batch's pass left for it (`live.fed.Fed`).
 
 A prefill pass can pause in the middle (`pacing.preempt`, from the worker's scheduler): its
 graph is built whole, then evaluated a layer at a time (the cache leaves in layer order), and

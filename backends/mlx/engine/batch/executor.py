@@ -8,7 +8,7 @@ no memory twice); out of it, its checkpoints, commit, disk tier and transfers se
 
 A step feeds every member's pending token (the one it sampled last; a newcomer's, its prompt's
 last token: its prefill ends in the batch's pass, not in one of its own) in one pass of shape
-[members, 1] and hands each member its row of logits (`pacing.Fed`, which its caller sends into
+[members, 1] and hands each member its row of logits (`live.fed.Fed`, which its caller sends into
 the member's steps as they resume); each request then samples on its own (its sampler,
 processors, seed, grammar). mlx-lm's masks keep each row's attention to its own tokens (left
 padding masked), so a row's logits are those of the request alone up to kernel rounding

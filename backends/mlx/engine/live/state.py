@@ -7,7 +7,7 @@ carry it, its prompt's last token: `prompt_pending`), whether an exception left 
 unknown (`broken`), its sampler and processors, its drafting (`spec`), and the tokens a verify
 pass accepted that its steps have not yielded yet (`ahead`). What a batch's pass leaves for its
 next step is not kept here: the pass returns it and its caller sends it into the run's steps
-(`pacing.Fed`). The prefill's own state and the steps of a generation are `engine/run.py`'s
+(`live.fed.Fed`). The prefill's own state and the steps of a generation are `engine/run.py`'s
 (`Run` extends this class).
 """
 
